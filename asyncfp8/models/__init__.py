@@ -1,0 +1,18 @@
+"""Models: the locally made tiny Qwen2 models and helpers to load HF model directories."""
+
+from .loading import check_model_dir, load_model, load_tokenizer
+
+_TINY_NAMES = ("SIZES", "ModelSpec", "WarmStart", "make_tiny_model", "read_metadata")
+
+
+def __getattr__(name: str):
+    # Imported on first use, so `python -m asyncfp8.models.tiny` does not import the
+    # module twice (once as a package member, once as __main__).
+    if name in _TINY_NAMES:
+        from . import tiny
+
+        return getattr(tiny, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["check_model_dir", "load_model", "load_tokenizer", *_TINY_NAMES]

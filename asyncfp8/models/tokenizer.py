@@ -1,0 +1,36 @@
+"""A byte-level tokenizer with no merges: one token per byte, nothing to download.
+
+It is a genuine `Qwen2Tokenizer` (Qwen2's pre-tokenizer regex and byte-level BPE),
+only with an empty merge list, so every ASCII character, digit included, is one
+token. Being the tokenizer class that transformers' `AutoTokenizer` and vLLM pick for
+a Qwen2 model, it loads back exactly as it was saved; a custom tokenizer class would
+be silently replaced by Qwen2's on load. Numbers are sequences of digit tokens, which
+a tiny model learns arithmetic on easily.
+"""
+
+from __future__ import annotations
+
+from transformers import Qwen2Tokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+BYTE_VOCAB_SIZE = 256
+
+
+def byte_vocab() -> dict[str, int]:
+    """Byte-level symbol -> id, in byte order (the id of a byte is its value)."""
+    symbols = bytes_to_unicode()
+    return {symbols[b]: b for b in range(BYTE_VOCAB_SIZE)}
+
+
+def build_byte_tokenizer() -> Qwen2Tokenizer:
+    vocab = byte_vocab()
+    vocab[EOS_TOKEN] = BYTE_VOCAB_SIZE
+    vocab[PAD_TOKEN] = BYTE_VOCAB_SIZE + 1
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab, merges=[], eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=EOS_TOKEN
+    )
+    # Decoder-only generation pads on the left so every prompt ends where sampling starts.
+    tokenizer.padding_side = "left"
+    return tokenizer

