@@ -13,8 +13,28 @@ import json
 import random
 from pathlib import Path
 
-NAMES = ["Ava", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jonas",
-         "Kemi", "Liam", "Maya", "Noah", "Olga", "Pablo", "Quinn", "Rosa", "Sami", "Tara"]
+NAMES = [
+    "Ava",
+    "Ben",
+    "Chloe",
+    "Dev",
+    "Elena",
+    "Farid",
+    "Grace",
+    "Hiro",
+    "Ines",
+    "Jonas",
+    "Kemi",
+    "Liam",
+    "Maya",
+    "Noah",
+    "Olga",
+    "Pablo",
+    "Quinn",
+    "Rosa",
+    "Sami",
+    "Tara",
+]
 ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "stamps", "shells"]
 
 
@@ -27,11 +47,15 @@ def buy_and_give(rng):
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     boxes, per_box, given = rng.randint(2, 9), rng.randint(3, 12), rng.randint(1, 10)
     total = boxes * per_box
-    q = (f"{name} buys {boxes} boxes of {item} with {per_box} {item} in each box. "
-         f"{name} gives {given} {item} to a friend. How many {item} does {name} have left?")
-    a = (f"{name} buys {boxes}*{per_box}=<<{boxes}*{per_box}={total}>>{total} {item}.\n"
-         f"After giving some away, {name} has {total}-{given}=<<{total}-{given}={total - given}>>{total - given} {item}.\n"
-         f"#### {total - given}")
+    q = (
+        f"{name} buys {boxes} boxes of {item} with {per_box} {item} in each box. "
+        f"{name} gives {given} {item} to a friend. How many {item} does {name} have left?"
+    )
+    a = (
+        f"{name} buys {boxes}*{per_box}=<<{boxes}*{per_box}={total}>>{total} {item}.\n"
+        f"After giving some away, {name} has {total}-{given}=<<{total}-{given}={total - given}>>{total - given} {item}.\n"
+        f"#### {total - given}"
+    )
     return q, a
 
 
@@ -40,8 +64,10 @@ def hourly_wage(rng):
     rate, hours, days = rng.randint(9, 40), rng.randint(2, 8), rng.randint(3, 6)
     daily, total = rate * hours, rate * hours * days
     q = f"{name} earns ${rate} an hour and works {hours} hours a day for {days} days. How much does {name} earn?"
-    a = (f"Each day {name} earns {rate}*{hours}=$<<{rate}*{hours}={daily}>>{daily}.\n"
-         f"Over {days} days that is {daily}*{days}=$<<{daily}*{days}={total}>>{total}.\n#### {total}")
+    a = (
+        f"Each day {name} earns {rate}*{hours}=$<<{rate}*{hours}={daily}>>{daily}.\n"
+        f"Over {days} days that is {daily}*{days}=$<<{daily}*{days}={total}>>{total}.\n#### {total}"
+    )
     return q, a
 
 
@@ -49,10 +75,14 @@ def big_population(rng):
     town = rng.choice(["Millbrook", "Eastport", "Cedar Falls", "Rivertown"])
     start, growth, years = rng.randint(12, 95) * 1000, rng.randint(150, 900), rng.randint(2, 9)
     added, final = growth * years, start + growth * years
-    q = (f"{town} has {start:,} residents. Its population grows by {growth} people every year. "
-         f"How many residents will it have after {years} years?")
-    a = (f"The town gains {growth}*{years}=<<{growth}*{years}={added}>>{added} people.\n"
-         f"So it will have {start}+{added}=<<{start}+{added}={final}>>{final} residents.\n#### {final:,}")
+    q = (
+        f"{town} has {start:,} residents. Its population grows by {growth} people every year. "
+        f"How many residents will it have after {years} years?"
+    )
+    a = (
+        f"The town gains {growth}*{years}=<<{growth}*{years}={added}>>{added} people.\n"
+        f"So it will have {start}+{added}=<<{start}+{added}={final}>>{final} residents.\n#### {final:,}"
+    )
     return q, a
 
 
@@ -64,8 +94,10 @@ def money_change(rng):
         paid = 100
     change = round(paid - cost, 2)
     q = f"{name} buys {count} notebooks at ${fmt(price)} each and pays with a ${paid} bill. How much change does {name} get?"
-    a = (f"The notebooks cost {count}*{fmt(price)}=$<<{count}*{fmt(price)}={fmt(cost)}>>{fmt(cost)}.\n"
-         f"The change is {paid}-{fmt(cost)}=$<<{paid}-{fmt(cost)}={fmt(change)}>>{fmt(change)}.\n#### {fmt(change)}")
+    a = (
+        f"The notebooks cost {count}*{fmt(price)}=$<<{count}*{fmt(price)}={fmt(cost)}>>{fmt(cost)}.\n"
+        f"The change is {paid}-{fmt(cost)}=$<<{paid}-{fmt(cost)}={fmt(change)}>>{fmt(change)}.\n#### {fmt(change)}"
+    )
     return q, a
 
 
@@ -73,21 +105,29 @@ def share_equally(rng):
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     friends, each = rng.randint(2, 8), rng.randint(2, 15)
     total, kept = friends * each, rng.randint(0, 9)
-    q = (f"{name} had some {item}, kept {kept} and shared the rest equally among {friends} friends. "
-         f"Each friend got {each} {item}. How many {item} did {name} have at first?")
-    a = (f"The friends got {friends}*{each}=<<{friends}*{each}={total}>>{total} {item}.\n"
-         f"With the ones kept, {name} had {total}+{kept}=<<{total}+{kept}={total + kept}>>{total + kept}.\n"
-         f"#### {total + kept}")
+    q = (
+        f"{name} had some {item}, kept {kept} and shared the rest equally among {friends} friends. "
+        f"Each friend got {each} {item}. How many {item} did {name} have at first?"
+    )
+    a = (
+        f"The friends got {friends}*{each}=<<{friends}*{each}={total}>>{total} {item}.\n"
+        f"With the ones kept, {name} had {total}+{kept}=<<{total}+{kept}={total + kept}>>{total + kept}.\n"
+        f"#### {total + kept}"
+    )
     return q, a
 
 
 def temperature_drop(rng):
     start, drop, hours = rng.randint(-5, 12), rng.randint(2, 5), rng.randint(3, 8)
     fallen, final = drop * hours, start - drop * hours
-    q = (f"At midnight the temperature was {start} degrees. It fell {drop} degrees every hour for "
-         f"{hours} hours. What was the temperature then?")
-    a = (f"It fell {drop}*{hours}=<<{drop}*{hours}={fallen}>>{fallen} degrees.\n"
-         f"So it was {start}-{fallen}=<<{start}-{fallen}={final}>>{final} degrees.\n#### {final}")
+    q = (
+        f"At midnight the temperature was {start} degrees. It fell {drop} degrees every hour for "
+        f"{hours} hours. What was the temperature then?"
+    )
+    a = (
+        f"It fell {drop}*{hours}=<<{drop}*{hours}={fallen}>>{fallen} degrees.\n"
+        f"So it was {start}-{fallen}=<<{start}-{fallen}={final}>>{final} degrees.\n#### {final}"
+    )
     return q, a
 
 
@@ -96,8 +136,10 @@ def percent_discount(rng):
     price, percent = rng.randint(4, 60) * 5, rng.choice([10, 20, 25, 50])
     off = price * percent // 100
     q = f"A jacket costs ${price}. {name} gets a {percent}% discount. How much does {name} pay?"
-    a = (f"The discount is {price}*{percent}/100=$<<{price}*{percent}/100={off}>>{off}.\n"
-         f"{name} pays {price}-{off}=$<<{price}-{off}={price - off}>>{price - off}.\n#### {price - off}")
+    a = (
+        f"The discount is {price}*{percent}/100=$<<{price}*{percent}/100={off}>>{off}.\n"
+        f"{name} pays {price}-{off}=$<<{price}-{off}={price - off}>>{price - off}.\n#### {price - off}"
+    )
     return q, a
 
 
@@ -105,15 +147,25 @@ def legs_on_farm(rng):
     chickens, cows = rng.randint(3, 40), rng.randint(2, 25)
     q = f"A farm has {chickens} chickens and {cows} cows. How many legs do the animals have in total?"
     chicken_legs, cow_legs = chickens * 2, cows * 4
-    a = (f"The chickens have {chickens}*2=<<{chickens}*2={chicken_legs}>>{chicken_legs} legs.\n"
-         f"The cows have {cows}*4=<<{cows}*4={cow_legs}>>{cow_legs} legs.\n"
-         f"In total {chicken_legs}+{cow_legs}=<<{chicken_legs}+{cow_legs}={chicken_legs + cow_legs}>>"
-         f"{chicken_legs + cow_legs} legs.\n#### {chicken_legs + cow_legs}")
+    a = (
+        f"The chickens have {chickens}*2=<<{chickens}*2={chicken_legs}>>{chicken_legs} legs.\n"
+        f"The cows have {cows}*4=<<{cows}*4={cow_legs}>>{cow_legs} legs.\n"
+        f"In total {chicken_legs}+{cow_legs}=<<{chicken_legs}+{cow_legs}={chicken_legs + cow_legs}>>"
+        f"{chicken_legs + cow_legs} legs.\n#### {chicken_legs + cow_legs}"
+    )
     return q, a
 
 
-TEMPLATES = [buy_and_give, hourly_wage, big_population, money_change, share_equally,
-             temperature_drop, percent_discount, legs_on_farm]
+TEMPLATES = [
+    buy_and_give,
+    hourly_wage,
+    big_population,
+    money_change,
+    share_equally,
+    temperature_drop,
+    percent_discount,
+    legs_on_farm,
+]
 
 
 def main() -> None:

@@ -8,11 +8,18 @@ cd "$(dirname "$0")/.."
 extras=$(IFS=,; echo "$*")
 venv=${ASYNCFP8_VENV:-.venv}
 python=${PYTHON:-python3}
+# The stamp holds the hash of the install inputs and the extras installed from them;
+# a request for a subset of those extras is already satisfied.
 stamp="$venv/.asyncfp8-installed"
-want="$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16) [$extras]"
-
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
+inputs_hash=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+installed=""
+if [ -f "$stamp" ] && [ "$(head -n1 "$stamp")" = "$inputs_hash" ]; then
+  installed=$(sed -n 2p "$stamp")
+  missing=0
+  for extra in "$@"; do
+    case " $installed " in *" $extra "*) ;; *) missing=1 ;; esac
+  done
+  [ "$missing" = 1 ] || exit 0
 fi
 
 if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
@@ -46,4 +53,4 @@ import torch, transformers
 assert torch.__version__.startswith("2.13.0"), f"torch moved to {torch.__version__}"
 print(f"[setup] torch {torch.__version__}, transformers {transformers.__version__}: ok")
 PY
-echo "$want" > "$stamp"
+printf '%s\n%s\n' "$inputs_hash" "$(echo $installed "$@" | tr ' ' '\n' | sort -u | xargs)" > "$stamp"

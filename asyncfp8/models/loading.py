@@ -17,7 +17,9 @@ def check_model_dir(path: str | Path) -> Path:
     if not model_dir.exists():
         raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist; {MAKE_ONE}")
     if not model_dir.is_dir():
-        raise NotADirectoryError(f"model path {str(model_dir)!r} is a file; expected an HF model directory")
+        raise NotADirectoryError(
+            f"model path {str(model_dir)!r} is a file; expected an HF model directory"
+        )
     config = model_dir / "config.json"
     if not config.is_file():
         raise FileNotFoundError(
@@ -29,8 +31,13 @@ def check_model_dir(path: str | Path) -> Path:
     except json.JSONDecodeError as err:
         raise ValueError(f"{config}: not valid JSON ({err.msg}, line {err.lineno})") from None
     if not any(model_dir.glob("*.safetensors")) and not any(model_dir.glob("*.bin")):
-        raise FileNotFoundError(f"{str(model_dir)!r} has a config.json but no weights (*.safetensors)")
-    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(
+            f"{str(model_dir)!r} has a config.json but no weights (*.safetensors)"
+        )
+    if (
+        not (model_dir / "tokenizer.json").is_file()
+        and not (model_dir / "tokenizer_config.json").is_file()
+    ):
         raise FileNotFoundError(f"{str(model_dir)!r} has no tokenizer (tokenizer.json)")
     return model_dir
 
@@ -48,3 +55,13 @@ def load_tokenizer(path: str | Path):
     tokenizer = AutoTokenizer.from_pretrained(check_model_dir(path), local_files_only=True)
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def resolve_model_dir(path: str | None, size: str = "tiny", seed: int = 0) -> Path:
+    """The model a run uses: `path` when given (checked), else the locally made tiny
+    model of that size and seed (built on first use, then cached)."""
+    if path:
+        return check_model_dir(path)
+    from .tiny import make_tiny_model
+
+    return make_tiny_model(size, seed=seed)

@@ -40,7 +40,9 @@ def sample_completions(
     completions: list[str] = []
     try:
         for start in range(0, len(prompts), batch_size):
-            batch = tokenizer(list(prompts[start : start + batch_size]), return_tensors="pt", padding=True)
+            batch = tokenizer(
+                list(prompts[start : start + batch_size]), return_tensors="pt", padding=True
+            )
             output = model.generate(**batch, generation_config=config)
             new_tokens = output[:, batch["input_ids"].shape[1] :]
             completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)

@@ -55,12 +55,22 @@ class ModelSpec:
 
 SIZES: dict[str, ModelSpec] = {
     # For tests: builds and warm-starts in seconds.
-    "tiny": ModelSpec(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1),
+    "tiny": ModelSpec(
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ),
     # For the demo. hidden 128 fills FP8's 128x128 blocks exactly (q_proj is one full
     # block); intermediate 352 = 2.75 blocks and k/v_proj's 64 rows exercise padding.
-    "small": ModelSpec(hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2),
+    "small": ModelSpec(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
 }
 
 
@@ -86,8 +96,10 @@ def default_cache_dir() -> Path:
 
 
 def fingerprint(spec: ModelSpec, recipe: WarmStart, seed: int) -> str:
-    blob = json.dumps({"spec": asdict(spec), "recipe": asdict(recipe), "seed": seed,
-                       "version": RECIPE_VERSION}, sort_keys=True)
+    blob = json.dumps(
+        {"spec": asdict(spec), "recipe": asdict(recipe), "seed": seed, "version": RECIPE_VERSION},
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -117,7 +129,9 @@ def build_model(spec: ModelSpec, tokenizer, seed: int):
     return Qwen2ForCausalLM(config)
 
 
-def supervised_batch(tokenizer, task: ArithmeticTask, prompts: list[Prompt]) -> dict[str, torch.Tensor]:
+def supervised_batch(
+    tokenizer, task: ArithmeticTask, prompts: list[Prompt]
+) -> dict[str, torch.Tensor]:
     """Prompt + reference completion + eos, right-padded; loss only on the completion."""
     rows, labels = [], []
     for prompt in prompts:
@@ -142,7 +156,9 @@ def warm_start(model, tokenizer, recipe: WarmStart, seed: int, progress: bool = 
     check_prompts = [check_task.prompt(i) for i in range(recipe.check_prompts)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.0)
     step, reward, history = 0, 0.0, []
-    bar = tqdm(total=recipe.max_steps, desc="warm-start", disable=None if progress else True, leave=False)
+    bar = tqdm(
+        total=recipe.max_steps, desc="warm-start", disable=None if progress else True, leave=False
+    )
     model.train()
     while reward < recipe.stop_at_reward:
         if step >= recipe.max_steps:
@@ -154,15 +170,20 @@ def warm_start(model, tokenizer, recipe: WarmStart, seed: int, progress: bool = 
         saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()), step)
         for _ in range(recipe.steps_per_check):
             start = step * recipe.batch_size
-            batch = supervised_batch(tokenizer, train_task,
-                                     [train_task.prompt(start + i) for i in range(recipe.batch_size)])
+            batch = supervised_batch(
+                tokenizer,
+                train_task,
+                [train_task.prompt(start + i) for i in range(recipe.batch_size)],
+            )
             loss = model(**batch).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             step += 1
             bar.update(1)
-        reward = mean_reward(model, tokenizer, check_task, check_prompts, recipe.max_new_tokens, seed=seed)
+        reward = mean_reward(
+            model, tokenizer, check_task, check_prompts, recipe.max_new_tokens, seed=seed
+        )
         history.append({"step": step, "loss": round(loss.item(), 4), "reward": reward})
         bar.set_postfix(loss=f"{loss.item():.3f}", reward=f"{reward:.3f}")
         if reward > recipe.overshoot_reward:
@@ -204,12 +225,15 @@ def make_tiny_model(
     out = Path(out_dir) if out_dir else default_cache_dir() / f"{size}-seed{seed}-{key}"
     out = out.expanduser().resolve()
 
-    with _exclusive(out.with_name(out.name + ".lock")):
+    lock_name = hashlib.sha256(str(out).encode()).hexdigest()[:16] + ".lock"
+    with _exclusive(default_cache_dir() / "locks" / lock_name):
         existing = read_metadata(out)
         if existing and existing.get("fingerprint") == key and not force:
             return out
         if out.exists() and any(out.iterdir()) and existing is None:
-            raise FileExistsError(f"{out} exists and is not an asyncfp8 tiny model; refusing to overwrite it")
+            raise FileExistsError(
+                f"{out} exists and is not an asyncfp8 tiny model; refusing to overwrite it"
+            )
 
         started = time.perf_counter()
         tokenizer = build_byte_tokenizer()
@@ -225,7 +249,9 @@ def make_tiny_model(
             final_reward = measure_saved_model(staging, recipe, seed)
             low, high = REWARD_WINDOW
             if not low <= final_reward <= high:
-                raise RuntimeError(f"warm-started model scores {final_reward:.3f}, outside [{low}, {high}]")
+                raise RuntimeError(
+                    f"warm-started model scores {final_reward:.3f}, outside [{low}, {high}]"
+                )
             metadata = {
                 "fingerprint": key,
                 "size": size,
@@ -263,18 +289,24 @@ def main(argv: list[str] | None = None) -> None:
         description="Write a warm-started tiny Qwen2 model (HF format, char tokenizer) for the bundled tasks.",
     )
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--out", help=f"model directory (default: a cache entry under {default_cache_dir()})")
+    parser.add_argument(
+        "--out", help=f"model directory (default: a cache entry under {default_cache_dir()})"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--force", action="store_true", help="rebuild even if a matching model is there")
+    parser.add_argument(
+        "--force", action="store_true", help="rebuild even if a matching model is there"
+    )
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     path = make_tiny_model(args.size, args.out, args.seed, force=args.force)
     meta = read_metadata(path)
-    print(f"{path}\n  size={meta['size']} seed={meta['seed']} warm-start steps={meta['warm_start_steps']} "
-          f"mean reward at T=1 = {meta['mean_reward_t1']:.3f} over {meta['reward_prompts']} prompts "
-          f"(built in {meta['build_seconds']} s)")
+    print(
+        f"{path}\n  size={meta['size']} seed={meta['seed']} warm-start steps={meta['warm_start_steps']} "
+        f"mean reward at T=1 = {meta['mean_reward_t1']:.3f} over {meta['reward_prompts']} prompts "
+        f"(built in {meta['build_seconds']} s)"
+    )
 
 
 if __name__ == "__main__":

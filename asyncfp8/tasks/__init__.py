@@ -37,7 +37,9 @@ def registered_tasks() -> list[str]:
 
 def get_task(name: str, **params: Any) -> Task:
     if name not in _TASKS:
-        raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(registered_tasks())}")
+        raise ValueError(
+            f"unknown task {name!r}; registered tasks: {', '.join(registered_tasks())}"
+        )
     try:
         return _TASKS[name](**params)
     except TypeError as err:
@@ -53,14 +55,18 @@ def build_task(cfg: Mapping[str, Any]) -> Task:
 
     params = OmegaConf.to_container(OmegaConf.create(dict(cfg)), resolve=True)
     if "name" not in params:
-        raise ValueError(f"task config needs a 'name' (one of {', '.join(registered_tasks())}); got keys {sorted(params)}")
+        raise ValueError(
+            f"task config needs a 'name' (one of {', '.join(registered_tasks())}); got keys {sorted(params)}"
+        )
     name = params.pop("name")
     reward_cfg = params.pop("reward", None)
     if reward_cfg is not None:
         try:
             params["reward"] = instantiate(reward_cfg, _partial_=True)
         except Exception as err:
-            raise ValueError(f"task {name!r}: cannot load reward {reward_cfg.get('_target_')!r}: {err}") from None
+            raise ValueError(
+                f"task {name!r}: cannot load reward {reward_cfg.get('_target_')!r}: {err}"
+            ) from None
     return get_task(name, **params)
 
 

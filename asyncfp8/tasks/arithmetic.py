@@ -46,11 +46,15 @@ class ArithmeticTask(Task):
         super().__init__(reward)
         unknown = sorted(set(ops) - set(SUPPORTED_OPS))
         if not ops or unknown:
-            raise ValueError(f"arithmetic: ops must be a non-empty subset of {SUPPORTED_OPS}, got {list(ops)}")
+            raise ValueError(
+                f"arithmetic: ops must be a non-empty subset of {SUPPORTED_OPS}, got {list(ops)}"
+            )
         if max_operand < 1:
             raise ValueError(f"arithmetic: max_operand must be >= 1, got {max_operand}")
         if not 2 <= min_terms <= max_terms:
-            raise ValueError(f"arithmetic: need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
+            raise ValueError(
+                f"arithmetic: need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}"
+            )
         self.seed, self.max_operand = seed, max_operand
         self.min_terms, self.max_terms, self.ops = min_terms, max_terms, tuple(ops)
 
@@ -60,7 +64,9 @@ class ArithmeticTask(Task):
         n_terms = rng.randint(self.min_terms, self.max_terms)
         operands = [rng.randint(0, self.max_operand) for _ in range(n_terms)]
         ops = [rng.choice(self.ops) for _ in range(n_terms - 1)]
-        expression = str(operands[0]) + "".join(f"{op}{x}" for op, x in zip(ops, operands[1:], strict=True))
+        expression = str(operands[0]) + "".join(
+            f"{op}{x}" for op, x in zip(ops, operands[1:], strict=True)
+        )
         return Prompt(
             index=index,
             text=f"Q: {expression}\n{ANSWER_MARKER}",

@@ -33,8 +33,10 @@ def read_gsm8k_jsonl(path: str | Path) -> list[dict[str, str]]:
     after "####"). Raises ValueError naming the file and line of the first bad record."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"gsm8k_jsonl: no such file {str(path)!r} (expected a JSONL file of "
-                                '{"question": ..., "answer": "... #### N"} lines)')
+        raise FileNotFoundError(
+            f"gsm8k_jsonl: no such file {str(path)!r} (expected a JSONL file of "
+            '{"question": ..., "answer": "... #### N"} lines)'
+        )
     records = []
     with path.open(encoding="utf-8") as lines:
         for line_number, line in enumerate(lines, start=1):
@@ -44,7 +46,9 @@ def read_gsm8k_jsonl(path: str | Path) -> list[dict[str, str]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+                raise ValueError(
+                    f"{where}: not valid JSON ({err.msg} at column {err.colno})"
+                ) from None
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
             for key in ("question", "answer"):
@@ -55,7 +59,9 @@ def read_gsm8k_jsonl(path: str | Path) -> list[dict[str, str]]:
             final = record["answer"].rsplit("####", 1)[1].strip()
             if parse_number(final) is None:
                 raise ValueError(f"{where}: the text after '####' is {final!r}, not a number")
-            records.append({"question": record["question"], "answer": record["answer"], "final": final})
+            records.append(
+                {"question": record["question"], "answer": record["answer"], "final": final}
+            )
     if not records:
         raise ValueError(f"{path}: no records")
     return records
@@ -64,7 +70,9 @@ def read_gsm8k_jsonl(path: str | Path) -> list[dict[str, str]]:
 class GSM8KJsonlTask(Task):
     name = "gsm8k_jsonl"
 
-    def __init__(self, reward: RewardFn = final_number_reward, path: str | None = None, seed: int = 0):
+    def __init__(
+        self, reward: RewardFn = final_number_reward, path: str | None = None, seed: int = 0
+    ):
         super().__init__(reward)
         self.path = Path(path) if path else bundled_sample_path()
         self.records = read_gsm8k_jsonl(self.path)

@@ -1,0 +1,29 @@
+import os
+
+import pytest
+
+# vLLM on CPU: reach the engine in-process, cap its KV cache, do not pin threads
+# (DESIGN.md §5). Set before any test imports vllm.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+@pytest.fixture(scope="session")
+def vllm_module():
+    """vllm, or a skip; CI sets ASYNCFP8_REQUIRE_VLLM=1 so that a missing vllm fails."""
+    if os.environ.get("ASYNCFP8_REQUIRE_VLLM") == "1":
+        import vllm
+
+        return vllm
+    return pytest.importorskip("vllm", reason="the vllm extra is not installed")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The tiny warm-started model, built once per test session (about 10 s)."""
+    from asyncfp8.models import make_tiny_model
+
+    return make_tiny_model(
+        "tiny", out_dir=tmp_path_factory.mktemp("models") / "tiny", progress=False
+    )

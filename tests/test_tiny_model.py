@@ -1,0 +1,78 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncfp8.models import SIZES, WarmStart, make_tiny_model, read_metadata
+from asyncfp8.models.sampling import mean_reward
+from asyncfp8.tasks import ArithmeticTask
+
+
+def test_tiny_model_loads_with_transformers_and_scores_inside_the_window(tiny_model_dir):
+    meta = read_metadata(tiny_model_dir)
+    assert 0.1 <= meta["mean_reward_t1"] <= 0.7
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert model.config.model_type == "qwen2"
+    assert model.config.hidden_size == SIZES["tiny"].hidden_size
+    # Re-measure independently of the factory, on prompts from another seed.
+    task = ArithmeticTask(seed=777)
+    prompts = [task.prompt(i) for i in range(256)]
+    tokenizer.padding_side = "left"
+    reward = mean_reward(model, tokenizer, task, prompts, max_new_tokens=8, seed=5)
+    assert 0.1 <= reward <= 0.7
+
+
+def test_same_seed_gives_identical_weights_and_cache_is_reused(tiny_model_dir, tmp_path):
+    again = make_tiny_model("tiny", out_dir=tmp_path / "again", progress=False)
+    first = load_file(tiny_model_dir / "model.safetensors")
+    second = load_file(again / "model.safetensors")
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+    weights = again / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert make_tiny_model("tiny", out_dir=again, progress=False) == again
+    assert weights.stat().st_mtime_ns == stamp  # found in the cache, not rebuilt
+
+
+def test_a_changed_recipe_rebuilds_and_a_foreign_directory_is_not_overwritten(tmp_path):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not an asyncfp8 tiny model"):
+        make_tiny_model("tiny", out_dir=foreign, progress=False)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_unknown_size_is_a_clear_error():
+    with pytest.raises(
+        ValueError, match="unknown tiny model size 'huge'; choose one of tiny, small"
+    ):
+        make_tiny_model("huge")
+
+
+def test_warm_start_that_cannot_reach_the_window_says_so(tmp_path):
+    hopeless = WarmStart(learning_rate=1e-6, max_steps=4, steps_per_check=2, check_prompts=16)
+    with pytest.raises(RuntimeError, match=r"warm-start reached reward .* after 4 steps"):
+        make_tiny_model("tiny", out_dir=tmp_path / "m", recipe=hopeless, progress=False)
+    assert not (tmp_path / "m").exists()
+
+
+def test_small_model_exercises_whole_and_padded_fp8_blocks():
+    spec = SIZES["small"]
+    q_rows = spec.num_attention_heads * spec.head_dim
+    kv_rows = spec.num_key_value_heads * spec.head_dim
+    dims = {spec.hidden_size, spec.intermediate_size, q_rows, kv_rows}
+    assert any(d % 128 == 0 for d in dims) and any(d % 128 for d in dims)
+
+
+def test_cli_writes_a_model_and_reports_its_reward(tiny_model_dir, capsys):
+    from asyncfp8.models.tiny import main
+
+    main(["--size", "tiny", "--out", str(tiny_model_dir)])  # cached: returns at once
+    out = capsys.readouterr().out
+    reward = json.loads((tiny_model_dir / "asyncfp8_model.json").read_text())["mean_reward_t1"]
+    assert str(tiny_model_dir) in out and f"{reward:.3f}" in out
