@@ -1,0 +1,100 @@
+"""FP8 KV cache with the q/k/v scales recalibrated for every version.
+
+Why every version: an FP8 KV cache stores k/scale and v/scale in e4m3, whose range
+ends at 448. RL moves the weights, and with them the magnitude of q, k and v. Scales
+computed once (vLLM's former `calculate_kv_scales`, on the first batch) go stale: if
+activations grow, values beyond 448·scale are clipped (wrong attention); if they shrink,
+the e4m3 grid is wasted on an unused range (coarser values). So after each weight
+update the learner reruns a calibration batch through the new weights, takes a high
+percentile of |q|, |k|, |v| after RoPE per layer (not the max: one outlier would waste
+the range for every other value), adds a margin and divides by 448, and ships the scales
+with the version under the names vLLM loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .fp8 import FP8_MAX
+from .policy import PrecisionPolicy, register_policy
+
+CAPTURE_IMPLEMENTATION = "asyncfp8_kv_capture"
+MAX_QUANTILE_ELEMENTS = 1 << 24  # torch.quantile's input limit
+
+
+def kv_scale_names(layer: int) -> dict[str, str]:
+    prefix = f"model.layers.{layer}.self_attn"
+    return {"q": f"{prefix}.attn.q_scale", "k": f"{prefix}.k_scale", "v": f"{prefix}.v_scale"}
+
+
+def high_percentile(values: torch.Tensor, percentile: float) -> torch.Tensor:
+    flat = values.detach().abs().float().flatten()
+    if flat.numel() > MAX_QUANTILE_ELEMENTS:
+        # An evenly strided subsample: deterministic, and plenty for a 99.9th percentile.
+        flat = flat[:: flat.numel() // MAX_QUANTILE_ELEMENTS + 1]
+    return torch.quantile(flat, percentile / 100.0)
+
+
+def capture_qkv(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """Runs `model` on `batch` and returns, per layer, the q, k, v the attention kernel
+    received (after RoPE, before the KV-head repeat), restricted to real tokens.
+
+    Uses transformers' attention-function registry (an attention implementation that
+    records its inputs and then runs SDPA), so no module of the model is patched."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    captured: dict[int, dict[str, torch.Tensor]] = {}
+    token_mask = batch.get("attention_mask")
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        layer = int(module.layer_idx)
+        parts = {"q": query, "k": key, "v": value}  # [B, heads, T, head_dim]
+        if token_mask is not None:  # [B, T, heads, dim] indexed by [B, T] -> [tokens, heads, dim]
+            parts = {n: t.transpose(1, 2)[token_mask.bool()] for n, t in parts.items()}
+        captured[layer] = {n: t.detach() for n, t in parts.items()}
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(CAPTURE_IMPLEMENTATION, record)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(**{k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")})
+    finally:
+        model.set_attn_implementation(previous)
+        model.train(was_training)
+    if not captured:
+        raise ValueError("fp8_kv: the model ran no attention layer through the attention interface")
+    return captured
+
+
+@register_policy("fp8_kv")
+class FP8KVPolicy(PrecisionPolicy):
+    """FP8 (e4m3) KV cache; q/k/v scales recalibrated by `calibrate` every version."""
+
+    name = "fp8_kv"
+
+    def __init__(self, percentile: float = 99.9, margin: float = 1.05):
+        if not 0 < percentile <= 100:
+            raise ValueError(f"fp8_kv: percentile must be in (0, 100], got {percentile}")
+        if margin < 1:
+            raise ValueError(f"fp8_kv: margin must be >= 1 (it widens the range), got {margin}")
+        self.percentile, self.margin = float(percentile), float(margin)
+
+    def engine_config(self) -> dict:
+        return {"kv_cache_dtype": "fp8"}
+
+    def calibrate(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-layer scalar fp32 scales: percentile(|x|) · margin / 448 for x in q, k, v."""
+        extra = {}
+        for layer, parts in sorted(capture_qkv(model, batch).items()):
+            names = kv_scale_names(layer)
+            for part, values in parts.items():
+                amax = high_percentile(values, self.percentile).clamp_min(1e-8)
+                extra[names[part]] = (amax * self.margin / FP8_MAX).float().reshape(())
+        return extra
