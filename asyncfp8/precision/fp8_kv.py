@@ -78,6 +78,7 @@ class FP8KVPolicy(PrecisionPolicy):
     """FP8 (e4m3) KV cache; q/k/v scales recalibrated by `calibrate` every version."""
 
     name = "fp8_kv"
+    needs_calibration = True
 
     def __init__(self, percentile: float = 99.9, margin: float = 1.05):
         if not 0 < percentile <= 100:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .policy import PrecisionPolicy, check_weight, register_policy
+from .policy import PrecisionPolicy, check_weight, is_quantizable, register_policy
 
 INT8_MAX = 127.0
 AMAX_FLOOR = 1e-10
@@ -98,6 +98,6 @@ class INT8Policy(PrecisionPolicy):
 
     def passthrough(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         factors = self.smoothing.get(name)
-        if factors is None:
+        if factors is None or is_quantizable(name, tensor):  # the linears are scaled in quantize_tensor
             return tensor
         return (tensor.float() / factors).to(tensor.dtype)

@@ -48,6 +48,8 @@ class PrecisionPolicy:
     name: str = "base"
     #: True if `quantize_weights` changes weights (at most one such part per composition).
     quantizes_weights: bool = False
+    #: True if `calibrate` returns tensors every version needs (KV-cache scales).
+    needs_calibration: bool = False
 
     def engine_config(self) -> dict[str, Any]:
         """What the rollout engine must be started with: `dtype`, `quantization`,
@@ -107,6 +109,7 @@ class ComposedPolicy(PrecisionPolicy):
         self.parts, self.name, self._engine_config = parts, "+".join(names), config
         self._weights = next((p for p in parts if p.quantizes_weights), parts[0])
         self.quantizes_weights = self._weights.quantizes_weights
+        self.needs_calibration = any(p.needs_calibration for p in parts)
 
     def engine_config(self) -> dict[str, Any]:
         return dict(self._engine_config)

@@ -1,0 +1,102 @@
+"""Writing a quantized HF checkpoint: the BF16 model streamed through a policy.
+
+Tensors are read one at a time from the source safetensors files and written in
+shards of at most `shard_bytes`, so neither the source nor the quantized model is ever
+held whole in memory. The result loads where its format is supported: blockwise FP8
+in vLLM / SGLang on GPUs (and in transformers, dequantized), INT8 compressed-tensors in
+vLLM (the CPU wheel included).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from asyncfp8.models.loading import check_model_dir
+
+from .policy import PrecisionPolicy
+
+COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def read_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) from every *.safetensors file of a model directory, one at a time."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors weights")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def export_checkpoint(
+    policy: PrecisionPolicy,
+    model_dir: str | Path,
+    out_dir: str | Path,
+    calibration_batch: Mapping[str, torch.Tensor] | None = None,
+    shard_bytes: int = 2 << 30,
+) -> Path:
+    """Write `model_dir` quantized by `policy` to `out_dir` (config.json with the
+    policy's `quantization_config`, tokenizer files copied). Policies that calibrate
+    (fp8_kv) need `calibration_batch` (input_ids, attention_mask); their tensors (KV
+    scales) are written with the weights."""
+    source = check_model_dir(model_dir)
+    out = Path(out_dir)
+    if out.resolve() == source.resolve():
+        raise ValueError("export_checkpoint: out_dir must differ from model_dir")
+    out.mkdir(parents=True, exist_ok=True)
+
+    extra: dict[str, torch.Tensor] = {}
+    if calibration_batch is not None:
+        from asyncfp8.models.loading import load_model
+
+        extra = policy.calibrate(load_model(source, dtype=torch.float32), calibration_batch)
+    elif policy.needs_calibration:
+        raise ValueError(f"precision {policy.name!r} calibrates (KV scales): pass calibration_batch")
+
+    shard: dict[str, torch.Tensor] = {}
+    shard_size, shard_files, weight_map = 0, [], {}
+
+    def flush() -> None:
+        nonlocal shard, shard_size
+        if shard:
+            name = f"model-{len(shard_files) + 1:05d}.safetensors"
+            save_file(shard, out / name, metadata={"format": "pt"})
+            shard_files.append(name)
+            weight_map.update(dict.fromkeys(shard, name))
+            shard, shard_size = {}, 0
+
+    for name, tensor in itertools.chain(policy.quantize_weights(read_tensors(source)), extra.items()):
+        size = tensor.numel() * tensor.element_size()
+        if shard and shard_size + size > shard_bytes:
+            flush()
+        shard[name] = tensor.contiguous()
+        shard_size += size
+    flush()
+
+    if len(shard_files) == 1:
+        (out / shard_files[0]).rename(out / "model.safetensors")
+    else:
+        index = {"metadata": {"total_size": sum((out / f).stat().st_size for f in shard_files)}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    config = json.loads((source / "config.json").read_text())
+    quantization_config = policy.checkpoint_config()
+    if quantization_config:
+        config["quantization_config"] = quantization_config
+    else:
+        config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in COPIED_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+    return out
