@@ -1,10 +1,10 @@
 """Precision policies: how the learner's weights become what a rollout engine runs.
 
-    from asyncfp8.precision import PrecisionPolicy, get_policy, register_policy
-    policy = get_policy("fp8")          # "bf16", "fp8", "fp8_kv", "fp8+fp8_kv", "int8"
-    policy.engine_config()              # how the engine must be started
-    policy.quantize_weights(named)      # streaming (name, tensor) -> (name, tensor)
-    policy.calibrate(model, batch)      # extra tensors for this version (KV scales)
+from asyncfp8.precision import PrecisionPolicy, get_policy, register_policy
+policy = get_policy("fp8")          # "bf16", "fp8", "fp8_kv", "fp8+fp8_kv", "int8"
+policy.engine_config()              # how the engine must be started
+policy.quantize_weights(named)      # streaming (name, tensor) -> (name, tensor)
+policy.calibrate(model, batch)      # extra tensors for this version (KV scales)
 """
 
 from . import bf16, fp8, fp8_kv, int8  # noqa: F401  (registers the built-in policies)

@@ -19,7 +19,10 @@ class BF16Policy(PrecisionPolicy):
         self.lm_head_fp32 = bool(lm_head_fp32)
 
     def engine_config(self) -> dict:
-        return {"dtype": "bfloat16", "lm_head_dtype": "float32" if self.lm_head_fp32 else "bfloat16"}
+        return {
+            "dtype": "bfloat16",
+            "lm_head_dtype": "float32" if self.lm_head_fp32 else "bfloat16",
+        }
 
     def passthrough(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if not tensor.is_floating_point():

@@ -23,8 +23,15 @@ from asyncfp8.models.loading import check_model_dir
 
 from .policy import PrecisionPolicy
 
-COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                "vocab.json", "merges.txt", "chat_template.jinja")
+COPIED_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
 
 
 def read_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -61,7 +68,9 @@ def export_checkpoint(
 
         extra = policy.calibrate(load_model(source, dtype=torch.float32), calibration_batch)
     elif policy.needs_calibration:
-        raise ValueError(f"precision {policy.name!r} calibrates (KV scales): pass calibration_batch")
+        raise ValueError(
+            f"precision {policy.name!r} calibrates (KV scales): pass calibration_batch"
+        )
 
     shard: dict[str, torch.Tensor] = {}
     shard_size, shard_files, weight_map = 0, [], {}
@@ -75,7 +84,9 @@ def export_checkpoint(
             weight_map.update(dict.fromkeys(shard, name))
             shard, shard_size = {}, 0
 
-    for name, tensor in itertools.chain(policy.quantize_weights(read_tensors(source)), extra.items()):
+    for name, tensor in itertools.chain(
+        policy.quantize_weights(read_tensors(source)), extra.items()
+    ):
         size = tensor.numel() * tensor.element_size()
         if shard and shard_size + size > shard_bytes:
             flush()
@@ -86,7 +97,10 @@ def export_checkpoint(
     if len(shard_files) == 1:
         (out / shard_files[0]).rename(out / "model.safetensors")
     else:
-        index = {"metadata": {"total_size": sum((out / f).stat().st_size for f in shard_files)}, "weight_map": weight_map}
+        index = {
+            "metadata": {"total_size": sum((out / f).stat().st_size for f in shard_files)},
+            "weight_map": weight_map,
+        }
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
     config = json.loads((source / "config.json").read_text())

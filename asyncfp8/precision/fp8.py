@@ -23,12 +23,16 @@ BLOCK = (128, 128)
 SCALE_SUFFIX = "_scale_inv"
 
 
-def quantize_blockwise_reference(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise_reference(
+    w: torch.Tensor, block: tuple[int, int] = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference (any device). See `quantize_blockwise`."""
     rows, cols = w.shape
     block_rows, block_cols = block
     grid_rows, grid_cols = ceil_div(rows, block_rows), ceil_div(cols, block_cols)
-    padded = torch.zeros(grid_rows * block_rows, grid_cols * block_cols, dtype=torch.float32, device=w.device)
+    padded = torch.zeros(
+        grid_rows * block_rows, grid_cols * block_cols, dtype=torch.float32, device=w.device
+    )
     padded[:rows, :cols] = w
     blocks = padded.view(grid_rows, block_rows, grid_cols, block_cols)
     amax = blocks.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR)
@@ -52,14 +56,23 @@ def quantize_blockwise(
 
 
 def dequantize_blockwise(
-    q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK, dtype: torch.dtype = torch.float32
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = BLOCK,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """q · scale_inv, each scale broadcast over its block."""
     rows, cols = q.shape
     expected = (ceil_div(rows, block[0]), ceil_div(cols, block[1]))
     if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"scale_inv has shape {tuple(scale_inv.shape)}; a {rows}x{cols} weight needs {expected}")
-    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+        raise ValueError(
+            f"scale_inv has shape {tuple(scale_inv.shape)}; a {rows}x{cols} weight needs {expected}"
+        )
+    scale = (
+        scale_inv.float()
+        .repeat_interleave(block[0], 0)[:rows]
+        .repeat_interleave(block[1], 1)[:, :cols]
+    )
     return (q.float() * scale).to(dtype)
 
 
@@ -86,7 +99,9 @@ class FP8Policy(PrecisionPolicy):
     def engine_config(self) -> dict:
         return {"quantization": "fp8", "quantization_config": self.checkpoint_config()}
 
-    def quantize_tensor(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    def quantize_tensor(
+        self, name: str, tensor: torch.Tensor
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         q, scale_inv = quantize_blockwise(tensor, self.block, name=name)
         yield name, q
         yield name + SCALE_SUFFIX, scale_inv

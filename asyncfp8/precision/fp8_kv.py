@@ -37,7 +37,9 @@ def high_percentile(values: torch.Tensor, percentile: float) -> torch.Tensor:
     return torch.quantile(flat, percentile / 100.0)
 
 
-def capture_qkv(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+def capture_qkv(
+    model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+) -> dict[int, dict[str, torch.Tensor]]:
     """Runs `model` on `batch` and returns, per layer, the q, k, v the attention kernel
     received (after RoPE, before the KV-head repeat), restricted to real tokens.
 
@@ -90,7 +92,9 @@ class FP8KVPolicy(PrecisionPolicy):
     def engine_config(self) -> dict:
         return {"kv_cache_dtype": "fp8"}
 
-    def calibrate(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def calibrate(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """Per-layer scalar fp32 scales: percentile(|x|) · margin / 448 for x in q, k, v."""
         extra = {}
         for layer, parts in sorted(capture_qkv(model, batch).items()):

@@ -31,7 +31,9 @@ def quantize_per_channel_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch
     return q, scale
 
 
-def quantize_per_channel(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_channel(
+    w: torch.Tensor, name: str = "weight"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [M, N], scale fp32 [M, 1]) with w ≈ q · scale row by row."""
     check_weight(name, w)
     from . import kernels
@@ -41,9 +43,13 @@ def quantize_per_channel(w: torch.Tensor, name: str = "weight") -> tuple[torch.T
     return quantize_per_channel_reference(w)
 
 
-def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_per_channel(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     if scale.shape != (q.shape[0], 1):
-        raise ValueError(f"scale has shape {tuple(scale.shape)}; a {tuple(q.shape)} weight needs ({q.shape[0]}, 1)")
+        raise ValueError(
+            f"scale has shape {tuple(scale.shape)}; a {tuple(q.shape)} weight needs ({q.shape[0]}, 1)"
+        )
     return (q.float() * scale.float()).to(dtype)
 
 
@@ -57,8 +63,20 @@ def compressed_tensors_config() -> dict:
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
-                "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
+                "weights": {
+                    "num_bits": 8,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "channel",
+                    "dynamic": False,
+                },
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "token",
+                    "dynamic": True,
+                },
             }
         },
     }
@@ -84,9 +102,14 @@ class INT8Policy(PrecisionPolicy):
         return compressed_tensors_config()
 
     def engine_config(self) -> dict:
-        return {"quantization": "compressed-tensors", "quantization_config": self.checkpoint_config()}
+        return {
+            "quantization": "compressed-tensors",
+            "quantization_config": self.checkpoint_config(),
+        }
 
-    def quantize_tensor(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    def quantize_tensor(
+        self, name: str, tensor: torch.Tensor
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         factors = self.smoothing.get(name)
         if factors is not None:
             # Input channel j of this layer is divided by s_j; the norm before it was
@@ -98,6 +121,8 @@ class INT8Policy(PrecisionPolicy):
 
     def passthrough(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         factors = self.smoothing.get(name)
-        if factors is None or is_quantizable(name, tensor):  # the linears are scaled in quantize_tensor
+        if factors is None or is_quantizable(
+            name, tensor
+        ):  # the linears are scaled in quantize_tensor
             return tensor
         return (tensor.float() / factors).to(tensor.dtype)

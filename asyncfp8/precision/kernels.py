@@ -25,8 +25,9 @@ def triton_enabled(tensor: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _fp8_blockwise_kernel(w_ptr, q_ptr, scale_ptr, rows, cols, grid_cols,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _fp8_blockwise_kernel(
+        w_ptr, q_ptr, scale_ptr, rows, cols, grid_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    ):
         block_row = tl.program_id(0)
         block_col = tl.program_id(1)
         r = block_row * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -83,18 +84,24 @@ def _require_triton() -> None:
         raise RuntimeError("Triton is not installed (pip install 'asyncfp8[triton]')")
 
 
-def quantize_blockwise_triton(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise_triton(
+    w: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, torch.Tensor]:
     _require_triton()
     w = w.contiguous()
     rows, cols = w.shape
     grid = (triton.cdiv(rows, block[0]), triton.cdiv(cols, block[1]))
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
     scale = torch.empty(grid, dtype=torch.float32, device=w.device)
-    _fp8_blockwise_kernel[grid](w, q, scale, rows, cols, grid[1], BLOCK_M=block[0], BLOCK_N=block[1])
+    _fp8_blockwise_kernel[grid](
+        w, q, scale, rows, cols, grid[1], BLOCK_M=block[0], BLOCK_N=block[1]
+    )
     return q, scale
 
 
-def quantize_per_channel_triton(w: torch.Tensor, block_n: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_channel_triton(
+    w: torch.Tensor, block_n: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
     _require_triton()
     w = w.contiguous()
     rows, cols = w.shape

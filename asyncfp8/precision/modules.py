@@ -16,14 +16,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8 import FP8_MAX, SCALE_SUFFIX as FP8_SCALE_SUFFIX, dequantize_blockwise
-from .int8 import INT8_MAX, SCALE_SUFFIX as INT8_SCALE_SUFFIX
+from .fp8 import FP8_MAX, dequantize_blockwise
+from .fp8 import SCALE_SUFFIX as FP8_SCALE_SUFFIX
+from .int8 import INT8_MAX
+from .int8 import SCALE_SUFFIX as INT8_SCALE_SUFFIX
 from .policy import PrecisionPolicy, is_quantizable
 
 GROUP = 128
 
 
-def quantize_activations_fp8(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations_fp8(
+    x: torch.Tensor, group: int = GROUP
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] (K a multiple of `group`) -> (e4m3 [T, K], fp32 scales [T, K/group])."""
     tokens, width = x.shape
     groups = x.float().view(tokens, width // group, group)
@@ -44,7 +48,9 @@ def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 class FP8BlockLinear(nn.Module):
-    def __init__(self, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None, real: bool = True):
+    def __init__(
+        self, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None, real: bool = True
+    ):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.real = real
@@ -54,13 +60,25 @@ class FP8BlockLinear(nn.Module):
     def load(self, q: torch.Tensor, scale_inv: torch.Tensor) -> None:
         """Takes a new version's weight in place (shapes must not change)."""
         if tuple(q.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"FP8BlockLinear: weight {tuple(q.shape)} != {(self.out_features, self.in_features)}")
+            raise ValueError(
+                f"FP8BlockLinear: weight {tuple(q.shape)} != {(self.out_features, self.in_features)}"
+            )
         grid_rows, grid_cols = scale_inv.shape
         # Padded to whole blocks once, so every 128-wide slice is a full GEMM operand.
-        self.register_buffer("q", _pad_to(q.view(torch.uint8), grid_rows * GROUP, grid_cols * GROUP).view(torch.float8_e4m3fn), persistent=False)
+        self.register_buffer(
+            "q",
+            _pad_to(q.view(torch.uint8), grid_rows * GROUP, grid_cols * GROUP).view(
+                torch.float8_e4m3fn
+            ),
+            persistent=False,
+        )
         self.register_buffer("scale_inv", scale_inv.float().contiguous(), persistent=False)
         # The weight scale of every output row, for each inner-dimension block: [K/128, 1, M_pad].
-        self.register_buffer("row_scales", scale_inv.float().t().repeat_interleave(GROUP, 1)[:, None, :].contiguous(), persistent=False)
+        self.register_buffer(
+            "row_scales",
+            scale_inv.float().t().repeat_interleave(GROUP, 1)[:, None, :].contiguous(),
+            persistent=False,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
@@ -72,8 +90,11 @@ class FP8BlockLinear(nn.Module):
             for block in range(self.scale_inv.shape[1]):
                 cols = slice(block * GROUP, (block + 1) * GROUP)
                 out += torch._scaled_mm(
-                    xq[:, cols], self.q[:, cols].t(), scale_a=x_scale[:, block : block + 1].contiguous(),
-                    scale_b=self.row_scales[block], out_dtype=torch.float32,
+                    xq[:, cols],
+                    self.q[:, cols].t(),
+                    scale_a=x_scale[:, block : block + 1].contiguous(),
+                    scale_b=self.row_scales[block],
+                    out_dtype=torch.float32,
                 )
         else:
             x_deq = (xq.float().view(x.shape[0], -1, GROUP) * x_scale[..., None]).view(x.shape)
@@ -86,7 +107,9 @@ class FP8BlockLinear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, real: bool = True):
+    def __init__(
+        self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, real: bool = True
+    ):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.real = real
@@ -95,7 +118,9 @@ class Int8Linear(nn.Module):
 
     def load(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         if tuple(q.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"Int8Linear: weight {tuple(q.shape)} != {(self.out_features, self.in_features)}")
+            raise ValueError(
+                f"Int8Linear: weight {tuple(q.shape)} != {(self.out_features, self.in_features)}"
+            )
         self.register_buffer("q", q.contiguous(), persistent=False)
         self.register_buffer("scale", scale.float().reshape(-1, 1).contiguous(), persistent=False)
 
@@ -133,13 +158,17 @@ def apply_policy(model: nn.Module, policy: PrecisionPolicy, real: bool = True) -
             produced = dict(policy.quantize_tensor(weight_name, child.weight.detach()))
             bias = child.bias.detach() if child.bias is not None else None
             if weight_name + FP8_SCALE_SUFFIX in produced:
-                new = FP8BlockLinear(produced[weight_name], produced[weight_name + FP8_SCALE_SUFFIX], bias, real)
+                new = FP8BlockLinear(
+                    produced[weight_name], produced[weight_name + FP8_SCALE_SUFFIX], bias, real
+                )
             elif weight_name + INT8_SCALE_SUFFIX in produced:
-                new = Int8Linear(produced[weight_name], produced[weight_name + INT8_SCALE_SUFFIX], bias, real)
+                new = Int8Linear(
+                    produced[weight_name], produced[weight_name + INT8_SCALE_SUFFIX], bias, real
+                )
             else:
-                raise ValueError(f"{weight_name}: policy {policy.name!r} produced {sorted(produced)}, "
-                                 "which no quantized module here runs")
+                raise ValueError(
+                    f"{weight_name}: policy {policy.name!r} produced {sorted(produced)}, "
+                    "which no quantized module here runs"
+                )
             setattr(module, child_name, new)
     return model
-
-

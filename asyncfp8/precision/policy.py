@@ -39,7 +39,9 @@ def check_weight(name: str, tensor: torch.Tensor) -> None:
     if not finite.all():
         bad = (~finite).nonzero()[0].tolist()
         kind = "NaN" if torch.isnan(tensor).any() else "Inf"
-        raise ValueError(f"{name}: {(~finite).sum().item()} non-finite values ({kind}, first at {bad}); refusing to quantize")
+        raise ValueError(
+            f"{name}: {(~finite).sum().item()} non-finite values ({kind}, first at {bad}); refusing to quantize"
+        )
 
 
 class PrecisionPolicy:
@@ -56,7 +58,9 @@ class PrecisionPolicy:
         `quantization_config` (HF config.json form), `kv_cache_dtype`, ..."""
         return {}
 
-    def quantize_tensor(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    def quantize_tensor(
+        self, name: str, tensor: torch.Tensor
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """The engine-side tensors for one learner tensor (one or several, e.g. a
         weight and its scale). Called only for tensors `is_quantizable` accepts."""
         yield name, tensor
@@ -73,7 +77,9 @@ class PrecisionPolicy:
             else:
                 yield name, self.passthrough(name, tensor)
 
-    def calibrate(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def calibrate(
+        self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """Extra tensors for this version (e.g. KV-cache scales); none by default."""
         return {}
 
@@ -158,8 +164,10 @@ def get_policy(name: str, **params: Any) -> PrecisionPolicy:
     parts_names = [part.strip() for part in name.split("+")]
     unknown = [n for n in parts_names if n not in _POLICIES]
     if unknown or not all(parts_names):
-        raise ValueError(f"unknown precision policy {name!r}; registered: {', '.join(registered_policies())} "
-                         "(compose with '+', e.g. 'fp8+fp8_kv')")
+        raise ValueError(
+            f"unknown precision policy {name!r}; registered: {', '.join(registered_policies())} "
+            "(compose with '+', e.g. 'fp8+fp8_kv')"
+        )
     import inspect
 
     parts, used = [], set()

@@ -28,7 +28,9 @@ _LAYER = re.compile(r"^(.*\.layers\.\d+)\.(input_layernorm|post_attention_layern
 
 
 @torch.no_grad()
-def compute_profile(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], alpha: float = 0.5) -> dict[str, torch.Tensor]:
+def compute_profile(
+    model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], alpha: float = 0.5
+) -> dict[str, torch.Tensor]:
     """{tensor name: per-input-channel factors} for every norm and linear it smooths."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
@@ -41,14 +43,18 @@ def compute_profile(model: torch.nn.Module, batches: list[dict[str, torch.Tensor
             if all(n in modules for n in linears):
                 groups[name] = linears
     if not groups:
-        raise ValueError("no Llama-family norm -> linear groups (input_layernorm, post_attention_layernorm) found")
+        raise ValueError(
+            "no Llama-family norm -> linear groups (input_layernorm, post_attention_layernorm) found"
+        )
 
     act_max: dict[str, torch.Tensor] = {}
     hooks = []
     for norm_name in groups:
+
         def record(_module, _inputs, output, key=norm_name):
             flat = output.detach().abs().float().reshape(-1, output.shape[-1]).amax(0)
             act_max[key] = torch.maximum(act_max[key], flat) if key in act_max else flat
+
         hooks.append(modules[norm_name].register_forward_hook(record))
     try:
         model.eval()
@@ -60,8 +66,13 @@ def compute_profile(model: torch.nn.Module, batches: list[dict[str, torch.Tensor
 
     profile = {}
     for norm_name, linears in groups.items():
-        weight_max = torch.stack([modules[n].weight.detach().abs().float().amax(0) for n in linears]).amax(0)
-        factors = (act_max[norm_name].clamp_min(1e-5).pow(alpha) / weight_max.clamp_min(1e-5).pow(1 - alpha)).clamp_min(1e-5)
+        weight_max = torch.stack(
+            [modules[n].weight.detach().abs().float().amax(0) for n in linears]
+        ).amax(0)
+        factors = (
+            act_max[norm_name].clamp_min(1e-5).pow(alpha)
+            / weight_max.clamp_min(1e-5).pow(1 - alpha)
+        ).clamp_min(1e-5)
         profile[f"{norm_name}.weight"] = factors
         for name in linears:
             profile[f"{name}.weight"] = factors.clone()
@@ -71,17 +82,27 @@ def compute_profile(model: torch.nn.Module, batches: list[dict[str, torch.Tensor
 def save_profile(profile: dict[str, torch.Tensor], path: str | Path, **metadata: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in profile.items()}, path, metadata={k: str(v) for k, v in metadata.items()})
+    save_file(
+        {k: v.contiguous() for k, v in profile.items()},
+        path,
+        metadata={k: str(v) for k, v in metadata.items()},
+    )
     return path
 
 
 def load_profile(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"INT8 calibration profile {str(path)!r} does not exist; make one with "
-                                "`python -m asyncfp8.precision.profile --model DIR --task arithmetic --out FILE`")
+        raise FileNotFoundError(
+            f"INT8 calibration profile {str(path)!r} does not exist; make one with "
+            "`python -m asyncfp8.precision.profile --model DIR --task arithmetic --out FILE`"
+        )
     profile = load_file(path)
-    bad = [name for name, t in profile.items() if t.dim() != 1 or not torch.isfinite(t).all() or (t <= 0).any()]
+    bad = [
+        name
+        for name, t in profile.items()
+        if t.dim() != 1 or not torch.isfinite(t).all() or (t <= 0).any()
+    ]
     if bad:
         raise ValueError(f"{path}: factors must be finite, positive 1-D tensors; bad: {bad[:3]}")
     return profile
@@ -91,24 +112,36 @@ def main(argv: list[str] | None = None) -> None:
     from asyncfp8.models import load_model, load_tokenizer
     from asyncfp8.tasks import get_task
 
-    parser = argparse.ArgumentParser(prog="python -m asyncfp8.precision.profile", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncfp8.precision.profile", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--model", required=True, help="HF model directory")
-    parser.add_argument("--task", default="arithmetic", help="task whose prompts calibrate the activations")
+    parser.add_argument(
+        "--task", default="arithmetic", help="task whose prompts calibrate the activations"
+    )
     parser.add_argument("--out", required=True, help="output .safetensors file")
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--alpha", type=float, default=0.5, help="migration strength (SmoothQuant's α)")
+    parser.add_argument(
+        "--alpha", type=float, default=0.5, help="migration strength (SmoothQuant's α)"
+    )
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model(args.model), load_tokenizer(args.model)
     task = get_task(args.task)
     texts = [task.prompt(i).text for i in range(args.samples)]
-    batches = [dict(tokenizer(texts[i : i + args.batch_size], return_tensors="pt", padding=True))
-               for i in range(0, len(texts), args.batch_size)]
+    batches = [
+        dict(tokenizer(texts[i : i + args.batch_size], return_tensors="pt", padding=True))
+        for i in range(0, len(texts), args.batch_size)
+    ]
     profile = compute_profile(model, batches, args.alpha)
-    path = save_profile(profile, args.out, model=args.model, task=args.task, samples=args.samples, alpha=args.alpha)
+    path = save_profile(
+        profile, args.out, model=args.model, task=args.task, samples=args.samples, alpha=args.alpha
+    )
     spread = torch.cat([v for k, v in profile.items() if "norm" in k])
-    print(f"wrote {path}: {len(profile)} tensors, factors {spread.min().item():.3g}..{spread.max().item():.3g}")
+    print(
+        f"wrote {path}: {len(profile)} tensors, factors {spread.min().item():.3g}..{spread.max().item():.3g}"
+    )
 
 
 if __name__ == "__main__":
