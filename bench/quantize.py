@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_seconds, write_json  # noqa: E402
+from common import median_seconds, write_json
 
-from asyncfp8.precision import kernels  # noqa: E402
-from asyncfp8.precision.fp8 import quantize_blockwise_reference  # noqa: E402
-from asyncfp8.precision.int8 import quantize_per_channel_reference  # noqa: E402
+from asyncfp8.precision import kernels
+from asyncfp8.precision.fp8 import quantize_blockwise_reference
+from asyncfp8.precision.int8 import quantize_per_channel_reference
 
 HIDDEN, INTERMEDIATE = 4096, 11008
 LAYER_SHAPES = [(HIDDEN, HIDDEN)] * 4 + [(INTERMEDIATE, HIDDEN)] * 2 + [(HIDDEN, INTERMEDIATE)]
@@ -43,14 +43,18 @@ def copy_bandwidth(device: str, numel: int = 1 << 27) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=32, help="decoder layers in the 7B-shaped stream")
+    parser.add_argument(
+        "--layers", type=int, default=32, help="decoder layers in the 7B-shaped stream"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device)
-    weights = {shape: torch.randn(shape, device=device).to(torch.bfloat16) for shape in set(LAYER_SHAPES)}
+    weights = {
+        shape: torch.randn(shape, device=device).to(torch.bfloat16) for shape in set(LAYER_SHAPES)
+    }
     impls = {
         ("fp8", "torch"): quantize_blockwise_reference,
         ("int8", "torch"): quantize_per_channel_reference,
@@ -63,8 +67,15 @@ def main() -> None:
     for (fmt, impl), fn in impls.items():
         square = weights[(HIDDEN, HIDDEN)]
         seconds = median_seconds(lambda fn=fn, w=square: fn(w))
-        rows.append({"format": fmt, "impl": impl, "workload": "4096x4096", "seconds": seconds,
-                     "gb_per_s": traffic_bytes(square.shape) / seconds / 1e9})
+        rows.append(
+            {
+                "format": fmt,
+                "impl": impl,
+                "workload": "4096x4096",
+                "seconds": seconds,
+                "gb_per_s": traffic_bytes(square.shape) / seconds / 1e9,
+            }
+        )
 
         def stream(fn=fn):
             for _ in range(args.layers):
@@ -73,20 +84,35 @@ def main() -> None:
 
         seconds = median_seconds(stream, repeats=1, warmup=0)
         total = args.layers * sum(traffic_bytes(s) for s in LAYER_SHAPES)
-        rows.append({"format": fmt, "impl": impl, "workload": f"7B stream ({args.layers} layers)",
-                     "seconds": seconds, "gb_per_s": total / seconds / 1e9})
+        rows.append(
+            {
+                "format": fmt,
+                "impl": impl,
+                "workload": f"7B stream ({args.layers} layers)",
+                "seconds": seconds,
+                "gb_per_s": total / seconds / 1e9,
+            }
+        )
     for row in rows:
         row["fraction_of_copy"] = row["gb_per_s"] / bandwidth
 
-    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; copy bandwidth {bandwidth:.1f} GB/s")
+    print(
+        f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; copy bandwidth {bandwidth:.1f} GB/s"
+    )
     print(f"{'format':<6} {'impl':<7} {'workload':<24} {'seconds':>9} {'GB/s':>8} {'of copy':>8}")
     for row in rows:
-        print(f"{row['format']:<6} {row['impl']:<7} {row['workload']:<24} {row['seconds']:>9.3f} "
-              f"{row['gb_per_s']:>8.2f} {100 * row['fraction_of_copy']:>7.1f}%")
+        print(
+            f"{row['format']:<6} {row['impl']:<7} {row['workload']:<24} {row['seconds']:>9.3f} "
+            f"{row['gb_per_s']:>8.2f} {100 * row['fraction_of_copy']:>7.1f}%"
+        )
     if device != "cuda":
-        print("triton: not run (no CUDA device; the kernels are checked for exactness under TRITON_INTERPRET=1)")
-    path = write_json(args.out or f"bench/results/quantize-{device}.json",
-                      {"copy_gb_per_s": bandwidth, "layers": args.layers, "rows": rows})
+        print(
+            "triton: not run (no CUDA device; the kernels are checked for exactness under TRITON_INTERPRET=1)"
+        )
+    path = write_json(
+        args.out or f"bench/results/quantize-{device}.json",
+        {"copy_gb_per_s": bandwidth, "layers": args.layers, "rows": rows},
+    )
     print(f"wrote {path}")
 
 
