@@ -1,0 +1,30 @@
+"""What crosses between processes: policy versions (learner -> workers) and
+trajectories (workers -> learner), over ZeroMQ, optionally CURVE-authenticated.
+
+    from asyncfp8.sync import encode_version, decode_version
+    messages = encode_version(7, model.named_parameters(), base=previous, base_version=6)
+    version = decode_version(messages, base=previous, base_version=6)  # .number, .tensors
+"""
+
+from .codec import Version, VersionAssembler, decode_version, encode_chunks, encode_version
+from .limits import Limits, RejectedMessage
+from .security import Curve
+from .trajectories import Trajectory, TrajectoryReceiver, TrajectorySender
+from .versions import PublishStats, VersionPublisher, VersionSubscriber
+
+__all__ = [
+    "Curve",
+    "Limits",
+    "PublishStats",
+    "RejectedMessage",
+    "Trajectory",
+    "TrajectoryReceiver",
+    "TrajectorySender",
+    "Version",
+    "VersionAssembler",
+    "VersionPublisher",
+    "VersionSubscriber",
+    "decode_version",
+    "encode_chunks",
+    "encode_version",
+]

@@ -1,0 +1,393 @@
+import random
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from asyncfp8.precision import get_policy
+from asyncfp8.sync import (
+    Curve,
+    Limits,
+    RejectedMessage,
+    Trajectory,
+    TrajectoryReceiver,
+    TrajectorySender,
+    VersionAssembler,
+    VersionPublisher,
+    VersionSubscriber,
+    decode_version,
+    encode_version,
+)
+from asyncfp8.sync.codec import seal
+from asyncfp8.sync.keys import make_keys
+
+LOOPBACK = "tcp://127.0.0.1:*"
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
+def toy_model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(64, 48, generator=g) * 0.02,
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(48, 48, generator=g) * 0.02,
+        "model.layers.0.mlp.up_proj.weight": torch.randn(160, 48, generator=g) * 0.02,
+        "model.layers.0.input_layernorm.weight": torch.ones(48),
+        "lm_head.weight": torch.randn(64, 48, generator=g) * 0.02,
+    }
+
+
+def sparse_step(master, rng, fraction=0.01):
+    """An RL-sized update: a few percent of the weights move (some by a lot)."""
+    for tensor in master.values():
+        flat = tensor.view(-1)
+        index = torch.randperm(flat.numel(), generator=rng)[: max(1, int(fraction * flat.numel()))]
+        flat[index] += torch.randn(index.numel(), generator=rng) * 0.01
+
+
+def engine_tensors(policy, master):
+    return dict(policy.quantize_weights((n, t.to(torch.bfloat16)) for n, t in master.items()))
+
+
+def wait_for(subscriber, number, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    got = []
+    while time.monotonic() < deadline:
+        version = subscriber.poll(timeout_ms=50)
+        if version is not None:
+            got.append(version)
+        if subscriber.version == number:
+            return got
+    raise AssertionError(f"subscriber stuck at version {subscriber.version}, waiting for {number}")
+
+
+# --- codec ----------------------------------------------------------------------------------------
+
+
+def test_patch_is_lossless_bit_for_bit_including_signed_zeros_and_nan():
+    base = torch.tensor([0.0, 1.0, float("nan"), -2.0, 5.0] * 50, dtype=torch.bfloat16)
+    new = base.clone()
+    new[0] = -0.0  # equal as floats, different bits
+    new[7] = float("inf")
+    messages = encode_version(1, [("w", new)], base={"w": base}, base_version=0)
+    header = msgpack.unpackb(messages[0][0][8:])
+    assert header["tensors"][0]["encoding"] == "patch"
+    got = decode_version(messages, base={"w": base}, base_version=0).tensors["w"]
+    assert bits_equal(got, new)
+
+
+def test_a_dense_change_goes_full_and_chunks_respect_the_size():
+    base = {f"w{i}": torch.randn(64, 64) for i in range(6)}
+    new = {k: v + 1 for k, v in base.items()}
+    messages = encode_version(2, new.items(), base=base, base_version=1, chunk_bytes=40_000)
+    assert len(messages) == 3  # 16 KiB per tensor, two per chunk
+    assert all(
+        e["encoding"] == "full" for m in messages for e in msgpack.unpackb(m[0][8:])["tensors"]
+    )
+    version = decode_version(messages, base=base, base_version=1)
+    assert all(bits_equal(version.tensors[k], new[k]) for k in new)
+
+
+def test_a_patch_against_the_wrong_base_is_refused():
+    base = {"w": torch.zeros(1000)}
+    new = {"w": torch.zeros(1000)}
+    new["w"][3] = 1
+    messages = encode_version(5, new.items(), base=base, base_version=4)
+    with pytest.raises(RejectedMessage, match="patch against version 4, but this receiver has 3"):
+        decode_version(messages, base=base, base_version=3)
+
+
+# --- publisher / subscriber ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "int8"])
+def test_fifty_versions_over_zeromq_bit_for_bit_and_a_late_joiner_catches_up(precision):
+    policy = get_policy(precision)
+    context = zmq.Context()
+    publisher = VersionPublisher(LOOPBACK, LOOPBACK, chunk_bytes=8_000, context=context)
+    early = VersionSubscriber(
+        publisher.publish_address, publisher.snapshot_address, context=context
+    )
+    late = None
+    time.sleep(0.3)  # let the SUB connect before the first publish (PUB drops until then)
+    master, rng = toy_model(), torch.Generator().manual_seed(1)
+    full_size = delta_size = 0
+    try:
+        for number in range(50):
+            if number:
+                sparse_step(master, rng)
+            expected = engine_tensors(policy, master)
+            stats = publisher.publish(
+                number, expected.items(), policy=policy.name, engine_config=policy.engine_config()
+            )
+            if number == 0:
+                full_size = stats.wire_bytes
+            else:
+                delta_size = max(delta_size, stats.wire_bytes)
+            if number == 37:
+                late = VersionSubscriber(
+                    publisher.publish_address, publisher.snapshot_address, context=context
+                )
+            for subscriber in filter(None, (early, late)):
+                received = wait_for(subscriber, number)
+                assert subscriber.rejected == 0
+                assert set(subscriber.tensors) == set(expected)
+                for name, tensor in expected.items():
+                    assert bits_equal(subscriber.tensors[name], tensor), (number, name)
+                if subscriber is early:
+                    assert [v.number for v in received] == [number]  # every version, in order
+                    assert received[0].policy == policy.name
+        assert late.snapshot_requests >= 1 and publisher.snapshots_served >= 1
+        # Toy tensors are one or two FP8 blocks: a moved block maximum rescales a whole
+        # tensor. bench/sync.py measures deltas at a real model's size.
+        assert delta_size * (3 if precision == "bf16" else 1) < full_size, (delta_size, full_size)
+    finally:
+        for endpoint in filter(None, (early, late, publisher)):
+            endpoint.close()
+        context.term()
+
+
+def test_versions_must_increase():
+    context = zmq.Context()
+    publisher = VersionPublisher(LOOPBACK, LOOPBACK, context=context)
+    try:
+        publisher.publish(3, [("w", torch.zeros(4))])
+        with pytest.raises(ValueError, match="versions must increase: 3 after 3"):
+            publisher.publish(3, [("w", torch.zeros(4))])
+    finally:
+        publisher.close()
+        context.term()
+
+
+# --- trajectories ----------------------------------------------------------------------------------
+
+
+def trajectory(i, n=5):
+    return Trajectory(
+        prompt_ids=[1, 2, 3],
+        token_ids=list(range(n)),
+        logprobs=[-0.5] * n,
+        versions=[i // 10] * n,
+        reward=float(i % 2),
+        group_id=f"g{i // 4}",
+        prompt_index=i // 4,
+        seq=i,
+        meta={"i": i},
+    )
+
+
+def test_trajectories_exactly_once_across_a_reconnect():
+    context = zmq.Context()
+    receiver = TrajectoryReceiver(LOOPBACK, context=context)
+    address = receiver.address
+    sender = TrajectorySender(address, "worker-0", context=context, resend_after=0.2)
+    got = []
+    try:
+        for i in range(30):
+            sender.send(trajectory(i))
+        deadline = time.monotonic() + 5
+        while len(got) < 10 and time.monotonic() < deadline:
+            got += receiver.poll(timeout_ms=50)
+        # The learner's socket goes away (its acks with it) and comes back on the same
+        # address, keeping its dedup state, as after a restart from a checkpoint.
+        state = receiver.state_dict()
+        receiver.close()
+        for i in range(30, 60):
+            sender.send(trajectory(i))
+        sender.pump()
+        time.sleep(0.3)
+        receiver = TrajectoryReceiver(address, context=context)
+        receiver.load_state_dict(state)
+        deadline = time.monotonic() + 20
+        while sender.outbox and time.monotonic() < deadline:
+            got += receiver.poll(timeout_ms=50)
+            sender.pump(timeout_ms=10)
+        got += receiver.poll(timeout_ms=200)
+        assert not sender.outbox
+        assert sorted(t.meta["i"] for t in got) == list(range(60))  # none lost, none twice
+        assert all(t.worker_id == "worker-0" for t in got)
+        assert got[0].logprobs == [-0.5] * 5 and got[0].versions == [0] * 5
+    finally:
+        sender.close()
+        receiver.close()
+        context.term()
+
+
+def test_trajectory_fields_are_validated():
+    limits = Limits()
+    payload = trajectory(1).encode("w/1")
+    sender, decoded = Trajectory.decode(payload, limits)
+    assert sender == "w/1" and decoded.meta == {"i": 1}
+    with pytest.raises(ValueError, match="one entry per token"):
+        Trajectory([1], [1, 2], [-1.0], [0, 0], 1.0, "g").encode("w")
+    bad = msgpack.unpackb(payload[8:])
+    bad["logprobs"] = b"\x00\x00\xc0\x7f" * 5  # NaN
+    with pytest.raises(RejectedMessage, match="NaN"):
+        Trajectory.decode(seal(msgpack.packb(bad)), limits)
+    with pytest.raises(RejectedMessage, match="exceeds"):
+        Trajectory.decode(payload, Limits(max_message_bytes=10))
+
+
+# --- fuzzing: truncated, bit-flipped and random frames ---------------------------------------------
+
+
+def mutations(frames, rng):
+    kind = rng.choice(["truncate", "flip", "random", "drop", "extra"])
+    if kind == "drop" and len(frames) == 1:
+        kind = "extra"  # a message needs at least one frame
+    frames = [bytearray(f) for f in frames]
+    target = rng.randrange(len(frames))
+    if kind == "truncate" and frames[target]:
+        frames[target] = frames[target][: rng.randrange(len(frames[target]))]
+    elif kind == "flip" and frames[target]:
+        position = rng.randrange(len(frames[target]))
+        frames[target][position] ^= 1 << rng.randrange(8)
+    elif kind == "random":
+        frames[target] = bytearray(rng.randbytes(rng.randrange(1, 300)))
+    elif kind == "drop":
+        frames.pop(target)
+    else:
+        frames.append(bytearray(b"junk"))
+    return [bytes(f) for f in frames]
+
+
+def test_fuzzed_version_messages_are_all_rejected_and_good_ones_still_pass():
+    rng = random.Random(0)
+    base = toy_model()
+    new = {k: v.clone() for k, v in base.items()}
+    sparse_step(new, torch.Generator().manual_seed(2))
+    good = encode_version(1, new.items(), base=base, base_version=0)
+    assert len(good) == 1
+    for _ in range(300):
+        bad = mutations(good[0], rng)
+        with pytest.raises(RejectedMessage):
+            VersionAssembler(base, 0).feed(bad)
+    version = VersionAssembler(base, 0).feed(good[0])
+    assert all(bits_equal(version.tensors[k], new[k]) for k in new)
+
+
+def test_fuzzed_frames_through_real_sockets_never_stop_either_receiver():
+    rng = random.Random(1)
+    context = zmq.Context()
+    rogue_pub = context.socket(zmq.PUB)
+    rogue_pub.bind(LOOPBACK)
+    snapshot_router = context.socket(zmq.ROUTER)
+    snapshot_router.bind(LOOPBACK)
+    subscriber = VersionSubscriber(
+        rogue_pub.getsockopt_string(zmq.LAST_ENDPOINT),
+        snapshot_router.getsockopt_string(zmq.LAST_ENDPOINT),
+        context=context,
+    )
+    receiver = TrajectoryReceiver(LOOPBACK, context=context)
+    rogue_dealer = context.socket(zmq.DEALER)
+    rogue_dealer.connect(receiver.address)
+    time.sleep(0.3)
+    try:
+        good_version = encode_version(0, toy_model().items())[0]
+        good_trajectory = trajectory(0).encode("w/fuzz")
+        bad_count = 200
+        for _ in range(bad_count):
+            rogue_pub.send_multipart(mutations(good_version, rng))
+            rogue_dealer.send_multipart(mutations([good_trajectory], rng))
+        rogue_pub.send_multipart(good_version)
+        rogue_dealer.send(good_trajectory)
+        accepted, version = [], None
+        deadline = time.monotonic() + 20
+        while (version is None or not accepted) and time.monotonic() < deadline:
+            version = subscriber.poll(timeout_ms=20) or version
+            accepted += receiver.poll(timeout_ms=20)
+        assert version is not None and version.number == 0
+        assert len(accepted) == 1 and accepted[0].meta == {"i": 0}
+        assert receiver.rejected == bad_count
+        assert subscriber.rejected == bad_count
+    finally:
+        for socket in (rogue_pub, snapshot_router, rogue_dealer):
+            socket.close(linger=0)
+        subscriber.close()
+        receiver.close()
+        context.term()
+
+
+def test_oversized_and_wrongly_versioned_messages_are_rejected():
+    limits = Limits(max_message_bytes=2_000, max_tensors=2)
+    messages = encode_version(0, toy_model().items())
+    with pytest.raises(RejectedMessage, match="exceeds max_message_bytes"):
+        VersionAssembler(limits=limits).feed(messages[0])
+    header = msgpack.unpackb(messages[0][0][8:])
+    header["format"] = 99
+    with pytest.raises(RejectedMessage, match="unknown format 99"):
+        VersionAssembler().feed([seal(msgpack.packb(header)), messages[0][1]])
+    with pytest.raises(RejectedMessage, match="5 tensors exceed 2"):
+        VersionAssembler(limits=Limits(max_tensors=2)).feed(messages[0])
+
+
+# --- CURVE ------------------------------------------------------------------------------------------
+
+
+def test_curve_keeps_out_clients_without_the_keys(tmp_path):
+    keys = make_keys(tmp_path / "keys")
+    intruder_keys = make_keys(tmp_path / "intruder")
+    curve, intruder = Curve(True, str(keys)), Curve(True, str(intruder_keys))
+    context = zmq.Context()
+    receiver = TrajectoryReceiver(LOOPBACK, curve=curve, context=context)
+    publisher = VersionPublisher(LOOPBACK, LOOPBACK, curve=curve, context=context)
+    plain_sender = TrajectorySender(receiver.address, "plain", context=context)
+    foreign_sender = TrajectorySender(receiver.address, "foreign", curve=intruder, context=context)
+    good_sender = TrajectorySender(receiver.address, "good", curve=curve, context=context)
+    # A rogue publisher on its own port, without the learner's secret key: a worker
+    # pointed at it must not take its weights.
+    rogue = VersionPublisher(LOOPBACK, LOOPBACK, curve=intruder, context=context)
+    fooled = VersionSubscriber(
+        rogue.publish_address, rogue.snapshot_address, curve=curve, context=context
+    )
+    worker = VersionSubscriber(
+        publisher.publish_address, publisher.snapshot_address, curve=curve, context=context
+    )
+    try:
+        time.sleep(0.5)
+        for sender in (plain_sender, foreign_sender, good_sender):
+            sender.send(trajectory(7))
+        rogue.publish(0, [("w", torch.ones(8))])
+        publisher.publish(0, [("w", torch.zeros(8))])
+        got, deadline = [], time.monotonic() + 5
+        while time.monotonic() < deadline:
+            got += receiver.poll(timeout_ms=50)
+            worker.poll(timeout_ms=10)
+            fooled.poll(timeout_ms=10)
+        assert [t.worker_id for t in got] == ["good"]
+        assert worker.version == 0 and torch.equal(worker.tensors["w"], torch.zeros(8))
+        assert fooled.version is None
+    finally:
+        for endpoint in (
+            plain_sender,
+            foreign_sender,
+            good_sender,
+            receiver,
+            publisher,
+            rogue,
+            fooled,
+            worker,
+        ):
+            endpoint.close()
+        from asyncfp8.sync.security import stop_authenticators
+
+        stop_authenticators()
+        context.term()
+
+
+def test_keys_cli_refuses_to_overwrite(tmp_path):
+    from asyncfp8.sync.keys import main
+
+    main(["--out", str(tmp_path / "k")])
+    assert (tmp_path / "k" / "clients" / "client.key").is_file()
+    assert oct((tmp_path / "k" / "server.key_secret").stat().st_mode)[-3:] == "600"
+    with pytest.raises(FileExistsError, match="already holds keys"):
+        main(["--out", str(tmp_path / "k")])
