@@ -16,6 +16,7 @@ form is smaller.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -24,8 +25,6 @@ from typing import Any
 import msgpack
 import torch
 import xxhash
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from .limits import Limits, RejectedMessage
 
@@ -122,15 +121,103 @@ class Version:
     wire_bytes: int = 0
 
 
-def _payload_offsets(payload: bytes | memoryview) -> dict[str, tuple[int, int]]:
-    (header_len,) = struct.unpack("<Q", bytes(payload[:8]))
-    header = json.loads(bytes(payload[8 : 8 + header_len]))
-    start = 8 + header_len
-    return {
-        k: (start + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
-        for k, v in header.items()
-        if k != "__metadata__"
-    }
+# The payload is a standard safetensors file (the `safetensors` library reads it; a
+# test checks that). It is written and read here rather than by that library because
+# its torch API copies every byte twice per side (1.2 GB/s measured), where this
+# writes each tensor once into one buffer that ZeroMQ sends without a copy, and reads
+# tensors as zero-copy views of the received frame.
+ST_DTYPES = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.uint16: "U16",
+    torch.int32: "I32",
+    torch.uint32: "U32",
+    torch.int64: "I64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+ST_TORCH = {name: dtype for dtype, name in ST_DTYPES.items()}
+
+
+def pack_safetensors(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[memoryview, dict[str, tuple[int, int]]]:
+    """(safetensors file as one buffer, {name: (byte offset, length) in it})."""
+    header, cursor = {}, 0
+    for name, tensor in tensors.items():
+        length = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": ST_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [cursor, cursor + length],
+        }
+        cursor += length
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-byte aligned
+    start = 8 + len(header_bytes)
+    buffer = torch.empty(start + cursor, dtype=torch.uint8)
+    buffer[:start] = torch.frombuffer(
+        bytearray(struct.pack("<Q", len(header_bytes)) + header_bytes), dtype=torch.uint8
+    )
+    offsets = {}
+    for name, tensor in tensors.items():
+        begin, end = header[name]["data_offsets"]
+        if end > begin:
+            buffer[start + begin : start + end] = (
+                tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+            )
+        offsets[name] = (start + begin, end - begin)
+    return memoryview(buffer.numpy()), offsets
+
+
+def unpack_safetensors(payload: memoryview) -> dict[str, torch.Tensor]:
+    """Tensors viewing `payload` (no copy); RejectedMessage if it is not a sound file."""
+    try:
+        (header_len,) = struct.unpack("<Q", bytes(payload[:8]))
+        _check(header_len <= len(payload) - 8, "safetensors header longer than the payload")
+        header = json.loads(bytes(payload[8 : 8 + header_len]))
+    except (struct.error, ValueError, UnicodeDecodeError) as err:
+        raise RejectedMessage(f"payload is not a safetensors file: {err}") from None
+    _check(isinstance(header, dict), "safetensors header is not a map")
+    start, tensors = 8 + header_len, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        _check(
+            isinstance(info, dict) and info.get("dtype") in ST_TORCH,
+            f"{name}: unknown safetensors dtype",
+        )
+        dtype, shape, offsets = ST_TORCH[info["dtype"]], info.get("shape"), info.get("data_offsets")
+        _check(
+            isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape),
+            f"{name}: bad shape",
+        )
+        _check(
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= len(payload) - start,
+            f"{name}: data offsets out of range",
+        )
+        numel = math.prod(shape)
+        _check(
+            offsets[1] - offsets[0] == numel * dtype.itemsize,
+            f"{name}: data length does not match its shape",
+        )
+        if numel == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(
+            payload, dtype=torch.uint8, count=offsets[1] - offsets[0], offset=start + offsets[0]
+        )
+        tensors[name] = raw.view(dtype).reshape(shape)
+    return tensors
 
 
 def encode_chunks(
@@ -153,18 +240,14 @@ def encode_chunks(
     size, chunk_index, total = 0, 0, 0
 
     def message(final: bool) -> list[bytes]:
-        payload = save_safetensors(pending) if pending else b""
-        offsets = _payload_offsets(payload) if pending else {}
+        payload, offsets = pack_safetensors(pending)
         for entry in entries:
             for part in entry["parts"]:
                 offset, length = offsets[part["key"]]
-                part.update(
-                    offset=offset,
-                    length=length,
-                    checksum=xxhash.xxh3_64_intdigest(
-                        memoryview(payload)[offset : offset + length]
-                    ),
-                )
+                digest = xxhash.xxh3_64_intdigest(payload[offset : offset + length])
+                part.update(offset=offset, length=length, checksum=digest)
+            if entry["encoding"] == "full":
+                entry["result_checksum"] = entry["parts"][0]["checksum"]  # the same bytes
         header = {
             "format": FORMAT_VERSION,
             "kind": "version",
@@ -187,14 +270,10 @@ def encode_chunks(
         patch = make_patch(tensor, base[name]) if base is not None and name in base else None
         if update_base and base is not None:
             base[name] = tensor
-        entry = {
-            "name": name,
-            "dtype": DTYPE_NAMES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "result_checksum": checksum(tensor),
-        }
+        entry = {"name": name, "dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)}
         if patch is not None and sum(p.numel() * p.element_size() for p in patch) < full_bytes:
             gaps, values = patch
+            entry["result_checksum"] = checksum(tensor)
             entry["encoding"] = "patch"
             entry["parts"] = [
                 {"key": f"{name}::gaps", "role": "gaps"},
@@ -354,10 +433,7 @@ class VersionAssembler:
                     xxhash.xxh3_64_intdigest(data) == part["checksum"],
                     f"{entry['name']}: payload checksum mismatch",
                 )
-        try:
-            stored = load_safetensors(bytes(payload)) if header["tensors"] else {}
-        except Exception as err:
-            raise RejectedMessage(f"payload is not a valid safetensors file: {err}") from None
+        stored = unpack_safetensors(view) if header["tensors"] else {}
         for entry in header["tensors"]:
             self.tensors[entry["name"]] = self._rebuild(entry, stored, header)
         self.wire_bytes += len(header_frame) + len(payload)
@@ -397,10 +473,10 @@ class VersionAssembler:
                 f"{name}: patch does not fit the base tensor",
             )
             tensor = apply_patch(base, parts["gaps"], parts["values"])
-        _check(
-            checksum(tensor) == entry["result_checksum"],
-            f"{name}: rebuilt tensor checksum mismatch",
-        )
+            _check(
+                checksum(tensor) == entry["result_checksum"],
+                f"{name}: rebuilt tensor checksum mismatch",
+            )
         return tensor
 
 

@@ -83,7 +83,13 @@ class VersionPublisher:
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         policy: str = "",
         engine_config: Mapping[str, Any] | None = None,
+        copy: bool = True,
     ) -> PublishStats:
+        """Streams version `version` out, as patches against the previous one where
+        smaller. The publisher keeps the tensors as the base of the next delta; `copy`
+        clones them first, which is needed when they alias weights the caller will
+        update in place (a BF16 model's parameters), and a wasted copy when they are
+        fresh (cast from FP32 master weights, or quantized)."""
         started = time.perf_counter()
         with self._lock:
             if self.version is not None and version <= self.version:
@@ -91,8 +97,11 @@ class VersionPublisher:
             base_version = self.version
             self.version = None  # until the whole version is out, no snapshot may mix two versions
             wire, chunks = 0, 0
-            # Copies: the learner's tensors change in place at the next optimizer step.
-            stream = ((name, tensor.detach().clone()) for name, tensor in named_tensors)
+            stream = (
+                ((name, tensor.detach().clone()) for name, tensor in named_tensors)
+                if copy
+                else named_tensors
+            )
             for message in encode_chunks(
                 version,
                 stream,
