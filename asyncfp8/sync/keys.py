@@ -5,8 +5,8 @@
 writes DIR/server.key (public) and server.key_secret for the learner, DIR/client.key
 and client.key_secret for the workers, and DIR/clients/client.key: the learner accepts
 the clients whose public keys are in DIR/clients/. Copy the directory to every host
-(the secret files are readable by their owner only); then run learner and workers with
-`sync.curve.enabled=true sync.curve.keys_dir=DIR`.
+(the secret files are readable by their owner only) and give every socket
+`Curve(enabled=True, keys_dir=DIR)` (see docs/sync.md).
 """
 
 from __future__ import annotations
