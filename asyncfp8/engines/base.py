@@ -1,0 +1,74 @@
+"""The rollout-engine protocol: what a worker needs from vLLM, SGLang or the built-in
+torch engine, and nothing more."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; top_k 0 and top_p 1 turn those filters off. `seed`
+    makes a call reproducible (the torch engine; vLLM seeds per request)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.n < 1 or self.max_new_tokens < 1:
+            raise ValueError(
+                f"n and max_new_tokens must be >= 1, got {self.n}, {self.max_new_tokens}"
+            )
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(
+                f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
+                f"{self.temperature}, {self.top_p}, {self.top_k}"
+            )
+
+
+@dataclass
+class Sample:
+    """One completion. `logprobs[i]` is the fp32 log-probability of `token_ids[i]` under
+    the *processed* distribution it was sampled from (after temperature, top-k, top-p);
+    `versions[i]` the policy version that generated it."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" (eos) or "length"
+    text: str = ""
+    prompt_index: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    name: str
+    version: int | None
+
+    def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> list[Sample]:
+        """`sampling.n` samples per prompt, grouped by prompt (prompt_index says which)."""
+
+    def update_weights(
+        self,
+        version: int,
+        named_tensors: Mapping[str, torch.Tensor],
+        extra: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Applies a whole version (weights as the precision policy produced them, plus
+        extra tensors such as KV scales) between generations: all of it or none."""
+
+    def close(self) -> None: ...
+
+
+class EngineUnsupported(ValueError):
+    """An engine was asked, at start, for something it cannot run."""
