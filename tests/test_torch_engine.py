@@ -137,3 +137,16 @@ def test_bad_sampling_parameters():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+
+
+def test_engines_by_name_and_config(tiny_model_dir):
+    from hydra import compose, initialize_config_module
+
+    from asyncfp8.engines import RolloutEngine, build_engine, make_engine
+
+    with pytest.raises(ValueError, match="unknown engine 'tensorrt'; available: torch, vllm"):
+        make_engine("tensorrt", str(tiny_model_dir))
+    with initialize_config_module(version_base="1.3", config_module="asyncfp8.conf"):
+        cfg = compose(overrides=["+engine=torch", "engine.max_batch=8"])
+    engine = build_engine(cfg.engine, str(tiny_model_dir), "int8")
+    assert isinstance(engine, RolloutEngine) and engine.max_batch == 8
