@@ -53,7 +53,7 @@ class VLLMEngine:
         self,
         model_dir: str,
         policy: PrecisionPolicy | str = "bf16",
-        max_model_len: int = 1024,
+        max_model_len: int | None = None,
         seed: int = 0,
         kv_cache_gib: int = 1,
         enforce_eager: bool = True,

@@ -1,0 +1,122 @@
+"""Rollout decode speed by precision and engine, as ratios to BF16, in one run.
+
+    python bench/rollout.py [--model small] [--new-tokens 32] [--out ...]
+
+For each engine available here (torch; vllm: BF16 only on the CPU wheel) and each
+precision it runs (bf16, fp8, fp8+fp8_kv, int8), generates `--new-tokens` tokens per
+sequence at batch sizes 1 and 64, after a short (16-token) and a long (`--long`-token)
+prompt, and reports decode tokens/s and the ratio to BF16 on the same engine and
+setting. On a GPU the torch engine runs real FP8 tensor cores; on a CPU FP8 goes
+through `torch._scaled_mm`'s CPU path, so the CPU ratios say little about GPU speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_json
+
+from asyncfp8.engines import EngineUnsupported, SamplingParams, make_engine
+from asyncfp8.models import load_model, load_tokenizer, resolve_model_dir
+from asyncfp8.precision import get_policy
+
+PRECISIONS = ("bf16", "fp8", "fp8+fp8_kv", "int8")
+
+
+def prompt_of(tokens: int) -> str:
+    text = "Q: " + " ".join(f"{i % 10}+{(i * 7) % 10}" for i in range(tokens))
+    return text[:tokens]
+
+
+def kv_scales(policy, model_dir):
+    if not policy.needs_calibration:
+        return {}
+    tokenizer = load_tokenizer(model_dir)
+    batch = dict(tokenizer([prompt_of(64)] * 4, return_tensors="pt", padding=True))
+    return policy.calibrate(load_model(model_dir), batch)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small", help="tiny, small, or an HF model directory")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--long", type=int, default=384, help="tokens in the long prompt")
+    parser.add_argument("--engines", default="torch,vllm")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    model_dir = str(
+        resolve_model_dir(None, args.model) if args.model in ("tiny", "small") else args.model
+    )
+    rows = []
+    for engine_name in args.engines.split(","):
+        for precision in PRECISIONS:
+            policy = get_policy(precision)
+            try:
+                engine = make_engine(engine_name, model_dir, policy)
+            except EngineUnsupported as err:
+                print(f"skip {engine_name}/{precision}: {err}")
+                continue
+            engine.update_weights(0, {}, kv_scales(policy, model_dir))
+            for context, prompt in (("short", prompt_of(16)), ("long", prompt_of(args.long))):
+                for batch in (1, 64):
+                    sampling = SamplingParams(
+                        n=batch, temperature=1.0, max_new_tokens=args.new_tokens, seed=0
+                    )
+                    engine.generate(
+                        [prompt], SamplingParams(n=1, max_new_tokens=2, seed=0)
+                    )  # warm-up
+                    started = time.perf_counter()
+                    samples = engine.generate([prompt], sampling)
+                    seconds = time.perf_counter() - started
+                    tokens = sum(len(s.token_ids) for s in samples)
+                    rows.append(
+                        {
+                            "engine": engine_name,
+                            "precision": precision,
+                            "context": context,
+                            "batch": batch,
+                            "tokens": tokens,
+                            "seconds": seconds,
+                            "tokens_per_s": tokens / seconds,
+                        }
+                    )
+            engine.close()
+    for row in rows:
+        base = next(
+            r
+            for r in rows
+            if r["engine"] == row["engine"]
+            and r["precision"] == "bf16"
+            and r["context"] == row["context"]
+            and r["batch"] == row["batch"]
+        )
+        row["vs_bf16"] = row["tokens_per_s"] / base["tokens_per_s"]
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(
+        f"model {model_dir} on {device}; {args.new_tokens} new tokens; long prompt {args.long} tokens"
+    )
+    print(
+        f"{'engine':<6} {'precision':<11} {'context':<7} {'batch':>5} {'tok/s':>9} {'vs bf16':>8}"
+    )
+    for row in rows:
+        print(
+            f"{row['engine']:<6} {row['precision']:<11} {row['context']:<7} {row['batch']:>5} "
+            f"{row['tokens_per_s']:>9.1f} {row['vs_bf16']:>7.2f}x"
+        )
+    path = write_json(
+        args.out or f"bench/results/rollout-{'gpu' if torch.cuda.is_available() else 'cpu'}.json",
+        {"model": model_dir, "new_tokens": args.new_tokens, "long_prompt": args.long, "rows": rows},
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
