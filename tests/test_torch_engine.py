@@ -150,3 +150,16 @@ def test_engines_by_name_and_config(tiny_model_dir):
         cfg = compose(overrides=["+engine=torch", "engine.max_batch=8"])
     engine = build_engine(cfg.engine, str(tiny_model_dir), "int8")
     assert isinstance(engine, RolloutEngine) and engine.max_batch == 8
+
+
+def test_lm_head_in_fp32_when_the_policy_asks(tiny_model_dir):
+    policy = get_policy("bf16", lm_head_fp32=True)
+    engine = TorchEngine(str(tiny_model_dir), policy)
+    assert engine.model.lm_head.weight.dtype == torch.float32
+    learner = perturbed_state(tiny_model_dir)
+    engine.update_weights(
+        1, dict(policy.quantize_weights((n, p.detach()) for n, p in learner.named_parameters()))
+    )
+    assert torch.equal(engine.model.lm_head.weight, learner.lm_head.weight)  # not rounded to BF16
+    samples = engine.generate(PROMPTS, SamplingParams(n=1, max_new_tokens=4, seed=0))
+    assert all(len(s.token_ids) == len(s.logprobs) > 0 for s in samples)

@@ -57,6 +57,10 @@ class TorchEngine:
         self.model = load_model(model_dir, dtype=dtype).eval()
         self.tokenizer = load_tokenizer(model_dir)
         apply_policy(self.model, self.policy)
+        if config.get("lm_head_dtype") == "float32":
+            # FlashRL's LM-head option: the last projection in FP32 (weights and input).
+            self.model.lm_head.float()
+            self.model.lm_head.register_forward_pre_hook(lambda _module, args: (args[0].float(),))
         self.fp8_kv = config.get("kv_cache_dtype") == "fp8"
         self.kv_scales: dict[int, dict[str, float]] = {}
         self.max_batch = max_batch
