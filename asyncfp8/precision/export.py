@@ -51,11 +51,14 @@ def export_checkpoint(
     out_dir: str | Path,
     calibration_batch: Mapping[str, torch.Tensor] | None = None,
     shard_bytes: int = 2 << 30,
+    require_calibration: bool = True,
 ) -> Path:
     """Write `model_dir` quantized by `policy` to `out_dir` (config.json with the
     policy's `quantization_config`, tokenizer files copied). Policies that calibrate
     (fp8_kv) need `calibration_batch` (input_ids, attention_mask); their tensors (KV
-    scales) are written with the weights."""
+    scales) are written with the weights. An engine that receives the scales with every
+    version anyway may export without them (`require_calibration=False`): the engine
+    then starts with scale 1.0 until the first version."""
     source = check_model_dir(model_dir)
     out = Path(out_dir)
     if out.resolve() == source.resolve():
@@ -67,7 +70,7 @@ def export_checkpoint(
         from asyncfp8.models.loading import load_model
 
         extra = policy.calibrate(load_model(source, dtype=torch.float32), calibration_batch)
-    elif policy.needs_calibration:
+    elif policy.needs_calibration and require_calibration:
         raise ValueError(
             f"precision {policy.name!r} calibrates (KV scales): pass calibration_batch"
         )

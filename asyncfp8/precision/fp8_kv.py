@@ -21,6 +21,13 @@ from .fp8 import FP8_MAX
 from .policy import PrecisionPolicy, register_policy
 
 CAPTURE_IMPLEMENTATION = "asyncfp8_kv_capture"
+KV_CACHE_SCHEME = {
+    "num_bits": 8,
+    "type": "float",
+    "strategy": "tensor",
+    "dynamic": False,
+    "symmetric": True,
+}
 MAX_QUANTILE_ELEMENTS = 1 << 24  # torch.quantile's input limit
 
 
@@ -91,6 +98,19 @@ class FP8KVPolicy(PrecisionPolicy):
 
     def engine_config(self) -> dict:
         return {"kv_cache_dtype": "fp8"}
+
+    def checkpoint_config(self) -> dict:
+        """A compressed-tensors config with only a KV-cache scheme: it is what makes
+        vLLM create per-layer k/v/q scale parameters for BF16 weights, so that each
+        version's scales have somewhere to load."""
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "dense",
+            "quantization_status": "compressed",
+            "config_groups": {},
+            "ignore": [],
+            "kv_cache_scheme": KV_CACHE_SCHEME,
+        }
 
     def calibrate(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]

@@ -133,7 +133,25 @@ class ComposedPolicy(PrecisionPolicy):
         return extra
 
     def checkpoint_config(self):
-        return self._weights.checkpoint_config()
+        """The weight format's config, plus what lets the engine load KV scales:
+        compressed-tensors (INT8) takes a `kv_cache_scheme`; blockwise FP8's own config
+        already loads `k_scale` / `v_scale`; BF16 weights take the KV part's config."""
+        config = self._weights.checkpoint_config() if self._weights.quantizes_weights else None
+        kv = next(
+            (
+                p.checkpoint_config()
+                for p in self.parts
+                if p.needs_calibration and p.checkpoint_config()
+            ),
+            None,
+        )
+        if kv is None:
+            return config
+        if config is None:
+            return kv
+        if config.get("quant_method") == "compressed-tensors":
+            return {**config, "kv_cache_scheme": kv["kv_cache_scheme"]}
+        return config
 
 
 _POLICIES: dict[str, Callable[..., PrecisionPolicy]] = {}
