@@ -12,6 +12,7 @@ def test_demo_runs_on_a_given_model_and_reports_reward(tiny_model_dir, tmp_path)
             f"model.path={tiny_model_dir}",
             "samples=2",
             "eval_prompts=32",
+            "precision=fp8+fp8_kv",
             f"hydra.run.dir={tmp_path}",
         ],
         capture_output=True,
@@ -22,6 +23,10 @@ def test_demo_runs_on_a_given_model_and_reports_reward(tiny_model_dir, tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "mean reward at temperature 1.0 over 32 prompts" in result.stdout
     assert result.stdout.count("reward ") >= 3
+    assert (
+        "precision fp8+fp8_kv" in result.stdout
+        and "mismatch engine vs learner: KL k1" in result.stdout
+    )
 
 
 def test_demo_with_a_missing_model_fails_with_the_path(tmp_path):
