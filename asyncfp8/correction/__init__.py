@@ -13,7 +13,6 @@ takes `reject=[...]` (more rejection filters) and `max_staleness=N`. A new metho
 
 from .base import LOG_RATIO_CLAMP, CorrectionBatch, CorrectionResult, MethodResult
 from .registry import (
-    LEARNER_KEYS,
     Correction,
     build_correction,
     get_correction,
@@ -23,7 +22,6 @@ from .registry import (
 )
 
 __all__ = [
-    "LEARNER_KEYS",
     "LOG_RATIO_CLAMP",
     "Correction",
     "CorrectionBatch",

@@ -17,9 +17,6 @@ from .metrics import mismatch_metrics, staleness_metrics, weight_metrics
 Method = Callable[..., MethodResult]
 _METHODS: dict[str, Method] = {}
 
-# Keys of a `correction=` config entry that configure the learner, not the method.
-LEARNER_KEYS = ("mode", "max_staleness")
-
 
 def register_correction(name: str, method: Method | None = None):
     """Register `method(batch: CorrectionBatch, **params) -> MethodResult` under `name`;
@@ -181,7 +178,9 @@ def build_correction(cfg: Mapping[str, Any]) -> Correction:
         raise ValueError(f"correction config needs a 'name'; got keys {sorted(params)}")
     name = params.pop("name")
     max_staleness = params.pop("max_staleness", None)
-    params.pop("mode", None)
+    params.pop(
+        "mode", None
+    )  # decoupled / bypass: how the loss uses the correction (asyncfp8.losses)
     return get_correction(name, max_staleness=max_staleness, **params)
 
 

@@ -4,7 +4,7 @@ torch engine, and nothing more."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -47,7 +47,6 @@ class Sample:
     finish_reason: str  # "stop" (eos) or "length"
     text: str = ""
     prompt_index: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 @runtime_checkable

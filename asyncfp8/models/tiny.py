@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -88,7 +88,6 @@ class WarmStart:
     check_prompts: int = 256
     final_prompts: int = 512
     max_new_tokens: int = 8
-    extra: dict = field(default_factory=dict)
 
 
 def default_cache_dir() -> Path:
