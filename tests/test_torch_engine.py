@@ -23,11 +23,19 @@ def perturbed_state(model_dir, seed=1, scale=0.3):
     return model
 
 
-def recompute(model, tokenizer, sample, temperature):
+def recompute(model, sample, temperature):
+    """The learner's (FP32) logprobs of a sample's tokens at `temperature`."""
     ids = torch.tensor([sample.prompt_ids + sample.token_ids])
     with torch.no_grad():
         logits = model(ids).logits[0, len(sample.prompt_ids) - 1 : -1].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+
+
+def logprob_deltas(learner, samples, temperature):
+    """|engine logprob - learner recompute| for every sampled token, concatenated."""
+    return torch.cat(
+        [(torch.tensor(s.logprobs) - recompute(learner, s, temperature)).abs() for s in samples]
+    )
 
 
 def calibration(model_dir):
@@ -73,10 +81,7 @@ def test_logprobs_after_an_update_match_the_learner(precision, tiny_model_dir):
         PROMPTS, SamplingParams(n=2, temperature=0.8, max_new_tokens=8, seed=0)
     )
     assert len(samples) == 12 and all(s.versions == [3] * len(s.token_ids) for s in samples)
-    tokenizer = load_tokenizer(tiny_model_dir)
-    deltas = torch.cat(
-        [(torch.tensor(s.logprobs) - recompute(learner, tokenizer, s, 0.8)).abs() for s in samples]
-    )
+    deltas = logprob_deltas(learner, samples, 0.8)
     # The reference is the learner in FP32; the engine runs BF16 (+ 8-bit GEMMs / KV).
     # Measured on the tiny model (mean |dlogp|): bf16 0.0015, fp8 0.010, int8 0.0024,
     # fp8+fp8_kv 0.018. BF16 alone is weight/activation rounding (~2^-9 relative); the
@@ -107,10 +112,7 @@ def test_update_takes_effect_and_is_all_or_nothing(tiny_model_dir):
     engine.update_weights(1, state)
     after = engine.generate(PROMPTS, sampling)
     assert engine.version == 1 and after[0].versions[0] == 1
-    tokenizer = load_tokenizer(tiny_model_dir)
-    deltas = torch.cat(
-        [(torch.tensor(s.logprobs) - recompute(learner, tokenizer, s, 1.0)).abs() for s in after]
-    )
+    deltas = logprob_deltas(learner, after, 1.0)
     assert deltas.mean() < 0.05  # the new weights' values, not the old ones'
     assert [s.token_ids for s in before] != [s.token_ids for s in after]
 

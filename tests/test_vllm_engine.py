@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from asyncfp8.engines.base import EngineUnsupported, SamplingParams
-from asyncfp8.models import load_tokenizer
 
-from .test_torch_engine import PROMPTS, calibration, perturbed_state, recompute
+from .test_torch_engine import PROMPTS, calibration, logprob_deltas, perturbed_state
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -44,10 +43,7 @@ def test_bf16_update_takes_effect_with_faithful_logprobs(tiny_model_dir, vllm_mo
         PROMPTS, SamplingParams(n=2, temperature=0.8, max_new_tokens=8, seed=0)
     )
     assert len(samples) == 12 and all(s.versions == [2] * len(s.token_ids) for s in samples)
-    tokenizer = load_tokenizer(tiny_model_dir)
-    deltas = torch.cat(
-        [(torch.tensor(s.logprobs) - recompute(learner, tokenizer, s, 0.8)).abs() for s in samples]
-    )
+    deltas = logprob_deltas(learner, samples, 0.8)
     print(f"vllm bf16 after an update: mean |dlogp| {deltas.mean():.4f}, max {deltas.max():.3f}")
     # Measured 0.0028 (max 0.029): BF16 compute against an FP32 recompute. The engine
     # before the update scores ~0.3 against the new weights, so 0.01 tells them apart.
@@ -88,10 +84,7 @@ def test_fp8_kv_scales_of_each_version_take_effect(tiny_model_dir, vllm_module):
     samples = engine.generate(
         PROMPTS, SamplingParams(n=2, temperature=0.8, max_new_tokens=8, seed=0)
     )
-    tokenizer = load_tokenizer(tiny_model_dir)
-    deltas = torch.cat(
-        [(torch.tensor(s.logprobs) - recompute(learner, tokenizer, s, 0.8)).abs() for s in samples]
-    )
+    deltas = logprob_deltas(learner, samples, 0.8)
     print(f"vllm fp8_kv after an update: mean |dlogp| {deltas.mean():.4f}, max {deltas.max():.3f}")
     # Measured 0.057 (max 1.4): the FP8 KV mismatch itself, larger than the torch
     # engine's e4m3 cache (0.018); bounded so that a broken cache (e.g. scales never
