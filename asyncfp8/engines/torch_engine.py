@@ -4,7 +4,6 @@ vLLM, but its FP8 / INT8 / FP8-KV numerics are the ones an engine would show."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -12,14 +11,13 @@ from transformers.cache_utils import DynamicCache
 
 from asyncfp8.models.loading import load_model, load_tokenizer
 from asyncfp8.precision import PrecisionPolicy, get_policy
-from asyncfp8.precision.fp8_kv import kv_scale_names
+from asyncfp8.precision.fp8_kv import KV_SCALE_NAME, kv_scale_names
 from asyncfp8.precision.modules import FP8BlockLinear, Int8Linear, apply_policy
 
 from .base import Sample, SamplingParams
 from .kv_cache import fp8_kv_cache
 
 _SCALE_SUFFIXES = ("_scale_inv", "_scale")
-_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?([qkv])_scale$")
 
 
 def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -102,7 +100,7 @@ class TorchEngine:
                         f"version {version}: {name} has shape {tuple(tensor.shape)}, the engine's {tuple(param.shape)}"
                     )
                 plan.append(("param", param, tensor, None))
-            elif (match := _KV_SCALE.match(name)) is not None:
+            elif (match := KV_SCALE_NAME.match(name)) is not None:
                 kv.setdefault(int(match.group(1)), {})[match.group(2)] = float(tensor)
             elif not (
                 name.endswith(_SCALE_SUFFIXES) and name.rsplit("_scale", 1)[0] in self._quantized

@@ -13,6 +13,7 @@ with the version under the names vLLM loads.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import torch
@@ -31,9 +32,23 @@ KV_CACHE_SCHEME = {
 MAX_QUANTILE_ELEMENTS = 1 << 24  # torch.quantile's input limit
 
 
+KV_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?([qkv])_scale$")
+
+
 def kv_scale_names(layer: int) -> dict[str, str]:
     prefix = f"model.layers.{layer}.self_attn"
     return {"q": f"{prefix}.attn.q_scale", "k": f"{prefix}.k_scale", "v": f"{prefix}.v_scale"}
+
+
+def split_kv_scales(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(weights, KV scales) of a received version: what `RolloutEngine.update_weights`
+    takes as `named_tensors` and `extra`."""
+    weights, scales = {}, {}
+    for name, tensor in tensors.items():
+        (scales if KV_SCALE_NAME.match(name) else weights)[name] = tensor
+    return weights, scales
 
 
 def high_percentile(values: torch.Tensor, percentile: float) -> torch.Tensor:

@@ -7,6 +7,11 @@ nothing; the learner deduplicates by (sender, sequence number), so a resent traj
 it had already accepted is acknowledged again but not trained on twice. The sender key
 holds a random incarnation id: a restarted worker's sequence numbers start afresh
 without being mistaken for duplicates.
+
+The same two sockets carry work leases: a worker sends `[b"lease", request]` (how many
+groups it wants, the version it holds, its throughput counters) and the learner's
+`on_lease` callback answers with prompts to generate, "wait" (the staleness bound) or
+"done" (the run is over).
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +34,8 @@ from .security import Curve, secure_client, secure_server
 
 log = logging.getLogger("asyncfp8.sync")
 FORMAT_VERSION = 1
+LEASE_FRAME = b"lease"
+MAX_LEASE_WANT = 4096
 
 
 @dataclass
@@ -192,6 +199,8 @@ class TrajectorySender:
         self.outbox: OrderedDict[int, list] = OrderedDict()  # seq -> [payload, last sent time]
         self.next_seq = 0
         self.resent = 0
+        self.replies: deque[dict] = deque()  # lease replies, in arrival order
+        self.last_heard = time.monotonic()  # when the learner last answered anything
 
     def send(self, trajectory: Trajectory, timeout: float = 60.0) -> int:
         deadline = time.monotonic() + timeout
@@ -226,13 +235,29 @@ class TrajectorySender:
                 except Exception:
                     log.warning("trajectory sender: ignored a malformed acknowledgement")
                     continue
+                self.last_heard = time.monotonic()
                 if isinstance(reply, dict) and isinstance(reply.get("ack"), int):
                     self.outbox.pop(reply["ack"], None)
+                elif isinstance(reply, dict) and reply.get("kind") == "lease":
+                    self.replies.append(reply)
         now = time.monotonic()
         for seq, (_, sent_at) in list(self.outbox.items()):
             if now - sent_at > self.resend_after:
                 self.resent += sent_at > 0
                 self._transmit(seq)
+
+    def request_lease(self, want: int, version: int | None, stats: dict[str, float]) -> None:
+        """Asks the learner for up to `want` groups of work; the answer arrives in
+        `replies` (after a `pump`)."""
+        request = {
+            "format": FORMAT_VERSION,
+            "sender": self.sender,
+            "worker_id": self.worker_id,
+            "want": int(want),
+            "version": version,
+            "stats": {key: float(value) for key, value in stats.items()},
+        }
+        self.socket.send_multipart([LEASE_FRAME, seal(msgpack.packb(request))])
 
     def flush(self, timeout: float = 30.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -244,8 +269,37 @@ class TrajectorySender:
         self.socket.close()
 
 
+def decode_lease_request(payload: bytes, limits: Limits) -> dict[str, Any]:
+    """A worker's lease request, checked field by field; RejectedMessage says what is wrong."""
+    if len(payload) > limits.max_header_bytes:
+        raise RejectedMessage(f"lease request of {len(payload)} bytes is too large")
+    try:
+        request = msgpack.unpackb(unseal(payload, "lease request"), raw=False)
+    except RejectedMessage:
+        raise
+    except Exception as err:
+        raise RejectedMessage(f"lease request is not msgpack: {err}") from None
+    if not isinstance(request, dict) or request.get("format") != FORMAT_VERSION:
+        raise RejectedMessage("not a lease request of a known format")
+    checks = {
+        "sender": lambda v: isinstance(v, str) and v,
+        "worker_id": lambda v: isinstance(v, str),
+        "want": lambda v: isinstance(v, int) and 1 <= v <= MAX_LEASE_WANT,
+        "version": lambda v: v is None or isinstance(v, int),
+        "stats": lambda v: (
+            isinstance(v, dict)
+            and all(isinstance(k, str) and isinstance(x, float) for k, x in v.items())
+        ),
+    }
+    for key, valid in checks.items():
+        if not valid(request.get(key)):
+            raise RejectedMessage(f"lease request field {key!r} missing or invalid")
+    return request
+
+
 class TrajectoryReceiver:
-    """Learner side: `poll()` returns the new trajectories, each exactly once."""
+    """Learner side: `poll()` returns the new trajectories, each exactly once, and
+    answers lease requests with `on_lease(request) -> reply` (a dict)."""
 
     def __init__(
         self,
@@ -253,6 +307,7 @@ class TrajectoryReceiver:
         curve: Curve | None = None,
         limits: Limits | None = None,
         context: zmq.Context | None = None,
+        on_lease: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ):
         self.context = context or zmq.Context.instance()
         self.limits = limits or Limits()
@@ -266,6 +321,7 @@ class TrajectoryReceiver:
         )  # resolves "tcp://127.0.0.1:*"
         self.seen: dict[str, SeenSequences] = {}
         self.accepted = self.duplicates = self.rejected = 0
+        self.on_lease = on_lease
 
     def poll(self, timeout_ms: int = 0, max_messages: int = 4096) -> list[Trajectory]:
         fresh: list[Trajectory] = []
@@ -276,6 +332,9 @@ class TrajectoryReceiver:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            if len(frames) == 3 and frames[1] == LEASE_FRAME and self.on_lease is not None:
+                self._answer_lease(frames[0], frames[2])
+                continue
             if len(frames) != 2:
                 self.rejected += 1
                 log.warning("rejected a trajectory message: %d frames, expected 2", len(frames))
@@ -294,6 +353,17 @@ class TrajectoryReceiver:
             else:
                 self.duplicates += 1
         return fresh
+
+    def _answer_lease(self, identity: bytes, payload: bytes) -> None:
+        try:
+            request = decode_lease_request(payload, self.limits)
+        except RejectedMessage as err:
+            self.rejected += 1
+            log.warning("rejected a lease request: %s", err)
+            return
+        reply = dict(self.on_lease(request))
+        reply["kind"] = "lease"
+        self.socket.send_multipart([identity, msgpack.packb(reply)])
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint stores so that a restarted learner still deduplicates."""

@@ -1,0 +1,237 @@
+"""One command for a run on this machine: one learner and `run.workers` workers as
+processes, with the same Hydra overrides, one progress bar, and a summary with plots.
+
+    python -m asyncfp8.launch                                   # small model, BF16, 2 workers
+    python -m asyncfp8.launch precision=fp8 correction=token_tis run.steps=100
+    python -m asyncfp8.launch run.mode=sync                     # the synchronous baseline
+
+Each process logs to `<run.dir>/<name>.log`; the learner's metrics go to
+`<run.dir>/metrics.jsonl`. Ctrl-C stops the workers and lets the learner checkpoint
+(continue with `run.resume=true run.dir=<that dir>`). A worker that dies is restarted
+(up to `run.worker_restarts` times); the learner re-leases what it held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from asyncfp8.metrics import METRICS_FILE
+from asyncfp8.models import resolve_model_dir
+from asyncfp8.report import plot_runs, summarize
+
+PORTS = ("version", "snapshot", "trajectory")
+STOP_GRACE = 60.0  # s the learner gets to checkpoint after SIGTERM before SIGKILL
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free on the loopback now (the learner binds them a moment later)."""
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if the launcher dies (even by SIGKILL): no orphans."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: no such guard
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Process:
+    def __init__(self, name: str, module: str, overrides: list[str], run_dir: Path):
+        self.name, self.module, self.overrides = name, module, overrides
+        self.log_path = run_dir / f"{name}.log"
+        self.popen: subprocess.Popen | None = None
+        self.restarts = 0
+
+    def start(self) -> None:
+        log = self.log_path.open("a")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", self.module, *self.overrides],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops them in order
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+
+    def poll(self) -> int | None:
+        return self.popen.poll() if self.popen else None
+
+    def signal(self, sig: int) -> None:
+        if self.popen and self.popen.poll() is None:
+            self.popen.send_signal(sig)
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.popen.wait(timeout) if self.popen else None
+        except subprocess.TimeoutExpired:
+            return None
+
+    def tail(self, lines: int = 15) -> str:
+        if not self.log_path.exists():
+            return ""
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(f"    {line}" for line in text[-lines:])
+
+
+class Progress:
+    """The run's one progress bar, fed by the learner's metrics file."""
+
+    def __init__(self, run_dir: Path, steps: int, start: int = 0):
+        self.path, self.offset = run_dir / METRICS_FILE, 0
+        self.bar = tqdm(total=steps, initial=start, desc="steps", unit="step", dynamic_ncols=True)
+        self.last: dict = {}
+
+    def update(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open() as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self.offset += len(complete.encode())
+        for line in complete.splitlines():
+            record = json.loads(line)
+            self.bar.update(max(0, record["step"] - self.bar.n))
+            self.last = record
+        if self.last:
+            r = self.last
+            self.bar.set_postfix(
+                v=r.get("version"),
+                reward=f"{r.get('reward/mean', float('nan')):.3f}",
+                kl=f"{r.get('mismatch/kl_k3', float('nan')):.1e}",
+                stale=f"{r.get('staleness/mean', float('nan')):.2f}",
+                tok_s=f"{r.get('throughput/tokens_per_s', 0):.0f}",
+                refresh=False,
+            )
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def launch(cfg: DictConfig, overrides: list[str]) -> int:
+    run = cfg.run
+    run_dir = Path(run.dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # Build (or find) the model once here, so that N+1 processes do not wait on its lock.
+    resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
+    ports = free_ports(3)
+    common = [
+        *overrides,
+        f"run.dir={run_dir}",
+        "sync.host=127.0.0.1",
+        *(f"sync.{name}_port={port}" for name, port in zip(PORTS, ports, strict=True)),
+    ]
+    learner = Process("learner", "asyncfp8.learner", common, run_dir)
+    workers = [
+        Process(f"worker-{i}", "asyncfp8.worker", [*common, f"run.worker_id={i}"], run_dir)
+        for i in range(run.workers)
+    ]
+    print(
+        f"[launch] learner + {run.workers} workers ({cfg.engine.name} engine, {cfg.precision.name}, "
+        f"correction {cfg.correction.name}, {run.mode}); logs and metrics in {run_dir}",
+        flush=True,
+    )
+    started = time.perf_counter()
+    learner.start()
+    for worker in workers:
+        worker.start()
+    progress = Progress(run_dir, run.steps)
+    code = None
+    try:
+        while code is None:
+            time.sleep(0.5)
+            progress.update()
+            code = learner.poll()
+            for worker in workers:
+                exit_code = worker.poll()
+                if exit_code in (None, 0):
+                    continue
+                if worker.restarts >= run.worker_restarts:
+                    progress.bar.write(
+                        f"[launch] {worker.name} exited with {exit_code} and has used its "
+                        f"{run.worker_restarts} restarts:\n{worker.tail()}"
+                    )
+                    raise RuntimeError(f"{worker.name} keeps failing")
+                worker.restarts += 1
+                progress.bar.write(
+                    f"[launch] {worker.name} exited with {exit_code}; restart "
+                    f"{worker.restarts}/{run.worker_restarts}. Its log ends:\n{worker.tail(5)}"
+                )
+                worker.start()
+    except (KeyboardInterrupt, RuntimeError) as err:
+        progress.bar.write(
+            "[launch] stopping: the learner checkpoints, the workers exit"
+            if isinstance(err, KeyboardInterrupt)
+            else f"[launch] stopping: {err}"
+        )
+        stop_all(learner, workers)
+        progress.close()
+        print(f"[launch] stopped; continue with: run.resume=true run.dir={run_dir}")
+        return 130 if isinstance(err, KeyboardInterrupt) else 1
+    progress.update()
+    progress.close()
+    for worker in workers:  # the learner told them the run is over
+        if worker.wait(30) is None:
+            print(f"[launch] {worker.name} did not exit after the run ended; stopping it")
+            worker.signal(signal.SIGTERM)
+    stop_all(learner, workers)
+    if code != 0:
+        print(f"[launch] the learner exited with {code}. Its log ends:\n{learner.tail(25)}")
+        return code
+    summary = summarize(run_dir)
+    summary["wall_s"] = time.perf_counter() - started
+    plot = plot_runs([run_dir], run_dir / "plots.png")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(
+        f"[launch] done in {summary['wall_s']:.0f} s: {summary['steps']} steps, "
+        f"{summary['samples']} samples ({summary['samples_per_s']:.1f}/s); "
+        f"reward {summary['reward_start']:.3f} (first 20% of steps) -> "
+        f"{summary['reward_end']:.3f} (last 20%); mismatch KL k3 {summary['kl_k3_mean']:.2e} "
+        f"(fresh tokens {summary['fresh_kl_k3_mean']:.2e}); mean staleness "
+        f"{summary['staleness_mean']:.2f}, dropped {summary['stale_groups']} stale groups.\n"
+        f"[launch] plots: {plot}; summary: {run_dir / 'summary.json'}"
+    )
+    return 0
+
+
+def stop_all(learner: Process, workers: list[Process]) -> None:
+    """Workers first (they flush), then the learner (it checkpoints); SIGKILL whatever
+    is still there after the grace period."""
+    for worker in workers:
+        worker.signal(signal.SIGTERM)
+    learner.signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE
+    for process in [*workers, learner]:
+        if process.wait(max(0.0, deadline - time.monotonic())) is None:
+            process.signal(signal.SIGKILL)
+            process.wait(5)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    own = ("run.dir=", "run.worker_id=", "sync.host=", *(f"sync.{p}_port=" for p in PORTS))
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(own)]
+    sys.exit(launch(cfg, overrides))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""What the learner and every worker set up the same way: logging, torch threads, the
+addresses they bind or connect to, and stopping cleanly on SIGTERM / Ctrl-C."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncfp8.sync import Curve
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    versions: str
+    snapshots: str
+    trajectories: str
+
+
+def endpoints(sync: Any, side: str) -> Endpoints:
+    """tcp:// addresses from the `sync` config: `side="bind"` for the learner,
+    `"connect"` for workers."""
+    host = sync.bind if side == "bind" else sync.host
+    ports = {
+        "versions": sync.version_port,
+        "snapshots": sync.snapshot_port,
+        "trajectories": sync.trajectory_port,
+    }
+    for name, port in ports.items():
+        if not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"sync.{name[:-1]}_port must be a port number, got {port!r}")
+    return Endpoints(**{name: f"tcp://{host}:{port}" for name, port in ports.items()})
+
+
+def curve(sync: Any) -> Curve | None:
+    if not sync.curve.enabled:
+        return None
+    if not sync.curve.keys_dir:
+        raise ValueError(
+            "sync.curve.enabled=true needs sync.curve.keys_dir (make the keys with "
+            "`python -m asyncfp8.sync.keys --out DIR`)"
+        )
+    return Curve(enabled=True, keys_dir=sync.curve.keys_dir)
+
+
+def set_threads(requested: int | None, processes: int) -> int:
+    """torch threads for this process: `requested`, or the machine's cores split evenly
+    between the `processes` asyncfp8 runs here (oversubscribed threads spin and slow
+    every process down)."""
+    threads = requested or max(1, (os.cpu_count() or 1) // processes)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def setup_logging(name: str) -> logging.Logger:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {name} %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+    return logging.getLogger(f"asyncfp8.{name.split('-')[0]}")
+
+
+class StopFlag:
+    """Set by SIGTERM or SIGINT: the loop finishes what it is doing (a step, a
+    generation), checkpoints or flushes, and exits. A second signal exits at once."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.signal: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, sig, _frame):
+        if self.event.is_set():
+            raise SystemExit(128 + sig)
+        self.signal = sig
+        self.event.set()
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()

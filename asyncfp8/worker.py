@@ -1,0 +1,216 @@
+"""A rollout worker: one engine, fed versions by the learner, turning leased prompts
+into scored trajectories.
+
+    python -m asyncfp8.worker engine=vllm precision=fp8_kv sync.host=10.0.0.5
+
+The loop: apply the newest complete version (between generations, so every sample
+comes from one version), ask the learner for a lease, generate `n` samples for each
+leased prompt at the lease's sampling settings, score them with the task's reward and
+push them back. When the learner says wait (the staleness bound: this worker is far
+enough ahead), the worker waits for the next version instead of producing samples
+that would be dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+import hydra
+from omegaconf import DictConfig
+
+from asyncfp8.engines import EngineUnsupported, SamplingParams, build_engine
+from asyncfp8.models import resolve_model_dir
+from asyncfp8.precision import build_policy
+from asyncfp8.precision.fp8_kv import split_kv_scales
+from asyncfp8.process import StopFlag, curve, endpoints, set_threads, setup_logging
+from asyncfp8.sync import Trajectory, TrajectorySender, VersionSubscriber
+from asyncfp8.tasks import build_task
+
+REQUEST_AGAIN_AFTER = 5.0  # s without an answer to a lease request: ask again
+
+
+class LearnerGone(RuntimeError):
+    pass
+
+
+class Worker:
+    def __init__(self, cfg: DictConfig):
+        self.cfg, run = cfg, cfg.run
+        self.id = (
+            str(run.worker_id)
+            if run.worker_id is not None
+            else f"{socket.gethostname()}-{os.getpid()}"
+        )
+        self.log = setup_logging(f"worker-{self.id}")
+        self.stop = StopFlag()
+        threads = set_threads(run.threads, run.workers + 1)
+        model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
+        self.task = build_task(cfg.task)
+        self.policy = build_policy(cfg.precision)
+        self.engine = build_engine(cfg.engine, str(model_dir), self.policy)
+        addresses, secure = endpoints(cfg.sync, "connect"), curve(cfg.sync)
+        self.subscriber = VersionSubscriber(addresses.versions, addresses.snapshots, curve=secure)
+        self.sender = TrajectorySender(
+            addresses.trajectories, self.id, curve=secure, resend_after=cfg.sync.resend_after
+        )
+        self.stats = dict.fromkeys(
+            ("samples", "tokens", "generate_s", "update_s", "updates", "paused_s"), 0.0
+        )
+        self.log.info(
+            "engine %s, precision %s (%s), %d torch threads; learner at %s",
+            self.engine.name,
+            self.policy.name,
+            self.policy.engine_config() or "no engine options",
+            threads,
+            addresses.trajectories,
+        )
+
+    def run(self) -> int:
+        sync = self.cfg.sync
+        self.log.info("waiting up to %d s for the learner's first version", sync.connect_timeout)
+        if not self._apply_newest(timeout=sync.connect_timeout) and self.engine.version is None:
+            raise LearnerGone(
+                f"no version from a learner at {endpoints(sync, 'connect').versions} within "
+                f"{sync.connect_timeout} s (sync.connect_timeout): is it running, and are "
+                "sync.host and the ports the learner's?"
+            )
+        while not self.stop:
+            self._apply_newest(timeout=0)
+            reply = self._ask_for_work()
+            if reply.get("done"):
+                self.log.info("the learner says the run is over")
+                break
+            if "wait" in reply:
+                paused = time.perf_counter()
+                self._apply_newest(timeout=float(reply["wait"]))
+                self.stats["paused_s"] += time.perf_counter() - paused
+                continue
+            self._wait_for_version(int(reply["min_version"]))
+            self._generate(reply)
+        flushed = self.sender.flush(timeout=30)
+        if not flushed:
+            self.log.warning(
+                "%d trajectories were never acknowledged by the learner", len(self.sender.outbox)
+            )
+        self.log.info(
+            "done: %d samples, %d tokens at %.0f tokens/s, %d versions applied",
+            self.stats["samples"],
+            self.stats["tokens"],
+            self.stats["tokens"] / max(self.stats["generate_s"], 1e-9),
+            self.stats["updates"],
+        )
+        self.close()
+        return 0 if flushed else 1
+
+    def _apply_newest(self, timeout: float) -> bool:
+        """Applies the newest complete version that arrives within `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            version = self.subscriber.poll(timeout_ms=int(min(left, 0.2) * 1000))
+            if version is not None:
+                started = time.perf_counter()
+                weights, extra = split_kv_scales(version.tensors)
+                try:
+                    self.engine.update_weights(version.number, weights, extra)
+                except ValueError as err:
+                    raise SystemExit(
+                        f"worker {self.id}: version {version.number} does not fit this worker's "
+                        f"engine: {err}. Do the learner and the worker use the same model= and "
+                        "precision=?"
+                    ) from None
+                self.stats["update_s"] += time.perf_counter() - started
+                self.stats["updates"] += 1
+                return True
+            if time.monotonic() >= deadline or self.stop:
+                return False
+
+    def _wait_for_version(self, wanted: int) -> None:
+        deadline = time.monotonic() + self.cfg.sync.learner_timeout
+        while self.engine.version is None or self.engine.version < wanted:
+            if time.monotonic() > deadline:
+                raise LearnerGone(
+                    f"the learner leased work for version {wanted} but it did not arrive within "
+                    f"{self.cfg.sync.learner_timeout} s (have {self.engine.version})"
+                )
+            self._apply_newest(timeout=0.5)
+
+    def _ask_for_work(self) -> dict:
+        want = self.cfg.run.lease_groups
+        asked = time.monotonic()
+        self.sender.request_lease(want, self.engine.version, self.stats)
+        while not self.sender.replies:
+            self.sender.pump(timeout_ms=100)
+            if self.stop:
+                return {"done": True}
+            silent = time.monotonic() - self.sender.last_heard
+            if silent > self.cfg.sync.learner_timeout:
+                raise LearnerGone(
+                    f"no answer from the learner for {silent:.0f} s (sync.learner_timeout)"
+                )
+            if time.monotonic() - asked > REQUEST_AGAIN_AFTER:
+                # A request sent while the learner was restarting can be lost; an extra
+                # lease is not: it is used next.
+                asked = time.monotonic()
+                self.sender.request_lease(want, self.engine.version, self.stats)
+            self._apply_newest(timeout=0)
+        return self.sender.replies.popleft()
+
+    def _generate(self, lease: dict) -> None:
+        prompts = [self.task.prompt(index) for index in lease["prompts"]]
+        settings = lease["sampling"]
+        sampling = SamplingParams(
+            n=settings["n"],
+            temperature=settings["temperature"],
+            max_new_tokens=settings["max_new_tokens"],
+            seed=settings["seed"],
+        )
+        started = time.perf_counter()
+        samples = self.engine.generate([p.text for p in prompts], sampling)
+        self.stats["generate_s"] += time.perf_counter() - started
+        for sample in samples:
+            prompt = prompts[sample.prompt_index]
+            self.sender.send(
+                Trajectory(
+                    prompt_ids=sample.prompt_ids,
+                    token_ids=sample.token_ids,
+                    logprobs=sample.logprobs,
+                    versions=sample.versions,
+                    reward=self.task.score(sample.text, prompt),
+                    group_id=f"{lease['lease']}:{prompt.index}",
+                    prompt_index=prompt.index,
+                    finish_reason=sample.finish_reason,
+                    meta={"lease": lease["lease"]},
+                ),
+                timeout=self.cfg.sync.learner_timeout,
+            )
+            self.stats["tokens"] += len(sample.token_ids)
+        self.stats["samples"] += len(samples)
+        self.sender.pump()
+
+    def close(self) -> None:
+        self.subscriber.close()
+        self.sender.close()
+        self.engine.close()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        worker = Worker(cfg)
+    except (ValueError, FileNotFoundError, EngineUnsupported) as err:
+        print(f"worker: {err}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        sys.exit(worker.run())
+    except LearnerGone as err:
+        worker.log.error("%s", err)
+        worker.close()
+        sys.exit(3)
+
+
+if __name__ == "__main__":
+    main()
