@@ -48,6 +48,10 @@ from asyncfp8.tasks import build_task
 
 log = logging.getLogger("asyncfp8.learner")
 CHECKPOINT_DIR = "checkpoints"
+# The newest version ever published in this run dir. A learner killed after its last
+# checkpoint may have published beyond it, and workers ignore a version number they
+# have passed: a resumed learner numbers its versions after this one.
+LATEST_VERSION_FILE = "latest_version"
 
 
 class Preempted(Exception):
@@ -171,11 +175,6 @@ class Inbox:
         deadline = time.monotonic() + timeout
         with self.lock:
             while True:
-                while self.ready and version - self.ready[0].oldest_version > max_staleness:
-                    self.ready.popleft()
-                    self.book.close(1)
-                    self.counts["stale_groups"] += 1
-                # Stale groups can sit behind fresh ones; drop those too before counting.
                 stale = [g for g in self.ready if version - g.oldest_version > max_staleness]
                 for group in stale:
                     self.ready.remove(group)
@@ -255,6 +254,54 @@ class Inbox:
         self._stop.set()
         self._thread.join(timeout=5)
         self.receiver.close()
+
+
+def completion_logprobs(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float
+) -> torch.Tensor:
+    """[N, T] log-probabilities of the completion tokens under `model` at `temperature`
+    (the distribution the engine sampled from; no top-k/top-p), from a right-padded
+    batch of prompt + completion as built by `batch_tensors`."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = logits.float()
+    if temperature > 0:
+        logits = logits / temperature
+    # logits[:, j] predicts token j + 1; completion token k sits at prompt_len + k.
+    positions = batch["positions"]
+    rows = logits[:, :-1].gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+    targets = batch["input_ids"][:, 1:].gather(1, positions)
+    return torch.log_softmax(rows, dim=-1).gather(-1, targets[..., None])[..., 0]
+
+
+def batch_tensors(trajectories: list[Trajectory], pad: int) -> dict[str, torch.Tensor]:
+    """Right-padded prompt + completion ids, and per completion token [N, T]: its
+    position in the sequence, the rollout logprob, the version, and the mask."""
+    width = max(len(t.prompt_ids) + len(t.token_ids) for t in trajectories)
+    steps = max(len(t.token_ids) for t in trajectories)
+    n = len(trajectories)
+    input_ids = torch.full((n, width), pad, dtype=torch.long)
+    attention = torch.zeros(n, width, dtype=torch.long)
+    positions = torch.zeros(n, steps, dtype=torch.long)
+    rollout = torch.zeros(n, steps)
+    versions = torch.zeros(n, steps, dtype=torch.long)
+    mask = torch.zeros(n, steps, dtype=torch.bool)
+    for row, t in enumerate(trajectories):
+        ids = list(t.prompt_ids) + list(t.token_ids)
+        k = len(t.token_ids)
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention[row, : len(ids)] = 1
+        positions[row, :k] = torch.arange(len(t.prompt_ids) - 1, len(ids) - 1)
+        rollout[row, :k] = torch.tensor(t.logprobs)
+        versions[row, :k] = torch.tensor(t.versions)
+        mask[row, :k] = True
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "positions": positions,
+        "rollout_logp": rollout,
+        "versions": versions,
+        "mask": mask,
+    }
 
 
 def lr_lambda(optim: DictConfig, steps: int):
@@ -440,17 +487,8 @@ class Learner:
         cfg, optim = self.cfg, self.cfg.optim
         started = time.perf_counter()
         trajectories = [t for group in groups for t in group.trajectories]
-        batch = self._tensors(trajectories)
-        logits = self.model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-        ).logits.float()
-        if cfg.run.temperature > 0:
-            logits = logits / cfg.run.temperature
-        # logits[:, j] predicts token j+1; completion token k sits at prompt_len + k.
-        positions = batch["positions"]
-        rows = logits[:, :-1].gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
-        targets = batch["input_ids"][:, 1:].gather(1, positions)
-        logp = torch.log_softmax(rows, dim=-1).gather(-1, targets[..., None])[..., 0]
+        batch = batch_tensors(trajectories, self.tokenizer.pad_token_id)
+        logp = completion_logprobs(self.model, batch, cfg.run.temperature)
         rewards = torch.tensor([t.reward for t in trajectories])
         group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories])
         advantages = group_advantages(rewards, group_index, scale=optim.advantage_scale)
@@ -510,35 +548,6 @@ class Learner:
             if key.startswith("mismatch/")
         } | {"fresh/frac_tokens": (fresh.sum() / batch["mask"].sum()).item()}
 
-    def _tensors(self, trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
-        pad = self.tokenizer.pad_token_id
-        width = max(len(t.prompt_ids) + len(t.token_ids) for t in trajectories)
-        steps = max(len(t.token_ids) for t in trajectories)
-        n = len(trajectories)
-        input_ids = torch.full((n, width), pad, dtype=torch.long)
-        attention = torch.zeros(n, width, dtype=torch.long)
-        positions = torch.zeros(n, steps, dtype=torch.long)
-        rollout = torch.zeros(n, steps)
-        versions = torch.zeros(n, steps, dtype=torch.long)
-        mask = torch.zeros(n, steps, dtype=torch.bool)
-        for row, t in enumerate(trajectories):
-            ids = list(t.prompt_ids) + list(t.token_ids)
-            k = len(t.token_ids)
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            attention[row, : len(ids)] = 1
-            positions[row, :k] = torch.arange(len(t.prompt_ids) - 1, len(ids) - 1)
-            rollout[row, :k] = torch.tensor(t.logprobs)
-            versions[row, :k] = torch.tensor(t.versions)
-            mask[row, :k] = True
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention,
-            "positions": positions,
-            "rollout_logp": rollout,
-            "versions": versions,
-            "mask": mask,
-        }
-
     def _prompt_batch(self) -> dict[str, torch.Tensor]:
         """Calibration data before the first step: the task's first prompts."""
         texts = [self.task.prompt(i).text for i in range(32)]
@@ -596,6 +605,9 @@ class Learner:
                 engine_config=self.policy.engine_config(),
                 copy=False,  # every tensor is fresh (cast or quantized from the FP32 master)
             )
+        latest = self.dir / LATEST_VERSION_FILE
+        latest.with_suffix(".tmp").write_text(str(self.version))
+        os.replace(latest.with_suffix(".tmp"), latest)
         return {
             "sync/version": self.version,
             "sync/bytes": stats.wire_bytes,
@@ -647,6 +659,9 @@ class Learner:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         self.step, self.version = state["step"], state["version"]
+        latest = self.dir / LATEST_VERSION_FILE
+        if latest.exists():
+            self.version = max(self.version, int(latest.read_text()))
         log.info(
             "resumed from %s: step %d, version %d (the next is %d), next prompt %d",
             saved[-1],

@@ -19,6 +19,7 @@ import sys
 import time
 
 import hydra
+import zmq
 from omegaconf import DictConfig
 
 from asyncfp8.engines import EngineUnsupported, SamplingParams, build_engine
@@ -203,6 +204,9 @@ def main(cfg: DictConfig) -> None:
         worker = Worker(cfg)
     except (ValueError, FileNotFoundError, EngineUnsupported) as err:
         print(f"worker: {err}", file=sys.stderr)
+        sys.exit(2)
+    except zmq.ZMQError as err:
+        print(f"worker: cannot connect to the learner at {cfg.sync.host}: {err}", file=sys.stderr)
         sys.exit(2)
     try:
         sys.exit(worker.run())

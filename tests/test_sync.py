@@ -155,6 +155,28 @@ def test_fifty_versions_over_zeromq_bit_for_bit_and_a_late_joiner_catches_up(pre
         context.term()
 
 
+def test_a_subscriber_that_missed_the_first_version_on_pub_still_gets_it():
+    """The worker asked for a snapshot before anything was published ("none"), then the
+    first version went out on PUB before its SUB had joined: it must ask again."""
+    context = zmq.Context()
+    publisher = VersionPublisher(LOOPBACK, LOOPBACK, context=context)
+    silent_pub = context.socket(zmq.PUB)  # stands in for a PUB the worker joined too late
+    silent_pub.bind(LOOPBACK)
+    subscriber = VersionSubscriber(
+        silent_pub.getsockopt_string(zmq.LAST_ENDPOINT), publisher.snapshot_address, context=context
+    )
+    try:
+        time.sleep(0.3)
+        assert subscriber.poll(timeout_ms=200) is None  # the "none" reply
+        publisher.publish(0, toy_model().items())
+        wait_for(subscriber, 0, timeout=10)
+    finally:
+        subscriber.close()
+        silent_pub.close()
+        publisher.close()
+        context.term()
+
+
 def test_versions_must_increase():
     context = zmq.Context()
     publisher = VersionPublisher(LOOPBACK, LOOPBACK, context=context)

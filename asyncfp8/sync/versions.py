@@ -28,6 +28,7 @@ from .security import Curve, secure_client, secure_server
 
 log = logging.getLogger("asyncfp8.sync")
 SNAPSHOT_REQUEST = msgpack.packb({"want": "latest"})
+NONE_RETRY = 1.0  # s between snapshot requests while the learner has published nothing
 
 
 @dataclass
@@ -203,8 +204,13 @@ class VersionSubscriber:
 
     def poll(self, timeout_ms: int = 0) -> Version | None:
         """Handles every message waiting (waiting up to `timeout_ms` for the first)."""
-        if self._snapshot_pending and time.monotonic() - self._requested_at > self.snapshot_timeout:
+        since = time.monotonic() - self._requested_at
+        if self._snapshot_pending and since > self.snapshot_timeout:
             self._snapshot_pending = False  # the request or its reply was lost (learner restart?)
+            self.request_snapshot()
+        elif self.version is None and not self._snapshot_pending and since > NONE_RETRY:
+            # "Nothing published yet" an instant before the first version went out on the
+            # PUB socket, which this subscriber may have joined too late to see: ask again.
             self.request_snapshot()
         newest = None
         poller = zmq.Poller()

@@ -1,0 +1,281 @@
+"""End to end: the real learner, workers and launcher as processes on loopback, on the
+tiny model, for a few steps each."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncfp8.launch import free_ports
+from asyncfp8.report import per_step
+
+SMALL_RUN = [
+    "run.groups_per_step=4",
+    "run.group_size=4",
+    "run.lease_groups=2",
+    "run.max_new_tokens=6",
+    "run.threads=1",
+    "run.tensorboard=false",
+]
+
+
+def records(run_dir):
+    return per_step(run_dir)
+
+
+class Cluster:
+    """A learner and workers started by hand (as on several hosts), killed at teardown."""
+
+    def __init__(self, run_dir: Path, model_dir: Path, *overrides: str):
+        self.run_dir = run_dir
+        ports = free_ports(3)
+        self.common = [
+            f"model.path={model_dir}",
+            f"run.dir={run_dir}",
+            f"sync.version_port={ports[0]}",
+            f"sync.snapshot_port={ports[1]}",
+            f"sync.trajectory_port={ports[2]}",
+            *SMALL_RUN,
+            *overrides,
+        ]
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self, module: str, name: str, *overrides: str) -> subprocess.Popen:
+        log = (self.run_dir / f"{name}.log").open("a")
+        process = subprocess.Popen(
+            [sys.executable, "-m", f"asyncfp8.{module}", *self.common, *overrides],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self.processes.append(process)
+        return process
+
+    def learner(self, *overrides: str) -> subprocess.Popen:
+        return self.start("learner", "learner", *overrides)
+
+    def worker(self, index: int, *overrides: str) -> subprocess.Popen:
+        return self.start("worker", f"worker-{index}", f"run.worker_id={index}", *overrides)
+
+    def wait_for_step(self, step: int, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            done = records(self.run_dir)
+            if done and done[-1]["step"] >= step:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"step {step} not reached in {timeout} s:\n{self.log('learner')}")
+
+    def log(self, name: str) -> str:
+        path = self.run_dir / f"{name}.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture
+def cluster(tmp_path, tiny_model_dir):
+    made = []
+
+    def make(*overrides):
+        made.append(Cluster(tmp_path / f"run{len(made)}", tiny_model_dir, *overrides))
+        made[-1].run_dir.mkdir()
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+def launch(tmp_path, model_dir, *overrides, timeout=400):
+    run_dir = tmp_path / "launched"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncfp8.launch",
+            f"model.path={model_dir}",
+            f"run.dir={run_dir}",
+            *SMALL_RUN,
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return run_dir, result.stdout
+
+
+def check_run(run_dir, steps, max_staleness):
+    done = records(run_dir)
+    assert [r["step"] for r in done] == list(range(1, steps + 1))
+    versions = [r["sync/version"] for r in done]
+    assert versions == sorted(set(versions))  # one new version per step, increasing
+    for r in done:
+        # The staleness bound: no trained token older than max_staleness versions.
+        assert r["staleness/max"] <= max_staleness, r
+        assert r["reward/mean"] is not None and r["optim/grad_norm"] > 0
+    return done
+
+
+def test_launcher_runs_an_asynchronous_run_and_reports(tmp_path, tiny_model_dir):
+    run_dir, out = launch(
+        tmp_path, tiny_model_dir, "run.steps=8", "run.max_staleness=1", "run.workers=2"
+    )
+    done = check_run(run_dir, 8, max_staleness=1)
+    assert any(r["staleness/max"] == 1 for r in done)  # asynchronous: it did run ahead
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["samples"] >= 8 * 16
+    assert (run_dir / "plots.png").stat().st_size > 10_000
+    assert "reward" in out and "done in" in out
+    last = done[-1]
+    assert {"worker/0/tokens_per_s", "worker/1/tokens_per_s"} <= set(last)
+    assert last["total/rejected_messages"] == 0 and last["sync/bytes"] > 0
+
+
+def test_sync_mode_trains_only_on_the_current_version(tmp_path, tiny_model_dir):
+    run_dir, _ = launch(tmp_path, tiny_model_dir, "run.steps=5", "run.mode=sync", "run.workers=2")
+    for r in check_run(run_dir, 5, max_staleness=0):
+        assert r["staleness/mean"] == 0 and r["fresh/frac_tokens"] == 1.0
+        assert r["total/stale_groups"] == 0
+
+
+def test_fp8_kv_run_with_the_torch_engine(tmp_path, tiny_model_dir):
+    run_dir, _ = launch(
+        tmp_path, tiny_model_dir, "run.steps=4", "precision=fp8+fp8_kv", "run.workers=1"
+    )
+    done = check_run(run_dir, 4, max_staleness=1)
+    # FP8 rollouts differ from the FP32 learner: the mismatch is there, and bounded.
+    fresh = [r["fresh/kl_k3"] for r in done if r.get("fresh/kl_k3") is not None]
+    assert fresh and 0 < max(fresh) < 0.1
+
+
+def test_vllm_engine_run(tmp_path, tiny_model_dir, vllm_module):
+    run_dir, _ = launch(
+        tmp_path, tiny_model_dir, "run.steps=3", "engine=vllm", "run.workers=1", timeout=500
+    )
+    check_run(run_dir, 3, max_staleness=1)
+
+
+def test_resume_after_the_learner_is_killed(cluster):
+    c = cluster(
+        "run.steps=10", "run.checkpoint_every=3", "run.lease_timeout=8", "sync.resend_after=2"
+    )
+    learner = c.learner()
+    c.worker(0)
+    c.wait_for_step(5)
+    learner.send_signal(signal.SIGKILL)
+    learner.wait()
+    before = records(c.run_dir)
+    highest = int((c.run_dir / "latest_version").read_text())
+    resumed = c.learner("run.resume=true")
+    assert resumed.wait(timeout=240) == 0, c.log("learner")
+    after = records(c.run_dir)
+    assert after[-1]["step"] == 10
+    # The resumed learner restarted from step 3's checkpoint and numbered its versions
+    # past every version the dead one had published (the worker holds one of those).
+    assert "resumed from" in c.log("learner") and "step 3" in c.log("learner")
+    new_versions = [r["sync/version"] for r in after if r["step"] > 3]
+    assert min(new_versions) > highest >= max(r["sync/version"] for r in before)
+    assert new_versions == sorted(new_versions)
+
+
+def test_a_killed_worker_is_replaced_and_the_run_finishes(cluster):
+    c = cluster("run.steps=10", "run.lease_timeout=5", "run.workers=2")
+    learner = c.learner()
+    doomed = c.worker(0)
+    c.worker(1)
+    c.wait_for_step(3)
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait()
+    c.worker(0)  # a new incarnation of worker 0
+    assert learner.wait(timeout=240) == 0, c.log("learner")
+    done = check_run(c.run_dir, 10, max_staleness=1)
+    restarted_log = c.log("worker-0").split("waiting up to")[-1]
+    assert "applied version" in restarted_log and "done:" in restarted_log
+    assert done[-1]["data/next_prompt"] >= 10 * 4
+
+
+# --- bad input: say what is wrong and exit non-zero within seconds ------------------------------
+
+
+def run_module(module, *overrides, timeout=120):
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", f"asyncfp8.{module}", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return result.returncode, result.stdout + result.stderr, time.monotonic() - started
+
+
+def test_a_worker_without_a_learner_gives_up_with_a_reason(tmp_path, tiny_model_dir):
+    ports = free_ports(3)
+    code, out, seconds = run_module(
+        "worker",
+        f"model.path={tiny_model_dir}",
+        f"run.dir={tmp_path}",
+        f"sync.version_port={ports[0]}",
+        f"sync.snapshot_port={ports[1]}",
+        f"sync.trajectory_port={ports[2]}",
+        "sync.connect_timeout=2",
+    )
+    assert code == 3 and "no version from a learner" in out
+    assert seconds < 90  # startup (imports, the engine) + the 2 s timeout
+
+
+def test_a_typo_in_an_override_is_named(tmp_path):
+    code, out, seconds = run_module("learner", "run.stepz=3", f"run.dir={tmp_path}")
+    assert code != 0 and "stepz" in out
+    assert seconds < 60  # Hydra refuses it before anything heavy is loaded
+
+
+def test_a_bad_address_is_refused(tmp_path, tiny_model_dir):
+    code, out, _ = run_module(
+        "worker", f"model.path={tiny_model_dir}", "sync.host=no such host", f"run.dir={tmp_path}"
+    )
+    assert code == 2 and "cannot connect" in out
+
+
+def test_a_taken_port_is_reported(tmp_path, tiny_model_dir):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        code, out, _ = run_module(
+            "learner",
+            f"model.path={tiny_model_dir}",
+            f"run.dir={tmp_path}",
+            f"sync.version_port={taken.getsockname()[1]}",
+        )
+    finally:
+        taken.close()
+    assert code != 0 and "cannot listen" in out and "Address already in use" in out
+
+
+def test_a_worker_with_another_model_is_refused(cluster, tmp_path, tiny_model_dir):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    other = tmp_path / "other-model"
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.intermediate_size = 2 * config.intermediate_size
+    AutoModelForCausalLM.from_config(config).save_pretrained(other)
+    for name in os.listdir(tiny_model_dir):
+        if name.startswith(("tokenizer", "special_tokens")):
+            (other / name).write_bytes((Path(tiny_model_dir) / name).read_bytes())
+    c = cluster("run.steps=3")
+    c.learner()
+    worker = c.worker(0, f"model.path={other}")
+    assert worker.wait(timeout=120) != 0
+    assert "does not fit this worker's" in c.log("worker-0") and "mlp" in c.log("worker-0")
