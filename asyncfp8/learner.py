@@ -140,7 +140,8 @@ class Inbox:
         else:
             self.counts["late_groups"] += 1
             log.warning(
-                "dropped group (lease %d, prompt %d) from %s: its lease had expired",
+                "dropped group (lease %d, prompt %d) from %s: not owed (its lease expired, "
+                "or an earlier learner granted it after its last checkpoint)",
                 lease,
                 trajectory.prompt_index,
                 trajectory.worker_id,
@@ -164,7 +165,7 @@ class Inbox:
                 "lease": lease.id,
                 "prompts": lease.prompts,
                 "min_version": lease.min_version,
-                "sampling": self.sampling | {"seed": self.seed * 1_000_003 + lease.id},
+                "sampling": self.sampling | {"seed": self.seed * 1_000_003 + lease.serial},
             }
 
     def take(

@@ -16,6 +16,7 @@ where two promises are kept:
 
 from __future__ import annotations
 
+import secrets
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,8 @@ from typing import Any
 
 @dataclass
 class Lease:
-    id: int
+    id: int  # unique across learner restarts: (incarnation << 32) + serial
+    serial: int  # the how-many-th lease of the run (seeds sampling reproducibly)
     worker: str
     prompts: list[int]
     min_version: int
@@ -32,10 +34,14 @@ class Lease:
 
 
 class LeaseBook:
-    def __init__(self, capacity: int, timeout: float):
+    def __init__(self, capacity: int, timeout: float, incarnation: int | None = None):
         if capacity < 1 or timeout <= 0:
             raise ValueError(f"need capacity >= 1 and timeout > 0; got {capacity}, {timeout}")
         self.capacity, self.timeout = capacity, timeout
+        # A learner resumed from a checkpoint cannot know which leases its predecessor
+        # granted after that checkpoint; a fresh incarnation keeps their ids from
+        # colliding with the new ones (their late groups are then simply not owed).
+        self.incarnation = secrets.randbits(31) if incarnation is None else incarnation
         self.next_prompt = 0
         self.retry: deque[int] = deque()  # prompts of expired leases, handed out first
         self.leases: dict[int, Lease] = {}
@@ -55,7 +61,15 @@ class LeaseBook:
         while len(prompts) < count:
             prompts.append(self.next_prompt)
             self.next_prompt += 1
-        lease = Lease(self.next_lease, worker, prompts, version, now, set(prompts))
+        lease = Lease(
+            (self.incarnation << 32) + self.next_lease,
+            self.next_lease,
+            worker,
+            prompts,
+            version,
+            now,
+            set(prompts),
+        )
         self.leases[lease.id] = lease
         self.next_lease += 1
         self.open_groups += count
@@ -100,6 +114,7 @@ class LeaseBook:
             "leases": [
                 {
                     "id": lease.id,
+                    "serial": lease.serial,
                     "worker": lease.worker,
                     "prompts": lease.prompts,
                     "min_version": lease.min_version,
@@ -121,6 +136,7 @@ class LeaseBook:
         self.leases = {
             int(saved["id"]): Lease(
                 int(saved["id"]),
+                int(saved["serial"]),
                 saved["worker"],
                 list(saved["prompts"]),
                 int(saved["min_version"]),

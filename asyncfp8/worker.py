@@ -31,6 +31,7 @@ from asyncfp8.sync import Trajectory, TrajectorySender, VersionSubscriber
 from asyncfp8.tasks import build_task
 
 REQUEST_AGAIN_AFTER = 5.0  # s without an answer to a lease request: ask again
+SNAPSHOT_AFTER = 2.0  # s waiting for a leased version before asking for a snapshot
 
 
 class LearnerGone(RuntimeError):
@@ -130,13 +131,19 @@ class Worker:
                 return False
 
     def _wait_for_version(self, wanted: int) -> None:
-        deadline = time.monotonic() + self.cfg.sync.learner_timeout
+        started = time.monotonic()
+        asked = started
         while self.engine.version is None or self.engine.version < wanted:
-            if time.monotonic() > deadline:
+            if time.monotonic() - started > self.cfg.sync.learner_timeout:
                 raise LearnerGone(
                     f"the learner leased work for version {wanted} but it did not arrive within "
                     f"{self.cfg.sync.learner_timeout} s (have {self.engine.version})"
                 )
+            if time.monotonic() - asked > SNAPSHOT_AFTER:
+                # The version exists (the lease says so) but never came on the PUB socket,
+                # e.g. published by a restarted learner before this worker reconnected.
+                asked = time.monotonic()
+                self.subscriber.request_snapshot()
             self._apply_newest(timeout=0.5)
 
     def _ask_for_work(self) -> dict:

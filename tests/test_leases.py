@@ -110,3 +110,16 @@ def test_lease_requests_are_answered_and_bad_ones_rejected_while_serving():
         sender.close()
         receiver.close()
         context.term()
+
+
+def test_a_resumed_book_never_reuses_a_lease_id_of_its_predecessor():
+    dead = LeaseBook(capacity=8, timeout=10)
+    saved = dead.state_dict()  # the checkpoint
+    after_checkpoint = dead.grant("w0", 2, version=5, now=0.0)  # granted, then the learner died
+    resumed = LeaseBook(capacity=8, timeout=10)
+    resumed.load_state_dict(saved, now=1.0)
+    fresh = resumed.grant("w0", 2, version=6, now=1.0)
+    assert fresh.prompts == after_checkpoint.prompts  # the data position is the checkpoint's
+    assert fresh.serial == after_checkpoint.serial  # so is the sampling seed
+    assert fresh.id != after_checkpoint.id
+    assert not resumed.returned(after_checkpoint.id, after_checkpoint.prompts[0])  # not owed
