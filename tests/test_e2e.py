@@ -124,7 +124,7 @@ def check_run(run_dir, steps, max_staleness):
     for r in done:
         # The staleness bound: no trained token older than max_staleness versions.
         assert r["staleness/max"] <= max_staleness, r
-        assert r["reward/mean"] is not None and r["optim/grad_norm"] > 0
+        assert r["reward/mean"] is not None and r["optim/grad_norm"] >= 0
     return done
 
 
