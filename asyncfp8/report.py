@@ -2,9 +2,10 @@
 
     python -m asyncfp8.report runs/bf16 runs/fp8 runs/fp8_tis --out docs/results/compare.png
 
-One PNG: reward, mismatch KL (k3) and the correction's IS-weight statistics per policy
-version, one line per run, labelled by precision and correction (from each run's
-config.yaml) unless `--labels` says otherwise.
+One PNG: reward, mismatch KL (k3) and the correction's IS-weight statistics per step
+(one version per step unless sync.every > 1), one line per setting, labelled by
+precision, correction and mode (from each run's config.yaml) unless `--labels` says
+otherwise; runs of the same setting (other seeds) are averaged.
 """
 
 from __future__ import annotations
@@ -65,45 +66,73 @@ def label(run_dir: str | Path) -> str:
     return f"{cfg.precision.name} · {cfg.correction.name} · {cfg.run.mode}"
 
 
-def _smooth(values: np.ndarray, window: int) -> np.ndarray:
-    if len(values) < window or window < 2:
-        return values
-    kernel = np.ones(window) / window
-    padded = np.concatenate([np.full(window - 1, values[0]), values])
-    return np.convolve(padded, kernel, mode="valid")
+def smooth(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over the last `window` values (fewer at the start); NaNs skipped."""
+    present = ~np.isnan(values)
+    total = np.cumsum(np.where(present, values, 0.0))
+    count = np.cumsum(present)
+    shifted_total = np.concatenate([np.zeros(window), total[:-window]])[: len(values)]
+    shifted_count = np.concatenate([np.zeros(window), count[:-window]])[: len(values)]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (total - shifted_total) / (count - shifted_count)
+
+
+PANELS = [
+    ("reward/mean", "mean reward", "linear"),
+    ("fresh/kl_k3", "mismatch KL k3, current-version tokens (precision only)", "log"),
+    ("correction/weight_max", "IS weight max (solid) and min (dashed)", "linear"),
+    ("correction/frac_clipped", "fraction of tokens clipped or masked", "linear"),
+]
+
+
+def _series(records: list[dict], key: str, steps: int) -> np.ndarray:
+    values = np.full(steps, np.nan)
+    for r in records:
+        if r["step"] <= steps and r.get(key) is not None:
+            values[r["step"] - 1] = r[key]
+    return values
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path, labels: list[str] | None = None) -> Path:
+    """Runs that share a label (the same setting with other seeds) are averaged step by
+    step; every curve is a trailing mean over a tenth of the run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [
-        ("reward/mean", "mean reward (smoothed)", "linear"),
-        ("mismatch/kl_k3", "mismatch KL k3 (rollout ‖ learner)", "log"),
-        ("correction/weight_mean", "IS weight: mean (line), min–max (band)", "linear"),
-        ("correction/frac_clipped", "fraction of tokens clipped", "linear"),
-    ]
-    figure, axes = plt.subplots(2, 2, figsize=(11, 7))
+    settings: dict[str, list[list[dict]]] = {}
     for index, run_dir in enumerate(run_dirs):
         records = per_step(run_dir)
-        if not records:
-            continue
-        name = labels[index] if labels else label(run_dir)
-        versions = np.array([r.get("version", r["step"]) for r in records], dtype=float)
-        for ax, (key, title, scale) in zip(axes.flat, panels, strict=True):
-            values = np.array([np.nan if r.get(key) is None else r[key] for r in records])
-            if key == "reward/mean":
-                values = _smooth(values, max(1, len(values) // 10))
-            (line,) = ax.plot(versions, values, label=name, linewidth=1.2)
-            if key == "correction/weight_mean":
-                low = [r.get("correction/weight_min", np.nan) for r in records]
-                high = [r.get("correction/weight_max", np.nan) for r in records]
-                ax.fill_between(versions, low, high, color=line.get_color(), alpha=0.15)
+        if records:
+            settings.setdefault(labels[index] if labels else label(run_dir), []).append(records)
+    figure, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for name, runs in settings.items():
+        steps = min(r[-1]["step"] for r in runs)
+        window = max(1, steps // 10)
+        x = np.arange(1, steps + 1)
+        color = None
+        for ax, (key, title, scale) in zip(axes.flat, PANELS, strict=True):
+            mean = np.nanmean([_series(r, key, steps) for r in runs], axis=0)
+            (line,) = ax.plot(
+                x,
+                smooth(mean, window),
+                color=color,
+                linewidth=1.4,
+                label=f"{name} ({len(runs)} run{'s' if len(runs) > 1 else ''})",
+            )
+            color = line.get_color()
+            if key == "correction/weight_max":
+                low = np.nanmean([_series(r, "correction/weight_min", steps) for r in runs], axis=0)
+                ax.plot(x, smooth(low, window), color=color, linewidth=1.0, linestyle="--")
+            if key == "correction/frac_clipped":
+                masked = np.nanmean(
+                    [_series(r, "correction/frac_masked", steps) for r in runs], axis=0
+                )
+                ax.plot(x, smooth(masked, window), color=color, linewidth=1.0, linestyle=":")
             ax.set_title(title, fontsize=10)
             ax.set_yscale(scale)
-            ax.set_xlabel("policy version")
+            ax.set_xlabel("step (one policy version per step)")
     axes.flat[0].legend(fontsize=8)
     figure.tight_layout()
     out = Path(out)
