@@ -1,7 +1,11 @@
-# The two commands of the README. Each sets up .venv itself (scripts/setup.sh) first.
+# The two commands of the README (run, test). Each sets up .venv itself (scripts/setup.sh) first.
 PY := .venv/bin/python
 
-.PHONY: demo test lint setup clean
+.PHONY: run demo test lint setup clean
+
+run:
+	bash scripts/setup.sh dev
+	$(PY) -m asyncfp8.launch $(ARGS)
 
 demo:
 	bash scripts/setup.sh dev

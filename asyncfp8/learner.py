@@ -88,9 +88,10 @@ class Inbox:
         self.finished = False
         self.workers: dict[str, dict[str, float]] = {}  # worker id -> its latest counters
         self.told_done: set[str] = set()
+        self.reported: set[tuple[int, int]] = set()  # groups already reported as not owed
         self.last_request: dict[str, float] = {}
         self.counts = dict.fromkeys(
-            ("samples", "tokens", "stale_groups", "late_groups", "bad_trajectories", "waits"), 0
+            ("samples", "tokens", "stale_groups", "late_samples", "bad_trajectories", "waits"), 0
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="asyncfp8-inbox", daemon=True)
@@ -127,25 +128,29 @@ class Inbox:
             )
             return
         key = (lease, trajectory.prompt_index)
+        owed = self.book.leases.get(lease)
+        if owed is None or trajectory.prompt_index not in owed.pending:
+            self.counts["late_samples"] += 1
+            if key not in self.reported:  # once per group, not per sample
+                self.reported.add(key)
+                log.warning(
+                    "dropping samples of (lease %d, prompt %d) from %s: not owed (the lease "
+                    "expired, or an earlier learner granted it after its last checkpoint)",
+                    lease,
+                    trajectory.prompt_index,
+                    trajectory.worker_id,
+                )
+            return
         part = self.partial.setdefault(key, [])
         part.append(trajectory)
         if len(part) < self.group_size:
             return
         del self.partial[key]
-        if self.book.returned(lease, trajectory.prompt_index):
-            self.ready.append(Group(lease, trajectory.prompt_index, part))
-            self.counts["samples"] += len(part)
-            self.counts["tokens"] += sum(len(t.token_ids) for t in part)
-            self.lock.notify_all()
-        else:
-            self.counts["late_groups"] += 1
-            log.warning(
-                "dropped group (lease %d, prompt %d) from %s: not owed (its lease expired, "
-                "or an earlier learner granted it after its last checkpoint)",
-                lease,
-                trajectory.prompt_index,
-                trajectory.worker_id,
-            )
+        self.book.returned(lease, trajectory.prompt_index)
+        self.ready.append(Group(lease, trajectory.prompt_index, part))
+        self.counts["samples"] += len(part)
+        self.counts["tokens"] += sum(len(t.token_ids) for t in part)
+        self.lock.notify_all()
 
     def _on_lease(self, request: dict[str, Any]) -> dict[str, Any]:
         now = time.monotonic()
@@ -561,15 +566,7 @@ class Learner:
         metrics["throughput/samples_per_s"] = (counts["counts"]["samples"] - samples_before) / max(
             seconds, 1e-9
         )
-        for key in (
-            "samples",
-            "tokens",
-            "stale_groups",
-            "late_groups",
-            "bad_trajectories",
-            "waits",
-        ):
-            metrics[f"total/{key}"] = counts["counts"][key]
+        metrics |= {f"total/{key}": value for key, value in counts["counts"].items()}
         metrics["total/rejected_messages"] = counts["rejected"]
         metrics["total/duplicate_messages"] = counts["duplicates"]
         tokens_per_s = []

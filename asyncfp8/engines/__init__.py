@@ -1,4 +1,4 @@
-"""Rollout engines: the built-in torch engine and a vLLM adapter (SGLang: not yet).
+"""Rollout engines: the built-in torch engine and a vLLM adapter (no SGLang adapter yet).
 
 from asyncfp8.engines import make_engine, SamplingParams
 engine = make_engine("torch", model_dir, policy)      # or "vllm"
