@@ -85,6 +85,15 @@ PANELS = [
 ]
 
 
+def _mean_over_runs(series: list[np.ndarray]) -> np.ndarray:
+    """Step-wise mean over runs; NaN where no run has the value (no warning)."""
+    stacked = np.array(series)
+    present = ~np.isnan(stacked)
+    total = np.where(present, stacked, 0.0).sum(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return total / present.sum(axis=0)
+
+
 def _series(records: list[dict], key: str, steps: int) -> np.ndarray:
     values = np.full(steps, np.nan)
     for r in records:
@@ -113,7 +122,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, labels: list[str] | N
         x = np.arange(1, steps + 1)
         color = None
         for ax, (key, title, scale) in zip(axes.flat, PANELS, strict=True):
-            mean = np.nanmean([_series(r, key, steps) for r in runs], axis=0)
+            mean = _mean_over_runs([_series(r, key, steps) for r in runs])
             (line,) = ax.plot(
                 x,
                 smooth(mean, window),
@@ -123,11 +132,11 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, labels: list[str] | N
             )
             color = line.get_color()
             if key == "correction/weight_max":
-                low = np.nanmean([_series(r, "correction/weight_min", steps) for r in runs], axis=0)
+                low = _mean_over_runs([_series(r, "correction/weight_min", steps) for r in runs])
                 ax.plot(x, smooth(low, window), color=color, linewidth=1.0, linestyle="--")
             if key == "correction/frac_clipped":
-                masked = np.nanmean(
-                    [_series(r, "correction/frac_masked", steps) for r in runs], axis=0
+                masked = _mean_over_runs(
+                    [_series(r, "correction/frac_masked", steps) for r in runs]
                 )
                 ax.plot(x, smooth(masked, window), color=color, linewidth=1.0, linestyle=":")
             ax.set_title(title, fontsize=10)

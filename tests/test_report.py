@@ -1,0 +1,56 @@
+"""Run summaries and the smoothing behind the plots."""
+
+import json
+
+import numpy as np
+import pytest
+
+from asyncfp8.report import per_step, plot_runs, smooth, summarize
+
+
+def test_smooth_is_a_trailing_mean_that_skips_nan():
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=50)
+    values[[3, 17, 18]] = np.nan
+    window = 7
+    expected = [np.nanmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+    np.testing.assert_allclose(smooth(values, window), expected, rtol=1e-12)
+
+
+def write_run(path, rewards, repeat_step=None):
+    path.mkdir()
+    lines = []
+    for step, reward in enumerate(rewards, 1):
+        lines.append(
+            {
+                "step": step,
+                "reward/mean": reward,
+                "mismatch/kl_k3": 1e-3,
+                "fresh/kl_k3": None,
+                "time/elapsed_s": step * 0.5,
+                "total/samples": step * 64,
+                "sync/version": step,
+            }
+        )
+    if repeat_step:  # a resumed learner writes a step again; the later record wins
+        lines.append(lines[repeat_step - 1] | {"reward/mean": 1.0})
+    (path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def test_summary_uses_the_first_and_last_fifth_and_the_last_record_of_a_step(tmp_path):
+    write_run(tmp_path / "a", [0.0] * 2 + [0.5] * 6 + [0.9] * 2, repeat_step=10)
+    assert len(per_step(tmp_path / "a")) == 10
+    summary = summarize(tmp_path / "a")
+    assert summary["reward_start"] == 0.0
+    assert summary["reward_end"] == pytest.approx((0.9 + 1.0) / 2)
+    assert summary["samples_per_s"] == pytest.approx(640 / 5.0)
+    assert np.isnan(summary["fresh_kl_k3_mean"])  # no step had current-version tokens
+    with pytest.raises(ValueError, match="no metrics"):
+        summarize(tmp_path)
+
+
+def test_plot_of_two_runs(tmp_path):
+    write_run(tmp_path / "a", np.linspace(0.2, 0.5, 30))
+    write_run(tmp_path / "b", np.linspace(0.3, 0.4, 30))
+    out = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "p.png", labels=["x", "x"])
+    assert out.stat().st_size > 10_000
