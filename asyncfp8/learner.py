@@ -42,7 +42,14 @@ from asyncfp8.losses import corrected_policy_loss, group_advantages
 from asyncfp8.metrics import MetricsLog
 from asyncfp8.models import load_model, load_tokenizer, resolve_model_dir
 from asyncfp8.precision import build_policy
-from asyncfp8.process import StopFlag, curve, endpoints, set_threads, setup_logging
+from asyncfp8.process import (
+    StopFlag,
+    check_counts,
+    curve,
+    endpoints,
+    set_threads,
+    setup_logging,
+)
 from asyncfp8.sync import Trajectory, TrajectoryReceiver, VersionPublisher
 from asyncfp8.tasks import build_task
 
@@ -339,6 +346,7 @@ class Learner:
         self.cfg, run = cfg, cfg.run
         self.stop = StopFlag()
         self.max_staleness = max_staleness_of(run)
+        check_counts(cfg)
         if run.group_size < 2:
             raise ValueError(
                 f"run.group_size must be >= 2 (GRPO compares samples of a prompt), got {run.group_size}"

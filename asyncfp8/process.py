@@ -37,6 +37,24 @@ def endpoints(sync: Any, side: str) -> Endpoints:
     return Endpoints(**{name: f"tcp://{host}:{port}" for name, port in ports.items()})
 
 
+def check_counts(cfg: Any) -> None:
+    """Settings that must be positive integers, refused now rather than misbehaving later."""
+    counts = {
+        f"run.{key}": cfg.run[key]
+        for key in (
+            "steps",
+            "groups_per_step",
+            "lease_groups",
+            "max_new_tokens",
+            "checkpoint_every",
+            "keep_checkpoints",
+        )
+    } | {"sync.every": cfg.sync.every}
+    for key, value in counts.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+
+
 def curve(sync: Any) -> Curve | None:
     if not sync.curve.enabled:
         return None

@@ -26,7 +26,14 @@ from asyncfp8.engines import EngineUnsupported, SamplingParams, build_engine
 from asyncfp8.models import resolve_model_dir
 from asyncfp8.precision import build_policy
 from asyncfp8.precision.fp8_kv import split_kv_scales
-from asyncfp8.process import StopFlag, curve, endpoints, set_threads, setup_logging
+from asyncfp8.process import (
+    StopFlag,
+    check_counts,
+    curve,
+    endpoints,
+    set_threads,
+    setup_logging,
+)
 from asyncfp8.sync import Trajectory, TrajectorySender, VersionSubscriber
 from asyncfp8.tasks import build_task
 
@@ -41,6 +48,7 @@ class LearnerGone(RuntimeError):
 class Worker:
     def __init__(self, cfg: DictConfig):
         self.cfg, run = cfg, cfg.run
+        check_counts(cfg)
         self.id = (
             str(run.worker_id)
             if run.worker_id is not None

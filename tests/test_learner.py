@@ -5,7 +5,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from asyncfp8.learner import batch_tensors, completion_logprobs, lr_lambda, max_staleness_of
+from asyncfp8.learner import (
+    batch_tensors,
+    completion_logprobs,
+    lr_lambda,
+    max_staleness_of,
+)
 from asyncfp8.models import load_model
 from asyncfp8.sync import Trajectory
 
@@ -60,3 +65,19 @@ def test_learning_rate_schedule():
     assert factor(54) == pytest.approx(0.55) and factor(104) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="schedule"):
         lr_lambda(OmegaConf.create({"warmup_steps": 0, "schedule": "linear"}), 10)(5)
+
+
+def test_counts_must_be_positive_integers():
+    from hydra import compose, initialize_config_module
+
+    from asyncfp8.process import check_counts
+
+    with initialize_config_module("asyncfp8.conf", version_base="1.3"):
+        cfg = compose("config")
+    check_counts(cfg)  # the defaults pass
+    for key, bad in (("run.lease_groups", 0), ("run.steps", -1), ("sync.every", 1.5)):
+        broken = cfg.copy()
+        section, name = key.split(".")
+        broken[section][name] = bad
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+            check_counts(broken)
