@@ -91,7 +91,11 @@ class Worker:
             self._apply_newest(timeout=0)
             reply = self._ask_for_work()
             if reply.get("done"):
-                self.log.info("the learner says the run is over")
+                self.log.info(
+                    f"stopping on signal {self.stop.signal}"
+                    if self.stop
+                    else "the learner says the run is over"
+                )
                 break
             if "wait" in reply:
                 paused = time.perf_counter()
