@@ -318,14 +318,15 @@ def batch_tensors(trajectories: list[Trajectory], pad: int) -> dict[str, torch.T
 
 
 def lr_lambda(optim: DictConfig, steps: int):
+    if optim.schedule not in ("constant", "cosine"):
+        raise ValueError(f"optim.schedule must be constant or cosine, got {optim.schedule!r}")
+
     def factor(step: int) -> float:
         if step < optim.warmup_steps:
             return (step + 1) / optim.warmup_steps
         if optim.schedule == "cosine":
             progress = min(1.0, (step - optim.warmup_steps) / max(1, steps - optim.warmup_steps))
             return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-        if optim.schedule != "constant":
-            raise ValueError(f"optim.schedule must be constant or cosine, got {optim.schedule!r}")
         return 1.0
 
     return factor

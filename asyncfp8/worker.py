@@ -81,7 +81,7 @@ class Worker:
     def run(self) -> int:
         sync = self.cfg.sync
         self.log.info("waiting up to %d s for the learner's first version", sync.connect_timeout)
-        if not self._apply_newest(timeout=sync.connect_timeout) and self.engine.version is None:
+        if not self._apply_newest(timeout=sync.connect_timeout):
             raise LearnerGone(
                 f"no version from a learner at {endpoints(sync, 'connect').versions} within "
                 f"{sync.connect_timeout} s (sync.connect_timeout): is it running, and are "

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncfp8.report import per_step
+from asyncfp8.report import per_step, summarize
 from bench.common import write_json
 
 MODES = {
@@ -60,8 +60,7 @@ def measure(name: str, overrides: list[str], args, root: Path) -> dict:
         / sum(r["time/step_total_s"] for r in tail),
         "generated_samples": last["total/samples"],
         "stale_groups_dropped": last["total/stale_groups"],
-        "reward_last_20pct": sum(r["reward/mean"] for r in records[-len(records) // 5 :])
-        / (len(records) // 5),
+        "reward_last_20pct": summarize(run_dir)["reward_end"],
     }
 
 

@@ -25,10 +25,6 @@ SMALL_RUN = [
 ]
 
 
-def records(run_dir):
-    return per_step(run_dir)
-
-
 class Cluster:
     """A learner and workers started by hand (as on several hosts), killed at teardown."""
 
@@ -65,10 +61,10 @@ class Cluster:
     def wait_for_step(self, step: int, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            done = records(self.run_dir)
+            done = per_step(self.run_dir)
             if done and done[-1]["step"] >= step:
                 return
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise AssertionError(f"step {step} not reached in {timeout} s:\n{self.log('learner')}")
 
     def log(self, name: str) -> str:
@@ -117,7 +113,7 @@ def launch(tmp_path, model_dir, *overrides, timeout=400):
 
 
 def check_run(run_dir, steps, max_staleness):
-    done = records(run_dir)
+    done = per_step(run_dir)
     assert [r["step"] for r in done] == list(range(1, steps + 1))
     versions = [r["sync/version"] for r in done]
     assert versions == sorted(set(versions))  # one new version per step, increasing
@@ -168,20 +164,21 @@ def test_vllm_engine_run(tmp_path, tiny_model_dir, vllm_module):
 
 
 def test_resume_after_the_learner_is_killed(cluster):
+    # Long enough that the kill at step >= 5 lands mid-run (tiny-model steps take ~50 ms).
     c = cluster(
-        "run.steps=10", "run.checkpoint_every=3", "run.lease_timeout=8", "sync.resend_after=2"
+        "run.steps=40", "run.checkpoint_every=3", "run.lease_timeout=8", "sync.resend_after=2"
     )
     learner = c.learner()
     c.worker(0)
     c.wait_for_step(5)
     learner.send_signal(signal.SIGKILL)
     learner.wait()
-    before = records(c.run_dir)
+    before = per_step(c.run_dir)
     highest = int((c.run_dir / "latest_version").read_text())
     resumed = c.learner("run.resume=true")
     assert resumed.wait(timeout=240) == 0, c.log("learner")
-    after = records(c.run_dir)
-    assert after[-1]["step"] == 10
+    after = per_step(c.run_dir)
+    assert after[-1]["step"] == 40
     # The resumed learner restarted from the last checkpoint (every 3 steps) and numbered
     # its versions past every version the dead one had published (the worker holds one).
     resumed_at = int(c.log("learner").split("resumed from")[1].split("step ")[1].split(",")[0])
