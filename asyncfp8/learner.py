@@ -37,7 +37,9 @@ from omegaconf import DictConfig, OmegaConf
 from asyncfp8.correction import build_correction
 from asyncfp8.correction.metrics import mismatch_metrics
 from asyncfp8.correction.registry import make_batch
+from asyncfp8.failpoints import failpoint
 from asyncfp8.leases import LeaseBook
+from asyncfp8.ledger import Ledger
 from asyncfp8.losses import corrected_policy_loss, group_advantages
 from asyncfp8.metrics import MetricsLog
 from asyncfp8.models import load_model, load_tokenizer, resolve_model_dir
@@ -50,14 +52,21 @@ from asyncfp8.process import (
     set_threads,
     setup_logging,
 )
-from asyncfp8.sync import Trajectory, TrajectoryReceiver, VersionPublisher
+from asyncfp8.sync import (
+    HandshakeWatch,
+    Limits,
+    Trajectory,
+    TrajectoryReceiver,
+    VersionPublisher,
+)
 from asyncfp8.tasks import build_task
 
 log = logging.getLogger("asyncfp8.learner")
 CHECKPOINT_DIR = "checkpoints"
-# The newest version ever published in this run dir. A learner killed after its last
-# checkpoint may have published beyond it, and workers ignore a version number they
-# have passed: a resumed learner numbers its versions after this one.
+# The newest version number ever used in this run dir, written before the version goes
+# out. A learner killed after its last checkpoint may have published beyond it (or died
+# halfway through sending one), and workers ignore a version number they have passed: a
+# resumed learner numbers its versions after this one.
 LATEST_VERSION_FILE = "latest_version"
 
 
@@ -84,12 +93,23 @@ class Inbox:
     expires the leases of workers that died holding them."""
 
     def __init__(
-        self, address: str, book: LeaseBook, group_size: int, sampling: dict, seed: int, curve
+        self,
+        address: str,
+        book: LeaseBook,
+        group_size: int,
+        sampling: dict,
+        seed: int,
+        curve,
+        limits: Limits | None = None,
+        watch: HandshakeWatch | None = None,
     ):
         self.book, self.group_size, self.sampling, self.seed = book, group_size, sampling, seed
-        self.receiver = TrajectoryReceiver(address, curve=curve, on_lease=self._on_lease)
+        self.receiver = TrajectoryReceiver(
+            address, curve=curve, limits=limits, on_lease=self._on_lease, watch=watch
+        )
         self.lock = threading.Condition()
         self.ready: deque[Group] = deque()
+        self.dropped: list[tuple[int, int, int]] = []  # stale groups since the last step
         self.partial: dict[tuple[int, int], list[Trajectory]] = {}
         self.version: int | None = None  # the newest published version: leases start from it
         self.finished = False
@@ -184,14 +204,16 @@ class Inbox:
         self, count: int, version: int, max_staleness: int, timeout: float
     ) -> list[Group] | None:
         """`count` groups no older than `max_staleness` versions, oldest first; None if
-        they did not arrive within `timeout` s. Stale groups met on the way are dropped."""
+        they did not arrive within `timeout` s. Stale groups met on the way are dropped
+        (and their prompts queued again)."""
         deadline = time.monotonic() + timeout
         with self.lock:
             while True:
                 stale = [g for g in self.ready if version - g.oldest_version > max_staleness]
                 for group in stale:
                     self.ready.remove(group)
-                    self.book.close(1)
+                    self.book.dropped(group.prompt)
+                    self.dropped.append((group.lease, group.prompt, group.oldest_version))
                     self.counts["stale_groups"] += 1
                 if len(self.ready) >= count:
                     return [self.ready.popleft() for _ in range(count)]
@@ -199,6 +221,12 @@ class Inbox:
                 if left <= 0:
                     return None
                 self.lock.wait(min(left, 0.5))
+
+    def take_dropped(self) -> list[tuple[int, int, int]]:
+        """(lease, prompt, oldest version) of the groups dropped as stale since the last call."""
+        with self.lock:
+            dropped, self.dropped = self.dropped, []
+            return dropped
 
     def trained(self, groups: int, version: int | None) -> None:
         """A step consumed `groups` (after its version went out): capacity for new leases."""
@@ -260,6 +288,7 @@ class Inbox:
                 "counts": dict(self.counts),
                 "workers": {name: dict(stats) for name, stats in self.workers.items()},
                 "rejected": self.receiver.rejected,
+                "rejected_by_source": dict(self.receiver.rejections.counts),
                 "duplicates": self.receiver.duplicates,
             }
 
@@ -379,6 +408,7 @@ class Learner:
         self.calibration_batch = self._prompt_batch()
 
         addresses, secure = endpoints(cfg.sync, "bind"), curve(cfg.sync)
+        self.watch = HandshakeWatch()
         book = LeaseBook(
             capacity=(self.max_staleness + 1) * run.groups_per_step * cfg.sync.every,
             timeout=run.lease_timeout,
@@ -392,11 +422,19 @@ class Learner:
             self.publisher = VersionPublisher(
                 addresses.versions,
                 addresses.snapshots,
-                chunk_bytes=cfg.sync.chunk_mb << 20,
+                chunk_bytes=max(1, int(cfg.sync.chunk_mb * (1 << 20))),
                 curve=secure,
+                watch=self.watch,
             )
             self.inbox = Inbox(
-                addresses.trajectories, book, run.group_size, sampling, run.seed, secure
+                addresses.trajectories,
+                book,
+                run.group_size,
+                sampling,
+                run.seed,
+                secure,
+                limits=Limits(max_message_bytes=int(cfg.sync.max_trajectory_mb * (1 << 20))),
+                watch=self.watch,
             )
         except zmq.ZMQError as err:
             raise SystemExit(
@@ -406,6 +444,7 @@ class Learner:
             ) from None
         if run.resume:
             self._restore()
+        self.ledger = Ledger(self.dir, resumed_step=self.step if run.resume else None)
         self.metrics = MetricsLog(self.dir, run.tensorboard)
         OmegaConf.save(cfg, self.dir / "config.yaml")
         log.info(
@@ -436,6 +475,7 @@ class Learner:
                 waited = time.perf_counter() - waited
                 metrics = self.train_step(groups)
                 self.step += 1
+                self.ledger.write(self.step, self.version, groups, self.inbox.take_dropped())
                 published = None
                 if self.step % self.cfg.sync.every == 0 or self.step == run.steps:
                     sync_metrics = self.publish()
@@ -445,6 +485,8 @@ class Learner:
                 now = time.perf_counter()
                 counts = self.inbox.snapshot_counts()
                 metrics |= self._throughput(counts, now - last, samples_before)
+                metrics["total/rejected/snapshot_request"] = self.publisher.rejected
+                metrics["total/failed_handshakes"] = self.watch.failures
                 samples_before = counts["counts"]["samples"]
                 metrics["time/wait_s"], metrics["time/step_total_s"] = waited, now - last
                 metrics["time/elapsed_s"] = now - self.started
@@ -529,6 +571,7 @@ class Learner:
             raise FloatingPointError(f"step {self.step}: gradient norm is {grad_norm.item()}")
         self.optimizer.step()
         self.scheduler.step()
+        failpoint("learner.mid_step")  # weights changed; nothing recorded or published yet
         self.calibration_batch = {
             "input_ids": batch["input_ids"],
             "attention_mask": batch["attention_mask"],
@@ -577,6 +620,10 @@ class Learner:
         )
         metrics |= {f"total/{key}": value for key, value in counts["counts"].items()}
         metrics["total/rejected_messages"] = counts["rejected"]
+        metrics |= {
+            f"total/rejected/{source.replace(' ', '_')}": n
+            for source, n in counts["rejected_by_source"].items()
+        }
         metrics["total/duplicate_messages"] = counts["duplicates"]
         tokens_per_s = []
         for worker, stats in counts["workers"].items():
@@ -596,6 +643,11 @@ class Learner:
         new version (with freshly calibrated KV scales when the policy has them)."""
         self.version = 0 if self.version is None else self.version + 1
         started = time.perf_counter()
+        # Reserve the number before any chunk leaves: if this learner dies mid-send, the
+        # one that resumes must not reuse a number workers may hold part of.
+        latest = self.dir / LATEST_VERSION_FILE
+        latest.with_suffix(".tmp").write_text(str(self.version))
+        os.replace(latest.with_suffix(".tmp"), latest)
         with torch.no_grad():
             weights = self.policy.quantize_weights(
                 (name, p.detach().to(torch.bfloat16)) for name, p in self.model.named_parameters()
@@ -612,9 +664,6 @@ class Learner:
                 engine_config=self.policy.engine_config(),
                 copy=False,  # every tensor is fresh (cast or quantized from the FP32 master)
             )
-        latest = self.dir / LATEST_VERSION_FILE
-        latest.with_suffix(".tmp").write_text(str(self.version))
-        os.replace(latest.with_suffix(".tmp"), latest)
         return {
             "sync/version": self.version,
             "sync/bytes": stats.wire_bytes,
@@ -681,6 +730,8 @@ class Learner:
     def _close(self) -> None:
         self.inbox.close()
         self.publisher.close()
+        self.watch.close()
+        self.ledger.close()
         self.metrics.close()
 
 

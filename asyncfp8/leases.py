@@ -92,6 +92,12 @@ class LeaseBook:
             raise ValueError(f"closing {groups} groups but only {self.open_groups} are open")
         self.open_groups -= groups
 
+    def dropped(self, prompt: int) -> None:
+        """A returned group that will not be trained (too stale): it frees its capacity,
+        and its prompt is handed out again first, so no prompt is skipped."""
+        self.close(1)
+        self.retry.append(prompt)
+
     def expire(self, now: float) -> list[Lease]:
         """Leases not fully returned within `timeout`: their missing prompts go back to
         the front of the queue and stop counting against the bound."""

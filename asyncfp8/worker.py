@@ -34,7 +34,7 @@ from asyncfp8.process import (
     set_threads,
     setup_logging,
 )
-from asyncfp8.sync import Trajectory, TrajectorySender, VersionSubscriber
+from asyncfp8.sync import HandshakeWatch, Trajectory, TrajectorySender, VersionSubscriber
 from asyncfp8.tasks import build_task
 
 REQUEST_AGAIN_AFTER = 5.0  # s without an answer to a lease request: ask again
@@ -62,9 +62,16 @@ class Worker:
         self.policy = build_policy(cfg.precision)
         self.engine = build_engine(cfg.engine, str(model_dir), self.policy)
         addresses, secure = endpoints(cfg.sync, "connect"), curve(cfg.sync)
-        self.subscriber = VersionSubscriber(addresses.versions, addresses.snapshots, curve=secure)
+        self.watch = HandshakeWatch()  # logs a learner that fails to authenticate
+        self.subscriber = VersionSubscriber(
+            addresses.versions, addresses.snapshots, curve=secure, watch=self.watch
+        )
         self.sender = TrajectorySender(
-            addresses.trajectories, self.id, curve=secure, resend_after=cfg.sync.resend_after
+            addresses.trajectories,
+            self.id,
+            curve=secure,
+            resend_after=cfg.sync.resend_after,
+            watch=self.watch,
         )
         self.stats = dict.fromkeys(
             ("samples", "tokens", "generate_s", "update_s", "updates", "paused_s"), 0.0
@@ -87,10 +94,12 @@ class Worker:
                 f"{sync.connect_timeout} s (sync.connect_timeout): is it running, and are "
                 "sync.host and the ports the learner's?"
             )
+        finished = False  # the learner said the run is over
         while not self.stop:
             self._apply_newest(timeout=0)
             reply = self._ask_for_work()
             if reply.get("done"):
+                finished = not self.stop
                 self.log.info(
                     f"stopping on signal {self.stop.signal}"
                     if self.stop
@@ -104,10 +113,21 @@ class Worker:
                 continue
             self._wait_for_version(int(reply["min_version"]))
             self._generate(reply)
-        flushed = self.sender.flush(timeout=30)
-        if not flushed:
+        flushed = self.sender.flush(timeout=5 if finished else 30)
+        if not flushed and finished:
+            # Everything sent before the request that "done" answered was acknowledged
+            # before that answer (one ordered connection); these went out afterwards, for
+            # a lease granted before the end, and the learner no longer takes any.
+            self.log.info(
+                "%d trajectories sent after the run ended were not needed",
+                len(self.sender.outbox),
+            )
+            flushed = True
+        elif not flushed:
             self.log.warning(
-                "%d trajectories were never acknowledged by the learner", len(self.sender.outbox)
+                "%d trajectories were never acknowledged by the learner (sequence numbers %s)",
+                len(self.sender.outbox),
+                sorted(self.sender.outbox)[:20],
             )
         self.log.info(
             "done: %d samples, %d tokens at %.0f tokens/s, %d versions applied",
@@ -159,6 +179,11 @@ class Worker:
             self._apply_newest(timeout=0.5)
 
     def _ask_for_work(self) -> dict:
+        self.sender.pump()
+        if any(reply.get("done") for reply in self.sender.replies):
+            return {"done": True}  # leases queued before it are no longer needed
+        if self.sender.replies:  # an extra answer to a request sent twice: use it
+            return self.sender.replies.popleft()
         want = self.cfg.run.lease_groups
         asked = time.monotonic()
         self.sender.request_lease(want, self.engine.version, self.stats)
@@ -214,6 +239,7 @@ class Worker:
     def close(self) -> None:
         self.subscriber.close()
         self.sender.close()
+        self.watch.close()
         self.engine.close()
 
 

@@ -12,70 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from asyncfp8.chaos.cluster import SMALL_RUN, Cluster
 from asyncfp8.launch import free_ports
 from asyncfp8.report import per_step
-
-SMALL_RUN = [
-    "run.groups_per_step=4",
-    "run.group_size=4",
-    "run.lease_groups=2",
-    "run.max_new_tokens=6",
-    "run.threads=1",
-    "run.tensorboard=false",
-]
-
-
-class Cluster:
-    """A learner and workers started by hand (as on several hosts), killed at teardown."""
-
-    def __init__(self, run_dir: Path, model_dir: Path, *overrides: str):
-        self.run_dir = run_dir
-        ports = free_ports(3)
-        self.common = [
-            f"model.path={model_dir}",
-            f"run.dir={run_dir}",
-            f"sync.version_port={ports[0]}",
-            f"sync.snapshot_port={ports[1]}",
-            f"sync.trajectory_port={ports[2]}",
-            *SMALL_RUN,
-            *overrides,
-        ]
-        self.processes: list[subprocess.Popen] = []
-
-    def start(self, module: str, name: str, *overrides: str) -> subprocess.Popen:
-        log = (self.run_dir / f"{name}.log").open("a")
-        process = subprocess.Popen(
-            [sys.executable, "-m", f"asyncfp8.{module}", *self.common, *overrides],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        self.processes.append(process)
-        return process
-
-    def learner(self, *overrides: str) -> subprocess.Popen:
-        return self.start("learner", "learner", *overrides)
-
-    def worker(self, index: int, *overrides: str) -> subprocess.Popen:
-        return self.start("worker", f"worker-{index}", f"run.worker_id={index}", *overrides)
-
-    def wait_for_step(self, step: int, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            done = per_step(self.run_dir)
-            if done and done[-1]["step"] >= step:
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"step {step} not reached in {timeout} s:\n{self.log('learner')}")
-
-    def log(self, name: str) -> str:
-        path = self.run_dir / f"{name}.log"
-        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
-
-    def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
 
 
 @pytest.fixture
@@ -84,7 +23,6 @@ def cluster(tmp_path, tiny_model_dir):
 
     def make(*overrides):
         made.append(Cluster(tmp_path / f"run{len(made)}", tiny_model_dir, *overrides))
-        made[-1].run_dir.mkdir()
         return made[-1]
 
     yield make

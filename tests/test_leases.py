@@ -123,3 +123,15 @@ def test_a_resumed_book_never_reuses_a_lease_id_of_its_predecessor():
     assert fresh.serial == after_checkpoint.serial  # so is the sampling seed
     assert fresh.id != after_checkpoint.id
     assert not resumed.returned(after_checkpoint.id, after_checkpoint.prompts[0])  # not owed
+
+
+def test_a_dropped_stale_group_frees_capacity_and_its_prompt_comes_back_first():
+    book = LeaseBook(capacity=2, timeout=10, incarnation=0)
+    lease = book.grant("w", 2, version=0, now=0.0)
+    assert book.grant("w", 1, version=0, now=0.0) is None
+    assert book.returned(lease.id, 0) and book.returned(lease.id, 1)
+    book.dropped(0)  # prompt 0's group came back too stale to train
+    again = book.grant("w", 2, version=3, now=1.0)
+    assert again.prompts == [0]  # capacity for one group: the dropped prompt, before new ones
+    book.close(1)  # prompt 1 trained
+    assert book.grant("w", 2, version=3, now=1.0).prompts == [2]

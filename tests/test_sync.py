@@ -1,3 +1,4 @@
+import logging
 import random
 import time
 
@@ -9,6 +10,7 @@ import zmq
 from asyncfp8.precision import get_policy
 from asyncfp8.sync import (
     Curve,
+    HandshakeWatch,
     Limits,
     RejectedMessage,
     Trajectory,
@@ -22,6 +24,7 @@ from asyncfp8.sync import (
 )
 from asyncfp8.sync.codec import seal
 from asyncfp8.sync.keys import make_keys
+from asyncfp8.sync.limits import RejectionLog
 
 LOOPBACK = "tcp://127.0.0.1:*"
 
@@ -351,31 +354,75 @@ def test_oversized_and_wrongly_versioned_messages_are_rejected():
         VersionAssembler(limits=Limits(max_tensors=2)).feed(messages[0])
 
 
+def test_rejection_log_counts_every_rejection_and_caps_the_lines(caplog):
+    rejections = RejectionLog(logging.getLogger("test.rejections"), burst=3, window=0.2)
+    with caplog.at_level(logging.WARNING, logger="test.rejections"):
+        for i in range(50):
+            rejections("trajectory message", f"bad {i}")
+        rejections("lease request", "bad lease")
+        time.sleep(0.25)
+        rejections.tick()
+    assert rejections.counts == {"trajectory message": 50, "lease request": 1}
+    assert rejections.total == 51
+    lines = [r.getMessage() for r in caplog.records]
+    one_by_one = [line for line in lines if line.startswith("rejected a trajectory message")]
+    assert one_by_one == [f"rejected a trajectory message: bad {i}" for i in range(3)]
+    (summary,) = [line for line in lines if line.startswith("rejected 47 more: trajectory message")]
+    assert "the last: bad 49" in summary
+    assert "rejected a lease request: bad lease" in lines
+
+
+def test_chunks_of_two_streams_never_make_one_version():
+    # A learner died after chunk 0 of version 5; the one that resumed it sends a version
+    # 5 of its own (it should not: it reserves numbers, but the receiver must not rely
+    # on that). Chunk 1 of the new stream must not complete the old stream's chunk 0.
+    old = encode_version(5, toy_model(0).items(), chunk_bytes=1, stream="dead")
+    new = encode_version(5, toy_model(1).items(), chunk_bytes=1, stream="resumed")
+    assert len(old) == len(new) > 2
+    assembler = VersionAssembler()
+    assembler.feed(old[0])
+    with pytest.raises(RejectedMessage, match="stream"):
+        assembler.feed(new[1])
+
+
 # --- CURVE ------------------------------------------------------------------------------------------
 
 
-def test_curve_keeps_out_clients_without_the_keys(tmp_path):
+def test_curve_keeps_out_clients_without_the_keys(tmp_path, caplog):
     keys = make_keys(tmp_path / "keys")
     intruder_keys = make_keys(tmp_path / "intruder")
     curve, intruder = Curve(True, str(keys)), Curve(True, str(intruder_keys))
     context = zmq.Context()
-    receiver = TrajectoryReceiver(LOOPBACK, curve=curve, context=context)
+    learner_watch, worker_watch = HandshakeWatch(), HandshakeWatch()
+    receiver = TrajectoryReceiver(LOOPBACK, curve=curve, context=context, watch=learner_watch)
     publisher = VersionPublisher(LOOPBACK, LOOPBACK, curve=curve, context=context)
     plain_sender = TrajectorySender(receiver.address, "plain", context=context)
     foreign_sender = TrajectorySender(receiver.address, "foreign", curve=intruder, context=context)
     good_sender = TrajectorySender(receiver.address, "good", curve=curve, context=context)
+    # A client that knows the server's public key but whose own key is not allowed.
+    stranger_keys = tmp_path / "stranger"
+    stranger_keys.mkdir()
+    for name, source in (("server.key", keys), ("client.key_secret", intruder_keys)):
+        (stranger_keys / name).write_bytes((source / name).read_bytes())
+    stranger = TrajectorySender(
+        receiver.address, "stranger", curve=Curve(True, str(stranger_keys)), context=context
+    )
     # A rogue publisher on its own port, without the learner's secret key: a worker
     # pointed at it must not take its weights.
     rogue = VersionPublisher(LOOPBACK, LOOPBACK, curve=intruder, context=context)
     fooled = VersionSubscriber(
-        rogue.publish_address, rogue.snapshot_address, curve=curve, context=context
+        rogue.publish_address,
+        rogue.snapshot_address,
+        curve=curve,
+        context=context,
+        watch=worker_watch,
     )
     worker = VersionSubscriber(
         publisher.publish_address, publisher.snapshot_address, curve=curve, context=context
     )
     try:
         time.sleep(0.5)
-        for sender in (plain_sender, foreign_sender, good_sender):
+        for sender in (plain_sender, foreign_sender, stranger, good_sender):
             sender.send(trajectory(7))
         rogue.publish(0, [("w", torch.ones(8))])
         publisher.publish(0, [("w", torch.zeros(8))])
@@ -387,10 +434,18 @@ def test_curve_keeps_out_clients_without_the_keys(tmp_path):
         assert [t.worker_id for t in got] == ["good"]
         assert worker.version == 0 and torch.equal(worker.tensors["w"], torch.zeros(8))
         assert fooled.version is None
+        # Each refusal is logged: the foreign client key by the ZAP check, the plain
+        # client and the rogue publisher (wrong server key) as failed handshakes.
+        refusals = [r.getMessage() for r in caplog.records if "refused a CURVE" in r.getMessage()]
+        assert refusals and all(str(keys / "clients") in line for line in refusals)
+        assert learner_watch.failures >= 2 and worker_watch.failures >= 1
     finally:
+        learner_watch.close()
+        worker_watch.close()
         for endpoint in (
             plain_sender,
             foreign_sender,
+            stranger,
             good_sender,
             receiver,
             publisher,

@@ -8,12 +8,13 @@ trajectories (workers -> learner), over ZeroMQ, optionally CURVE-authenticated.
 
 from .codec import Version, VersionAssembler, decode_version, encode_chunks, encode_version
 from .limits import Limits, RejectedMessage
-from .security import Curve
+from .security import Curve, HandshakeWatch
 from .trajectories import Trajectory, TrajectoryReceiver, TrajectorySender
 from .versions import PublishStats, VersionPublisher, VersionSubscriber
 
 __all__ = [
     "Curve",
+    "HandshakeWatch",
     "Limits",
     "PublishStats",
     "RejectedMessage",

@@ -229,12 +229,15 @@ def encode_chunks(
     engine_config: Mapping[str, Any] | None = None,
     chunk_bytes: int = 64 << 20,
     update_base: bool = False,
+    stream: str = "",
 ) -> Iterator[list[bytes]]:
     """One `[header, payload]` message per chunk of about `chunk_bytes`, streamed from
     `named_tensors`. Tensors with an entry in `base` (the receiver's previous version)
     go as patches when that is smaller. With `update_base`, `base[name]` is replaced by
     the new tensor as soon as its patch is taken, so a sender keeps one copy of the
-    model, not two."""
+    model, not two. `stream` names the sending process: a receiver never assembles one
+    version from chunks of two streams (a learner that died mid-publish and the one
+    that resumed it)."""
     pending: dict[str, torch.Tensor] = {}
     entries: list[dict[str, Any]] = []
     size, chunk_index, total = 0, 0, 0
@@ -252,6 +255,7 @@ def encode_chunks(
             "format": FORMAT_VERSION,
             "kind": "version",
             "version": version,
+            "stream": stream,
             "base_version": base_version,
             "policy": policy,
             "engine_config": dict(engine_config or {}),
@@ -329,6 +333,7 @@ def parse_header(frame: bytes, limits: Limits) -> dict[str, Any]:
         ("tensors", list),
         ("policy", str),
         ("engine_config", dict),
+        ("stream", str),
     ):
         _check(
             isinstance(header.get(key), kind),
@@ -413,8 +418,9 @@ class VersionAssembler:
         if self.version is None:
             self.version, self.header = header["version"], header
         _check(
-            header["version"] == self.version,
-            f"chunk of version {header['version']} inside version {self.version}",
+            header["version"] == self.version and header["stream"] == self.header["stream"],
+            f"chunk of version {header['version']} (stream {header['stream']!r}) inside "
+            f"version {self.version} (stream {self.header['stream']!r})",
         )
         _check(
             header["chunk"] == self.next_chunk,

@@ -29,8 +29,8 @@ import numpy as np
 import zmq
 
 from .codec import seal, unseal
-from .limits import Limits, RejectedMessage
-from .security import Curve, secure_client, secure_server
+from .limits import Limits, RejectedMessage, RejectionLog
+from .security import Curve, HandshakeWatch, secure_client, secure_server
 
 log = logging.getLogger("asyncfp8.sync")
 FORMAT_VERSION = 1
@@ -54,6 +54,7 @@ class Trajectory:
     worker_id: str = ""
     seq: int = -1
     meta: dict[str, Any] = field(default_factory=dict)
+    sender: str = ""  # the sending process, "<worker_id>/<incarnation>" (set on receipt)
 
     def encode(self, sender: str) -> bytes:
         n = len(self.token_ids)
@@ -153,6 +154,7 @@ class Trajectory:
             worker_id=msg["worker_id"],
             seq=msg["seq"],
             meta=msg["meta"],
+            sender=msg["sender"],
         )
         return msg["sender"], trajectory
 
@@ -186,6 +188,7 @@ class TrajectorySender:
         context: zmq.Context | None = None,
         max_unacked: int = 1024,
         resend_after: float = 5.0,
+        watch: HandshakeWatch | None = None,
     ):
         self.context = context or zmq.Context.instance()
         self.worker_id = worker_id
@@ -194,6 +197,8 @@ class TrajectorySender:
         secure_client(self.socket, curve)
         self.socket.identity = self.sender.encode()
         self.socket.linger = 0
+        if watch is not None:
+            watch.watch(self.socket, "trajectory")
         self.socket.connect(address)
         self.max_unacked, self.resend_after = max_unacked, resend_after
         self.outbox: OrderedDict[int, list] = OrderedDict()  # seq -> [payload, last sent time]
@@ -308,23 +313,35 @@ class TrajectoryReceiver:
         limits: Limits | None = None,
         context: zmq.Context | None = None,
         on_lease: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        watch: HandshakeWatch | None = None,
     ):
         self.context = context or zmq.Context.instance()
         self.limits = limits or Limits()
         self.socket = self.context.socket(zmq.ROUTER)
         secure_server(self.socket, curve)
-        self.socket.maxmsgsize = self.limits.max_message_bytes
+        # Frames somewhat over the limit reach `decode`, which rejects them with a logged
+        # reason; ZeroMQ cuts the connection of a peer sending one over twice the limit
+        # before buffering it (that one is not logged by asyncfp8: it never arrives).
+        self.socket.maxmsgsize = 2 * self.limits.max_message_bytes
         self.socket.linger = 0
+        if watch is not None:
+            watch.watch(self.socket, "trajectory")
         self.socket.bind(address)
         self.address = self.socket.getsockopt_string(
             zmq.LAST_ENDPOINT
         )  # resolves "tcp://127.0.0.1:*"
         self.seen: dict[str, SeenSequences] = {}
-        self.accepted = self.duplicates = self.rejected = 0
+        self.accepted = self.duplicates = 0
+        self.rejections = RejectionLog(log)
         self.on_lease = on_lease
+
+    @property
+    def rejected(self) -> int:
+        return self.rejections.total
 
     def poll(self, timeout_ms: int = 0, max_messages: int = 4096) -> list[Trajectory]:
         fresh: list[Trajectory] = []
+        self.rejections.tick()
         if not self.socket.poll(timeout_ms):
             return fresh
         for _ in range(max_messages):
@@ -336,15 +353,13 @@ class TrajectoryReceiver:
                 self._answer_lease(frames[0], frames[2])
                 continue
             if len(frames) != 2:
-                self.rejected += 1
-                log.warning("rejected a trajectory message: %d frames, expected 2", len(frames))
+                self.rejections("trajectory message", f"{len(frames) - 1} frames, expected 1")
                 continue
             identity, payload = frames
             try:
                 sender, trajectory = Trajectory.decode(payload, self.limits)
             except RejectedMessage as err:
-                self.rejected += 1
-                log.warning("rejected a trajectory message: %s", err)
+                self.rejections("trajectory message", str(err))
                 continue
             self.socket.send_multipart([identity, msgpack.packb({"ack": trajectory.seq})])
             if self.seen.setdefault(sender, SeenSequences()).add(trajectory.seq):
@@ -358,8 +373,7 @@ class TrajectoryReceiver:
         try:
             request = decode_lease_request(payload, self.limits)
         except RejectedMessage as err:
-            self.rejected += 1
-            log.warning("rejected a lease request: %s", err)
+            self.rejections("lease request", str(err))
             return
         reply = dict(self.on_lease(request))
         reply["kind"] = "lease"
@@ -380,4 +394,5 @@ class TrajectoryReceiver:
             self.seen[sender] = seen
 
     def close(self) -> None:
+        self.rejections.flush()
         self.socket.close()

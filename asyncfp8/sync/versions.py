@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +23,10 @@ import msgpack
 import torch
 import zmq
 
+from ..failpoints import failpoint
 from .codec import Version, VersionAssembler, encode_chunks, parse_header
-from .limits import Limits, RejectedMessage
-from .security import Curve, secure_client, secure_server
+from .limits import Limits, RejectedMessage, RejectionLog
+from .security import Curve, HandshakeWatch, secure_client, secure_server
 
 log = logging.getLogger("asyncfp8.sync")
 SNAPSHOT_REQUEST = msgpack.packb({"want": "latest"})
@@ -51,6 +53,7 @@ class VersionPublisher:
         curve: Curve | None = None,
         send_hwm: int = 64,
         context: zmq.Context | None = None,
+        watch: HandshakeWatch | None = None,
     ):
         self.context = context or zmq.Context.instance()
         self.chunk_bytes = chunk_bytes
@@ -63,6 +66,7 @@ class VersionPublisher:
             zmq.LAST_ENDPOINT
         )  # resolves "tcp://127.0.0.1:*"
         self.state: dict[str, torch.Tensor] = {}
+        self.stream = uuid.uuid4().hex[:12]  # this publisher: chunks of two never mix
         self.version: int | None = None
         self.policy, self.engine_config = "", {}
         self._lock = threading.Lock()
@@ -72,7 +76,11 @@ class VersionPublisher:
         self._router.linger = 0
         self._router.bind(snapshot_address)
         self.snapshot_address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        if watch is not None:
+            watch.watch(self.pub, "version")
+            watch.watch(self._router, "snapshot")
         self.snapshots_served = 0
+        self.rejections = RejectionLog(log)
         self._thread = threading.Thread(
             target=self._serve_snapshots, name="asyncfp8-snapshots", daemon=True
         )
@@ -112,7 +120,10 @@ class VersionPublisher:
                 engine_config=engine_config,
                 chunk_bytes=self.chunk_bytes,
                 update_base=True,
+                stream=self.stream,
             ):
+                if chunks:
+                    failpoint("publish.between_chunks")
                 self.pub.send_multipart(message, copy=False)
                 wire += sum(len(frame) for frame in message)
                 chunks += 1
@@ -127,6 +138,7 @@ class VersionPublisher:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         while not self._closed.is_set():
+            self.rejections.tick()
             if not dict(poller.poll(100)):
                 continue
             try:
@@ -134,8 +146,10 @@ class VersionPublisher:
             except zmq.ZMQError:
                 break
             if request != [SNAPSHOT_REQUEST]:
-                log.warning(
-                    "snapshot server: rejected a malformed request (%d frames)", len(request)
+                size = sum(len(frame) for frame in request)
+                self.rejections(
+                    "snapshot request",
+                    f"{len(request)} frames, {size} bytes; not the one valid request",
                 )
                 continue
             with self._lock:
@@ -148,13 +162,19 @@ class VersionPublisher:
                     policy=self.policy,
                     engine_config=self.engine_config,
                     chunk_bytes=self.chunk_bytes,
+                    stream=self.stream,
                 ):
                     self._router.send_multipart([identity, *message], copy=False)
                 self.snapshots_served += 1
 
+    @property
+    def rejected(self) -> int:
+        return self.rejections.total
+
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=5)
+        self.rejections.flush()
         self.pub.close()
         self._router.close()
 
@@ -171,6 +191,7 @@ class VersionSubscriber:
         limits: Limits | None = None,
         context: zmq.Context | None = None,
         snapshot_timeout: float = 10.0,
+        watch: HandshakeWatch | None = None,
     ):
         self.context = context or zmq.Context.instance()
         self.snapshot_timeout = snapshot_timeout
@@ -184,15 +205,19 @@ class VersionSubscriber:
             socket.linger = 0
         self.sub.rcvhwm = 0  # keep what arrives: the PUB side bounds the queue
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        if watch is not None:
+            watch.watch(self.sub, "version")
+            watch.watch(self.dealer, "snapshot")
         self.sub.connect(publish_address)
         self.dealer.connect(snapshot_address)
         self.version: int | None = None
         self.tensors: dict[str, torch.Tensor] = {}
-        self.rejected = 0
+        self.rejections = RejectionLog(log)
         self.snapshot_requests = 0
         self._live: VersionAssembler | None = None
         self._snapshot: VersionAssembler | None = None
         self._snapshot_pending = False
+        self._missed_base: int | None = None  # the last version logged as a delta we lack
         self.request_snapshot()
 
     def request_snapshot(self) -> None:
@@ -202,8 +227,13 @@ class VersionSubscriber:
             self._requested_at = time.monotonic()
             self.snapshot_requests += 1
 
+    @property
+    def rejected(self) -> int:
+        return self.rejections.total
+
     def poll(self, timeout_ms: int = 0) -> Version | None:
         """Handles every message waiting (waiting up to `timeout_ms` for the first)."""
+        self.rejections.tick()
         since = time.monotonic() - self._requested_at
         if self._snapshot_pending and since > self.snapshot_timeout:
             self._snapshot_pending = False  # the request or its reply was lost (learner restart?)
@@ -240,8 +270,7 @@ class VersionSubscriber:
         return version
 
     def _reject(self, source: str, reason: str) -> None:
-        self.rejected += 1
-        log.warning("rejected a %s message: %s", source, reason)
+        self.rejections(f"{source} message", reason)
 
     def _on_live(self, frames) -> Version | None:
         frames = [f.buffer for f in frames]
@@ -251,7 +280,35 @@ class VersionSubscriber:
                 raise RejectedMessage(f"expected 2 frames, got {len(frames)}")
             if self.version is not None and header["version"] <= self.version:
                 return None  # already have it (e.g. from a snapshot)
-            if self._live is None or self._live.version != header["version"]:
+            new = (
+                self._live is None
+                or self._live.version != header["version"]
+                or self._live.header["stream"] != header["stream"]
+            )
+            if new and self._live is not None:
+                log.info(
+                    "dropped incomplete version %d (%d chunks received): version %d started",
+                    self._live.version,
+                    self._live.next_chunk,
+                    header["version"],
+                )
+                self._live = None
+            patches = any(entry["encoding"] == "patch" for entry in header["tensors"])
+            if patches and header["base_version"] != self.version:
+                # A delta against a version this worker missed: not a bad message.
+                if self._missed_base != header["version"]:
+                    self._missed_base = header["version"]
+                    log.info(
+                        "version %d is a delta against version %s, this worker has %s: "
+                        "asking for a snapshot",
+                        header["version"],
+                        header["base_version"],
+                        self.version,
+                    )
+                self._live = None
+                self.request_snapshot()
+                return None
+            if new:
                 if header["chunk"] != 0:
                     # Joined in the middle of a version (late start, or a dropped chunk 0):
                     # not a bad message; the snapshot will bring us up to date.
@@ -300,5 +357,6 @@ class VersionSubscriber:
         return version
 
     def close(self) -> None:
+        self.rejections.flush()
         self.sub.close()
         self.dealer.close()

@@ -1,0 +1,650 @@
+"""The five faults of docs/reliability.md, each against a real learner and real
+workers on loopback (tiny model). A scenario injects its fault a bounded number of
+times, lets the run go on, stops the learner (SIGTERM: it checkpoints), audits the run
+and returns a `FaultReport`: what was injected, what was lost (must be 0), how long
+recovery took, and every check with what it saw."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import signal
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from asyncfp8.failpoints import ENV as FAILPOINTS_ENV
+from asyncfp8.learner import LATEST_VERSION_FILE
+from asyncfp8.ledger import read_ledger
+from asyncfp8.metrics import read_metrics
+from asyncfp8.sync import Curve, TrajectorySender, VersionPublisher, VersionSubscriber
+from asyncfp8.sync.keys import make_keys
+from asyncfp8.sync.security import stop_authenticators
+
+from .attacks import CorruptingRelay, Flood, genuine_trajectory, steps_per_second
+from .audit import applied_versions, audit, logged_rejections
+from .cluster import Cluster
+
+GROUP_SIZE = 4  # the cluster's run.group_size
+PREEMPTED = 128 + signal.SIGTERM  # the learner's exit code after a SIGTERM checkpoint
+
+
+@dataclass
+class FaultReport:
+    fault: str
+    injected: int
+    lost: int = 0
+    recovery_s: list[float] = field(default_factory=list)
+    checks: list[tuple[str, bool, str]] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def check(self, name: str, ok: bool, seen: Any = "") -> None:
+        self.checks.append((name, bool(ok), str(seen)))
+
+    @property
+    def ok(self) -> bool:
+        return all(ok for _, ok, _ in self.checks) and self.lost == 0
+
+    def failures(self) -> str:
+        failed = [f"- {name}: {seen}" for name, ok, seen in self.checks if not ok]
+        return "\n".join([f"{self.fault}: lost {self.lost}", *failed])
+
+    def row(self) -> dict[str, Any]:
+        recovery = self.recovery_s
+        return {
+            "fault": self.fault,
+            "injected": self.injected,
+            "lost": self.lost,
+            "recovery_median_s": statistics.median(recovery) if recovery else None,
+            "recovery_max_s": max(recovery) if recovery else None,
+            "checks_passed": sum(ok for _, ok, _ in self.checks),
+            "checks": len(self.checks),
+        }
+
+
+def _finish(c: Cluster, learner: subprocess.Popen, report: FaultReport, max_staleness: int = 1):
+    """Stops the learner with SIGTERM (it checkpoints), then audits the whole run."""
+    learner.send_signal(signal.SIGTERM)
+    code = learner.wait(timeout=120)
+    report.check("learner stops cleanly on SIGTERM (checkpoint written)", code == PREEMPTED, code)
+    c.stop()
+    result = audit(c.run_dir, GROUP_SIZE, max_staleness)
+    report.lost = result.lost
+    report.details |= {
+        "steps": result.steps,
+        "trained_samples": result.trained_samples,
+        "dropped_stale_groups": result.dropped_stale_groups,
+        "max_step_gap_s": round(max(result.step_gaps_s, default=0.0), 2),
+    }
+    report.check("no sample trained twice", not result.duplicate_samples, result.duplicate_samples)
+    report.check("no prompt trained twice", not result.duplicate_prompts, result.duplicate_prompts)
+    report.check("no group trained half", not result.incomplete_groups, result.incomplete_groups)
+    report.check(
+        "every prompt handed out is accounted for", not result.lost_prompts, result.lost_prompts
+    )
+    report.check(
+        "staleness bound held at every step", result.stale_samples == 0, result.stale_samples
+    )
+    return result
+
+
+def _wait(predicate, timeout: float, what: str, poll: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError(f"{what} within {timeout} s")
+
+
+def _senders(run_dir: Path) -> set[str]:
+    return {m[0] for r in read_ledger(run_dir) for _, _, members in r["groups"] for m in members}
+
+
+def _first_trained_at(run_dir: Path, sender_prefix: str, exclude: set[str]) -> float | None:
+    for record in read_ledger(run_dir):
+        for _, _, members in record["groups"]:
+            if any(s.startswith(sender_prefix) and s not in exclude for s, _, _ in members):
+                return record["time"]
+    return None
+
+
+def _latest_version(c: Cluster) -> int:
+    return int((c.run_dir / LATEST_VERSION_FILE).read_text())
+
+
+# -- 1. workers killed --------------------------------------------------------------------------
+
+
+def worker_kills(
+    work_dir: Path, model_dir: Path, kills: int = 3, seed: int = 0, lease_timeout: float = 3.0
+) -> FaultReport:
+    """SIGKILLs a random worker at random moments and starts a new one each time."""
+    rng = random.Random(seed)
+    stall_limit = lease_timeout + 6  # leases of the dead expire (checked every 1 s), then re-leased
+    c = Cluster(
+        work_dir,
+        model_dir,
+        "run.steps=100000",
+        "run.workers=2",
+        f"run.lease_timeout={lease_timeout}",
+        "sync.resend_after=2",
+        "run.checkpoint_every=100000",
+    )
+    report = FaultReport("worker SIGKILL + restart", injected=kills)
+    try:
+        learner = c.learner()
+        workers = {i: c.worker(i, log_name=f"worker-{i}.0") for i in (0, 1)}
+        c.wait_for_step(5)
+        chaos_started = time.time()
+        replacements = []
+        for kill in range(kills):
+            time.sleep(rng.uniform(0.5, 3.0))
+            index = rng.choice([0, 1])
+            before = {s for s in _senders(c.run_dir) if s.startswith(f"{index}/")}
+            workers[index].kill()
+            workers[index].wait()
+            killed_at, latest = time.time(), _latest_version(c)
+            name = f"worker-{index}.{kill + 1}"
+            workers[index] = c.worker(index, log_name=name)
+            replacements.append((index, name, killed_at, latest, before))
+            # The replacement must be trained on before the next kill (else a kill could
+            # hit a worker that never rejoined, and prove nothing).
+            back = _wait(
+                lambda i=index, b=before: _first_trained_at(c.run_dir, f"{i}/", b),
+                120,
+                f"worker {index}'s replacement trained on",
+            )
+            report.recovery_s.append(back - killed_at)
+        steps_at_end = c.last_step()
+        c.wait_for_step(steps_at_end + 5)
+        chaos_ended = time.time()
+        for _, name, _, latest, _ in replacements:
+            applied = applied_versions(c.log(name, tail=0))
+            report.check(
+                f"{name} resynced to the latest version (>= {latest})",
+                applied and applied[0] >= latest,
+                applied[:3],
+            )
+        result = _finish(c, learner, report)
+        records = read_ledger(c.run_dir)
+        gaps = [
+            b["time"] - a["time"]
+            for a, b in itertools.pairwise(records)
+            if chaos_started <= b["time"] <= chaos_ended
+        ]
+        report.details["max_stall_s"] = round(max(gaps, default=0.0), 2)
+        report.check(
+            f"learner never stalled longer than {stall_limit:.0f} s",
+            max(gaps, default=0.0) <= stall_limit,
+            report.details["max_stall_s"],
+        )
+        incarnations = {s for s in result.senders}
+        report.details["worker_incarnations_trained"] = len(incarnations)
+        report.check(
+            "every killed worker's replacement was trained on",
+            len(incarnations) == 2 + kills,
+            sorted(incarnations),
+        )
+    finally:
+        c.stop()
+    return report
+
+
+# -- 2. learner killed --------------------------------------------------------------------------
+
+
+def learner_kills(
+    work_dir: Path, model_dir: Path, random_kills: int = 1, seed: int = 0, steps: int = 80
+) -> FaultReport:
+    """Kills the learner mid-step and mid-publish (fail points: a version half sent),
+    plus at random moments; resumes it each time from its last checkpoint."""
+    rng = random.Random(seed)
+    cycles = ["learner.mid_step", "publish.between_chunks"] + ["random"] * random_kills
+    c = Cluster(
+        work_dir,
+        model_dir,
+        f"run.steps={steps}",
+        "run.workers=2",
+        "run.checkpoint_every=4",
+        "sync.chunk_mb=0.02",  # several chunks per version, so one can be half sent
+        "run.lease_timeout=4",
+        "sync.resend_after=2",
+    )
+    report = FaultReport("learner SIGKILL mid-step / mid-publish / random + resume", len(cycles))
+    try:
+        deaths, half_sent, workers = [], [], []
+        for cycle, kind in enumerate(cycles):
+            resume = ["run.resume=true"] if cycle else []
+            if kind == "random":
+                learner = c.learner(*resume)
+                started = time.time()
+                _wait(
+                    lambda s=started: any(r["time"] > s for r in read_ledger(c.run_dir)[-1:]),
+                    120,
+                    "the resumed learner to train a step",
+                )
+                time.sleep(rng.uniform(0.2, 1.5))
+                learner.kill()
+            else:  # a fail point, armed for this incarnation only (counts are per process)
+                # Past the first versions of the incarnation (about 15 chunks each here),
+                # so that the workers have reconnected and receive part of the version.
+                hit = rng.randint(3, 12) if kind == "learner.mid_step" else rng.randint(35, 40)
+                learner = c.learner(*resume, env={FAILPOINTS_ENV: f"{kind}={hit}"})
+            if not workers:
+                workers = [c.worker(i) for i in (0, 1)]
+            code = learner.wait(timeout=240)
+            deaths.append(time.time())
+            report.check(f"cycle {cycle} ({kind}): the learner died by SIGKILL", code == -9, code)
+            if kind == "publish.between_chunks":
+                half_sent.append(_latest_version(c))
+        learner = c.learner("run.resume=true")
+        code = learner.wait(timeout=300)
+        report.check("the resumed learner finished the run", code == 0, code)
+        for i, worker in enumerate(workers):
+            report.check(
+                f"worker {i} was never restarted and finished when told",
+                worker.wait(timeout=60) == 0,
+                worker.returncode,
+            )
+        records = read_ledger(c.run_dir)
+        report.recovery_s = [
+            min((r["time"] for r in records if r["time"] > died), default=float("nan")) - died
+            for died in deaths
+        ]
+        versions = [r["version"] for r in records]
+        report.check("trained versions never go back", versions == sorted(versions), versions)
+        for i in (0, 1):
+            log = c.log(f"worker-{i}", tail=0)
+            applied = applied_versions(log)
+            report.check(
+                f"worker {i} applied increasing versions only",
+                applied == sorted(set(applied)),
+                applied,
+            )
+            for version in half_sent:
+                report.check(
+                    f"worker {i} never applied the half-sent version {version}",
+                    version not in applied,
+                    applied,
+                )
+        report.details["half_sent_versions"] = half_sent
+        report.check(
+            "the half-sent version reached a worker and was dropped incomplete",
+            all(
+                any(
+                    f"dropped incomplete version {v} " in c.log(f"worker-{i}", tail=0)
+                    for i in (0, 1)
+                )
+                for v in half_sent
+            ),
+            half_sent,
+        )
+        report.check(
+            "a resumed learner said where it resumed, data position included",
+            c.log("learner", tail=0).count("next prompt") == len(cycles),
+            c.log("learner", tail=0).count("next prompt"),
+        )
+        result = audit(c.run_dir, GROUP_SIZE, max_staleness=1)
+        report.lost = result.lost
+        report.details |= {"steps": result.steps, "trained_samples": result.trained_samples}
+        report.check(
+            "no sample trained twice", not result.duplicate_samples, result.duplicate_samples
+        )
+        report.check(
+            "no prompt trained twice", not result.duplicate_prompts, result.duplicate_prompts
+        )
+        report.check(
+            "no group trained half", not result.incomplete_groups, result.incomplete_groups
+        )
+        report.check(
+            "every prompt handed out is accounted for", not result.lost_prompts, result.lost_prompts
+        )
+        report.check("all steps trained", result.steps == steps, result.steps)
+    finally:
+        c.stop()
+    return report
+
+
+# -- 3. corrupted and flooded frames ------------------------------------------------------------
+
+
+def corrupt_flood(
+    work_dir: Path,
+    model_dir: Path,
+    frames: int = 400,
+    seed: int = 0,
+    window: float = 4.0,
+    limit_mb: float = 0.25,
+) -> FaultReport:
+    """Bad frames at the learner's trajectory and snapshot sockets (random, truncated,
+    bit-flipped, oversized, wrong schema, extra frames, bad lease requests, replays,
+    huge frames, raw TCP), and a relay spoiling the weights on their way to a worker."""
+    limit = int(limit_mb * (1 << 20))
+    c = Cluster(
+        work_dir,
+        model_dir,
+        "run.steps=100000",
+        "run.workers=2",
+        f"sync.max_trajectory_mb={limit_mb}",
+        "run.checkpoint_every=100000",
+    )
+    report = FaultReport("corrupt / truncated / oversized / replayed frames", injected=0)
+    relay = flood = None
+    try:
+        learner = c.learner()
+        relay = CorruptingRelay(f"tcp://127.0.0.1:{c.ports['version']}", seed=seed)
+        c.worker(0)
+        relayed = c.worker(1, f"sync.version_port={relay.port}")
+        c.wait_for_step(5)
+        before_start = time.time()
+        time.sleep(window)
+        flood_start = time.time()
+        relay.spoil.set()
+        flood = Flood("127.0.0.1", c.ports["trajectory"], c.ports["snapshot"], seed=seed)
+        flood.trajectories(frames, limit, seconds=window / 2)
+        trained = [
+            (sender, seq, lease)
+            for r in read_ledger(c.run_dir)[-5:]
+            for lease, _, members in r["groups"]
+            for sender, seq, _ in members
+        ]
+        flood.replay(trained)
+        flood.snapshot_requests(frames // 4, valid=2)
+        flood.huge(2, limit)
+        flood.raw_tcp(4)
+        time.sleep(window / 2)
+        relay.spoil.clear()
+        flood_end = time.time()
+        time.sleep(window)
+        after_end = time.time()
+        report.check("the relayed worker is still running", relayed.poll() is None, relayed.poll())
+        records = read_ledger(c.run_dir)
+        rates = {
+            "before": steps_per_second(records, before_start, flood_start),
+            "during": steps_per_second(records, flood_start, flood_end),
+            "after": steps_per_second(records, flood_end, after_end),
+        }
+        report.details["steps_per_s"] = {k: round(v, 1) for k, v in rates.items()}
+        report.check(
+            "good traffic recovers: steps/s after the flood >= half of before",
+            rates["after"] >= 0.5 * rates["before"] > 0,
+            rates,
+        )
+        next_step = min((r["time"] for r in records if r["time"] > flood_end), default=None)
+        report.recovery_s = [next_step - flood_end] if next_step else []
+        _finish(c, learner, report)
+        last = read_metrics(c.run_dir)[-1]
+        counted = {
+            "trajectory message": last.get("total/rejected/trajectory_message", 0),
+            "lease request": last.get("total/rejected/lease_request", 0),
+            "snapshot request": last.get("total/rejected/snapshot_request", 0),
+        }
+        report.check(
+            "every bad frame was rejected and counted",
+            counted == dict(flood.sent),
+            (counted, dict(flood.sent)),
+        )
+        logged = logged_rejections(c.log("learner", tail=0))
+        report.check(
+            "every rejection was logged with its reason (or summed up in a capped log)",
+            all(logged[source] == n for source, n in flood.sent.items()),
+            dict(logged),
+        )
+        report.check(
+            "every replay was a duplicate, acknowledged and not trained",
+            last["total/duplicate_messages"] == flood.replayed,
+            (last["total/duplicate_messages"], flood.replayed),
+        )
+        handshakes = sum(n for source, n in logged.items() if source.endswith("handshake"))
+        report.check(
+            "raw TCP connections failed the handshake and were logged",
+            handshakes >= 1,
+            handshakes,
+        )
+        worker_rejected = logged_rejections(c.log("worker-1", tail=0))["version message"]
+        report.check(
+            "the relayed worker rejected every spoiled weights message it could not ignore",
+            relay.always_rejected <= worker_rejected <= relay.spoiled,
+            (worker_rejected, dict(relay.counts)),
+        )
+        applied = applied_versions(c.log("worker-1", tail=0))
+        report.check(
+            "the relayed worker applied increasing versions only",
+            applied == sorted(set(applied)),
+            applied[-5:],
+        )
+        report.injected = sum(flood.sent.values()) + flood.replayed + flood.cut_by_zeromq
+        report.injected += flood.raw_connections + relay.spoiled + relay.counts["replayed"]
+        report.details |= {
+            "learner_frames": dict(flood.sent),
+            "replayed": flood.replayed,
+            "huge_cut_by_zeromq": flood.cut_by_zeromq,
+            "raw_tcp": flood.raw_connections,
+            "relay": dict(relay.counts),
+            "snapshots_downloaded_without_curve": flood.snapshots_received,
+        }
+    finally:
+        c.stop()
+        for endpoint in (relay, flood):
+            if endpoint is not None:
+                endpoint.close()
+    return report
+
+
+# -- 4. impersonation with CURVE on -------------------------------------------------------------
+
+
+def impersonation(
+    work_dir: Path, model_dir: Path, seconds: float = 5.0, seed: int = 0
+) -> FaultReport:
+    """With CurveZMQ on: a rogue publisher without the learner's secret key, senders
+    without an allowed client key, and eavesdroppers on the weights."""
+    work_dir = Path(work_dir)
+    keys = make_keys(work_dir / "keys")
+    intruder = make_keys(work_dir / "intruder")
+    stranger = work_dir / "stranger"  # knows the server's public key; its own key is not allowed
+    stranger.mkdir()
+    for name, source in (("server.key", keys), ("client.key_secret", intruder)):
+        (stranger / name).write_bytes((source / name).read_bytes())
+    c = Cluster(
+        work_dir / "run",
+        model_dir,
+        "run.steps=100000",
+        "run.workers=1",
+        "sync.curve.enabled=true",
+        f"sync.curve.keys_dir={keys}",
+        "run.checkpoint_every=100000",
+    )
+    report = FaultReport("impersonation (CURVE on)", injected=0)
+    rogue = None
+    attackers: list = []
+    try:
+        learner = c.learner()
+        c.worker(0)
+        c.wait_for_step(3)
+        rogue = VersionPublisher(
+            "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", curve=Curve(True, str(intruder))
+        )
+        rogue.publish(0, [("model.embed_tokens.weight", torch.zeros(8))])
+        fooled = c.worker(
+            9,
+            f"sync.version_port={rogue.publish_address.rsplit(':', 1)[1]}",
+            f"sync.snapshot_port={rogue.snapshot_address.rsplit(':', 1)[1]}",
+            "sync.connect_timeout=6",
+        )
+        address = f"tcp://127.0.0.1:{c.ports['trajectory']}"
+        senders = {
+            "plain": TrajectorySender(address, "plain"),
+            "foreign keys": TrajectorySender(address, "foreign", curve=Curve(True, str(intruder))),
+            "unlisted client key": TrajectorySender(
+                address, "stranger", curve=Curve(True, str(stranger))
+            ),
+        }
+        eavesdroppers = {
+            "plain": VersionSubscriber(
+                f"tcp://127.0.0.1:{c.ports['version']}", f"tcp://127.0.0.1:{c.ports['snapshot']}"
+            ),
+            "unlisted client key": VersionSubscriber(
+                f"tcp://127.0.0.1:{c.ports['version']}",
+                f"tcp://127.0.0.1:{c.ports['snapshot']}",
+                curve=Curve(True, str(stranger)),
+            ),
+        }
+        attackers = [*senders.values(), *eavesdroppers.values()]
+        step_before = c.last_step()
+        deadline = time.monotonic() + seconds
+        sent = 0
+        while time.monotonic() < deadline:
+            for sender in senders.values():
+                sender.socket.send(genuine_trajectory(sender.sender, sent, lease=0), zmq.NOBLOCK)
+                sender.request_lease(1, None, {})
+                sent += 2
+            for eavesdropper in eavesdroppers.values():
+                eavesdropper.poll(timeout_ms=10)
+            time.sleep(0.05)
+        report.injected = sent + 1 + len(eavesdroppers)  # + the rogue publisher
+        report.check(
+            "the learner kept training during the attack",
+            c.last_step() > step_before,
+            c.last_step(),
+        )
+        for name, eavesdropper in eavesdroppers.items():
+            report.check(
+                f"an eavesdropper ({name}) received no weights",
+                eavesdropper.version is None,
+                eavesdropper.version,
+            )
+        code = fooled.wait(timeout=60)
+        fooled_log = c.log("worker-9", tail=0)
+        report.check(
+            "a worker pointed at a rogue publisher took nothing from it and gave up (exit 3)",
+            code == 3 and not applied_versions(fooled_log),
+            (code, applied_versions(fooled_log)),
+        )
+        report.check(
+            "it logged that the publisher failed the handshake",
+            "handshake" in fooled_log,
+            fooled_log[-300:],
+        )
+        result = _finish(c, learner, report)
+        learner_log = c.log("learner", tail=0)
+        report.check(
+            "only the real worker was trained on",
+            all(s.startswith("0/") for s in result.senders),
+            sorted(result.senders),
+        )
+        last = read_metrics(c.run_dir)[-1]
+        report.check(
+            "nothing from the intruders reached the application",
+            last["total/rejected_messages"] == 0,
+            last["total/rejected_messages"],
+        )
+        report.check(
+            "the unlisted client key was refused and logged",
+            "refused a CURVE client" in learner_log,
+            "",
+        )
+        handshakes = sum(
+            n
+            for source, n in logged_rejections(learner_log).items()
+            if source.endswith("handshake")
+        )
+        report.check(
+            "failed handshakes (no keys, wrong server key) were logged", handshakes >= 1, handshakes
+        )
+        report.details |= {
+            "messages_sent_by_intruders": sent,
+            "failed_handshakes_logged": handshakes,
+        }
+    finally:
+        c.stop()
+        for endpoint in [*attackers, rogue]:
+            if endpoint is not None:
+                endpoint.close()
+        stop_authenticators()
+    return report
+
+
+# -- 5. a slow worker ---------------------------------------------------------------------------
+
+
+def slow_worker(
+    work_dir: Path, model_dir: Path, pauses: int = 3, pause_s: float = 5.0, seed: int = 0
+) -> FaultReport:
+    """Freezes one worker (SIGSTOP, as a swapping or oversubscribed host would) for
+    `pause_s` at a time, `pauses` times; its leases expire while it is frozen."""
+    rng = random.Random(seed)
+    lease_timeout = 2.0
+    c = Cluster(
+        work_dir,
+        model_dir,
+        "run.steps=100000",
+        "run.workers=2",
+        f"run.lease_timeout={lease_timeout}",
+        "run.max_staleness=1",
+        "run.checkpoint_every=100000",
+    )
+    report = FaultReport("slow worker (SIGSTOP / SIGCONT)", injected=pauses)
+    try:
+        learner = c.learner()
+        c.worker(0)
+        slow = c.worker(1)
+        c.wait_for_step(5)
+        stalls = []
+        for _ in range(pauses):
+            time.sleep(rng.uniform(0.5, 1.5))
+            os.kill(slow.pid, signal.SIGSTOP)
+            stopped = time.time()
+            time.sleep(pause_s)
+            os.kill(slow.pid, signal.SIGCONT)
+            stalls.append(stopped)
+        time.sleep(3)
+        c.wait_for_step(c.last_step() + 3)
+        report.check("the slow worker is still running", slow.poll() is None, slow.poll())
+        records = read_ledger(c.run_dir)
+        for stopped in stalls:
+            # How long the learner went without a step once the worker froze.
+            times = [stopped] + [
+                r["time"] for r in records if stopped < r["time"] < stopped + pause_s + 10
+            ]
+            report.recovery_s.append(max(b - a for a, b in itertools.pairwise(times)))
+        _finish(c, learner, report)
+        last = read_metrics(c.run_dir)[-1]
+        dropped = last["total/late_samples"] + last["total/stale_groups"] * GROUP_SIZE
+        report.details |= {
+            "late_samples_dropped": last["total/late_samples"],
+            "stale_groups_dropped": last["total/stale_groups"],
+            "expired_groups": last["data/expired_groups"],
+        }
+        report.check(
+            "the slow worker's leases expired and went to the other worker",
+            last["data/expired_groups"] > 0,
+            last["data/expired_groups"],
+        )
+        report.check("its late samples were dropped and counted", dropped > 0, dropped)
+        report.check(
+            "and logged",
+            "dropping samples of" in c.log("learner", tail=0) or last["total/stale_groups"] > 0,
+            "",
+        )
+    finally:
+        c.stop()
+    return report
+
+
+SCENARIOS = {
+    "worker_kills": worker_kills,
+    "learner_kills": learner_kills,
+    "corrupt_flood": corrupt_flood,
+    "impersonation": impersonation,
+    "slow_worker": slow_worker,
+}
