@@ -215,6 +215,16 @@ class Inbox:
                     self.book.dropped(group.prompt)
                     self.dropped.append((group.lease, group.prompt, group.oldest_version))
                     self.counts["stale_groups"] += 1
+                    log.info(
+                        "dropped the group of (lease %d, prompt %d) from %s: too stale (version "
+                        "%d, training %d, max staleness %d); the prompt is queued again",
+                        group.lease,
+                        group.prompt,
+                        group.trajectories[0].worker_id,
+                        group.oldest_version,
+                        version,
+                        max_staleness,
+                    )
                 if len(self.ready) >= count:
                     return [self.ready.popleft() for _ in range(count)]
                 left = deadline - time.monotonic()
@@ -632,6 +642,7 @@ class Learner:
                 tokens_per_s.append(rate)
                 metrics[f"worker/{worker}/tokens_per_s"] = rate
                 metrics[f"worker/{worker}/paused_s"] = stats.get("paused_s", 0.0)
+                metrics[f"worker/{worker}/rejected_versions"] = stats.get("rejected_versions", 0.0)
         if tokens_per_s:
             metrics["throughput/tokens_per_s"] = sum(tokens_per_s)
         return metrics

@@ -74,7 +74,16 @@ class Worker:
             watch=self.watch,
         )
         self.stats = dict.fromkeys(
-            ("samples", "tokens", "generate_s", "update_s", "updates", "paused_s"), 0.0
+            (
+                "samples",
+                "tokens",
+                "generate_s",
+                "update_s",
+                "updates",
+                "paused_s",
+                "rejected_versions",  # bad weight messages this worker received
+            ),
+            0.0,
         )
         self.log.info(
             "engine %s, precision %s (%s), %d torch threads; learner at %s",
@@ -89,10 +98,18 @@ class Worker:
         sync = self.cfg.sync
         self.log.info("waiting up to %d s for the learner's first version", sync.connect_timeout)
         if not self._apply_newest(timeout=sync.connect_timeout):
+            failed = self.watch.failures
             raise LearnerGone(
                 f"no version from a learner at {endpoints(sync, 'connect').versions} within "
                 f"{sync.connect_timeout} s (sync.connect_timeout): is it running, and are "
                 "sync.host and the ports the learner's?"
+                + (
+                    f" {failed} handshakes with it failed: with CURVE on, it must hold the "
+                    f"server key of {sync.curve.keys_dir}, and this worker's key must be in "
+                    "its clients/."
+                    if failed
+                    else ""
+                )
             )
         finished = False  # the learner said the run is over
         while not self.stop:
@@ -185,6 +202,7 @@ class Worker:
         if self.sender.replies:  # an extra answer to a request sent twice: use it
             return self.sender.replies.popleft()
         want = self.cfg.run.lease_groups
+        self.stats["rejected_versions"] = float(self.subscriber.rejected)
         asked = time.monotonic()
         self.sender.request_lease(want, self.engine.version, self.stats)
         while not self.sender.replies:

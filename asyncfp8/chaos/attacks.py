@@ -33,6 +33,19 @@ def genuine_trajectory(sender: str = "chaos/0", seq: int = 0, lease: int = 0) ->
     ).encode(sender)
 
 
+def lease_request(sender: str, want: int = 1) -> list[bytes]:
+    """A well-formed lease request, as a worker would send it."""
+    request = {
+        "format": FORMAT_VERSION,
+        "sender": sender,
+        "worker_id": sender.split("/")[0],
+        "want": want,
+        "version": None,
+        "stats": {},
+    }
+    return [LEASE_FRAME, seal(msgpack.packb(request))]
+
+
 def bad_trajectory_frames(rng: random.Random, count: int, limit_bytes: int):
     """`count` bad messages for the learner's trajectory socket, as (source, frames):
     the source is the kind of rejection the learner must log for it."""
@@ -83,14 +96,14 @@ class Flood:
         self.snapshot_address = f"tcp://{host}:{snapshot_port}"
         self.host, self.ports = host, (trajectory_port, snapshot_port)
         self.sent: Counter = Counter()  # rejection source -> frames sent
-        self.replayed = 0
+        self.replayed = self.replays_acknowledged = 0
         self.cut_by_zeromq = 0
         self.raw_connections = 0
         self.snapshots_received = 0
 
     def _dealer(self, address: str) -> zmq.Socket:
         dealer = self.context.socket(zmq.DEALER)
-        dealer.linger = 2000
+        dealer.linger = 10_000  # the learner may be slow to read under a flood: let it
         dealer.connect(address)
         return dealer
 
@@ -111,6 +124,10 @@ class Flood:
         for sender, seq, lease in trained:
             dealer.send(genuine_trajectory(sender, seq, lease))
             self.replayed += 1
+        deadline = time.monotonic() + 20
+        while self.replays_acknowledged < len(trained) and time.monotonic() < deadline:
+            if dealer.poll(200):
+                self.replays_acknowledged += "ack" in msgpack.unpackb(dealer.recv())
         dealer.close()
 
     def huge(self, count: int, limit_bytes: int) -> None:

@@ -6,6 +6,7 @@ recovery took, and every check with what it saw."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
@@ -28,7 +29,13 @@ from asyncfp8.sync import Curve, TrajectorySender, VersionPublisher, VersionSubs
 from asyncfp8.sync.keys import make_keys
 from asyncfp8.sync.security import stop_authenticators
 
-from .attacks import CorruptingRelay, Flood, genuine_trajectory, steps_per_second
+from .attacks import (
+    CorruptingRelay,
+    Flood,
+    genuine_trajectory,
+    lease_request,
+    steps_per_second,
+)
 from .audit import applied_versions, audit, logged_rejections
 from .cluster import Cluster
 
@@ -388,21 +395,23 @@ def corrupt_flood(
             "lease request": last.get("total/rejected/lease_request", 0),
             "snapshot request": last.get("total/rejected/snapshot_request", 0),
         }
+        # Raw TCP garbage can parse as ZeroMQ 1.0 frames and reach the sockets as
+        # messages: a few more rejections than frames sent, never fewer.
         report.check(
             "every bad frame was rejected and counted",
-            counted == dict(flood.sent),
+            all(counted[source] >= n for source, n in flood.sent.items()),
             (counted, dict(flood.sent)),
         )
         logged = logged_rejections(c.log("learner", tail=0))
         report.check(
             "every rejection was logged with its reason (or summed up in a capped log)",
-            all(logged[source] == n for source, n in flood.sent.items()),
+            all(logged[source] == n for source, n in counted.items()),
             dict(logged),
         )
         report.check(
             "every replay was a duplicate, acknowledged and not trained",
-            last["total/duplicate_messages"] == flood.replayed,
-            (last["total/duplicate_messages"], flood.replayed),
+            last["total/duplicate_messages"] == flood.replays_acknowledged == flood.replayed,
+            (last["total/duplicate_messages"], flood.replays_acknowledged, flood.replayed),
         )
         handshakes = sum(n for source, n in logged.items() if source.endswith("handshake"))
         report.check(
@@ -410,7 +419,7 @@ def corrupt_flood(
             handshakes >= 1,
             handshakes,
         )
-        worker_rejected = logged_rejections(c.log("worker-1", tail=0))["version message"]
+        worker_rejected = last["worker/1/rejected_versions"]  # sent with its lease requests
         report.check(
             "the relayed worker rejected every spoiled weights message it could not ignore",
             relay.always_rejected <= worker_rejected <= relay.spoiled,
@@ -430,6 +439,8 @@ def corrupt_flood(
             "huge_cut_by_zeromq": flood.cut_by_zeromq,
             "raw_tcp": flood.raw_connections,
             "relay": dict(relay.counts),
+            "relayed_worker_rejected": worker_rejected,
+            "learner_rejections": counted,
             "snapshots_downloaded_without_curve": flood.snapshots_received,
         }
     finally:
@@ -505,9 +516,14 @@ def impersonation(
         sent = 0
         while time.monotonic() < deadline:
             for sender in senders.values():
-                sender.socket.send(genuine_trajectory(sender.sender, sent, lease=0), zmq.NOBLOCK)
-                sender.request_lease(1, None, {})
-                sent += 2
+                for frames in (
+                    [genuine_trajectory(sender.sender, sent, lease=0)],
+                    lease_request(sender.sender),
+                ):
+                    # zmq.Again: no connection came up to queue it on (the handshake failed)
+                    with contextlib.suppress(zmq.Again):
+                        sender.socket.send_multipart(frames, zmq.NOBLOCK)
+                    sent += 1
             for eavesdropper in eavesdroppers.values():
                 eavesdropper.poll(timeout_ms=10)
             time.sleep(0.05)
@@ -614,7 +630,7 @@ def slow_worker(
         for stopped in stalls:
             # How long the learner went without a step once the worker froze.
             times = [stopped] + [
-                r["time"] for r in records if stopped < r["time"] < stopped + pause_s + 10
+                r["time"] for r in records if stopped < r["time"] < stopped + pause_s + 1
             ]
             report.recovery_s.append(max(b - a for a, b in itertools.pairwise(times)))
         _finish(c, learner, report)
@@ -631,9 +647,11 @@ def slow_worker(
             last["data/expired_groups"],
         )
         report.check("its late samples were dropped and counted", dropped > 0, dropped)
+        learner_log = c.log("learner", tail=0)
         report.check(
             "and logged",
-            "dropping samples of" in c.log("learner", tail=0) or last["total/stale_groups"] > 0,
+            ("dropping samples of" in learner_log) == (last["total/late_samples"] > 0)
+            and ("too stale" in learner_log) == (last["total/stale_groups"] > 0),
             "",
         )
     finally:
