@@ -1,0 +1,99 @@
+"""The reliability suite at a larger scale: every fault of docs/reliability.md injected
+`--repeats` times (different seeds) into a real learner and real workers on loopback,
+then a table of what was injected, what was lost, and how long recovery took.
+
+    python bench/chaos.py [--repeats 3] [--only worker_kills,...] [--out bench/results/chaos-cpu.json]
+
+Recovery, per fault: worker kill, from SIGKILL to the replacement's first trained
+sample (process start included); learner kill, from its death to the resumed learner's
+first step; flood, from the end of the flood to the next step; slow worker, the longest
+the learner went without a step while that worker was frozen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from asyncfp8.chaos import scenarios
+from asyncfp8.models import make_tiny_model
+from bench.common import write_json
+
+# Larger than the test suite's injections.
+SIZES = {
+    "worker_kills": {"kills": 6},
+    "learner_kills": {"random_kills": 3, "steps": 120},
+    "corrupt_flood": {"frames": 2000},
+    "impersonation": {"seconds": 10},
+    "slow_worker": {"pauses": 5},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", default=",".join(scenarios.SCENARIOS))
+    parser.add_argument("--out", default="bench/results/chaos-cpu.json")
+    args = parser.parse_args()
+    names = args.only.split(",")
+    unknown = set(names) - set(scenarios.SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenarios {sorted(unknown)}; have {list(scenarios.SCENARIOS)}")
+    root = Path(tempfile.mkdtemp(prefix="asyncfp8-chaos-"))
+    model = make_tiny_model("tiny", out_dir=root / "model", progress=False)
+    rows, failures = [], []
+    for name in names:
+        reports = []
+        for seed in range(args.repeats):
+            started = time.perf_counter()
+            print(f"{name}, seed {seed} ...", flush=True)
+            report = scenarios.SCENARIOS[name](
+                root / f"{name}-{seed}", model, seed=seed, **SIZES[name]
+            )
+            print(
+                f"  {'ok' if report.ok else 'FAILED'} in {time.perf_counter() - started:.0f} s: "
+                f"injected {report.injected}, lost {report.lost}",
+                flush=True,
+            )
+            if not report.ok:
+                failures.append(report.failures())
+            reports.append(report)
+        recovery = [s for r in reports for s in r.recovery_s]
+        rows.append(
+            {
+                "fault": reports[0].fault,
+                "runs": len(reports),
+                "injected": sum(r.injected for r in reports),
+                "lost": sum(r.lost for r in reports),
+                "recovery_median_s": statistics.median(recovery) if recovery else None,
+                "recovery_max_s": max(recovery) if recovery else None,
+                "checks": f"{sum(sum(ok for _, ok, _ in r.checks) for r in reports)}"
+                f"/{sum(len(r.checks) for r in reports)}",
+                "details": [r.details for r in reports],
+            }
+        )
+    print(f"\n{'fault':58} {'injected':>8} {'lost':>5} {'recovery median/max s':>22} checks")
+    for row in rows:
+        recovery = (
+            f"{row['recovery_median_s']:.2f} / {row['recovery_max_s']:.2f}"
+            if row["recovery_median_s"] is not None
+            else "-"
+        )
+        print(
+            f"{row['fault']:58} {row['injected']:8d} {row['lost']:5d} {recovery:>22} {row['checks']}"
+        )
+    path = write_json(args.out, {"repeats": args.repeats, "scenarios": rows})
+    print(f"\nwritten {path}")
+    if failures:
+        print("\nFAILED checks:\n" + "\n".join(failures))
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
