@@ -476,6 +476,8 @@ class Learner:
         run = self.cfg.run
         self.inbox.start()
         self.inbox.trained(0, self.publish()["sync/version"])
+        if self.step == 0:
+            self.checkpoint()  # so that a learner killed before its first interval can resume
         last = self.started = time.perf_counter()
         samples_before = 0
         try:

@@ -53,9 +53,13 @@ def main() -> None:
         for seed in range(args.repeats):
             started = time.perf_counter()
             print(f"{name}, seed {seed} ...", flush=True)
-            report = scenarios.SCENARIOS[name](
-                root / f"{name}-{seed}", model, seed=seed, **SIZES[name]
-            )
+            try:
+                report = scenarios.SCENARIOS[name](
+                    root / f"{name}-{seed}", model, seed=seed, **SIZES[name]
+                )
+            except Exception as err:  # a scenario that could not run is a failure, not a crash
+                report = scenarios.FaultReport(name, injected=0)
+                report.check("the scenario ran to the end", False, f"{type(err).__name__}: {err}")
             print(
                 f"  {'ok' if report.ok else 'FAILED'} in {time.perf_counter() - started:.0f} s: "
                 f"injected {report.injected}, lost {report.lost}",

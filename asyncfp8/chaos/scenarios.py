@@ -112,6 +112,12 @@ def _wait(predicate, timeout: float, what: str, poll: float = 0.05):
     raise TimeoutError(f"{what} within {timeout} s")
 
 
+def _alive(process: subprocess.Popen, c: Cluster) -> bool:
+    if process.poll() is not None:
+        raise RuntimeError(f"the learner exited with {process.returncode}:\n{c.log('learner')}")
+    return True
+
+
 def _senders(run_dir: Path) -> set[str]:
     return {m[0] for r in read_ledger(run_dir) for _, _, members in r["groups"] for m in members}
 
@@ -235,7 +241,9 @@ def learner_kills(
                 learner = c.learner(*resume)
                 started = time.time()
                 _wait(
-                    lambda s=started: any(r["time"] > s for r in read_ledger(c.run_dir)[-1:]),
+                    lambda s=started, p=learner: (
+                        _alive(p, c) and any(r["time"] > s for r in read_ledger(c.run_dir)[-1:])
+                    ),
                     120,
                     "the resumed learner to train a step",
                 )
