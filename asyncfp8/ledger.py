@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncfp8.metrics import read_jsonl
+
 LEDGER_FILE = "ledger.jsonl"
 
 
@@ -54,13 +56,4 @@ class Ledger:
 
 def read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
     """The complete records (a line cut short by a kill is left out)."""
-    path = Path(run_dir) / LEDGER_FILE
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    return read_jsonl(Path(run_dir) / LEDGER_FILE)

@@ -54,7 +54,12 @@ def _plain(value: Any) -> Any:
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every complete record of a run (a line being written is left out)."""
-    path = Path(run_dir) / METRICS_FILE
+    return read_jsonl(Path(run_dir) / METRICS_FILE)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON lines of `path` (one being written, or cut short by a kill, is
+    left out); none if it does not exist."""
     if not path.exists():
         return []
     records = []

@@ -3,7 +3,6 @@ ports of a run started by `Cluster`, in bounded counts."""
 
 from __future__ import annotations
 
-import math
 import random
 import socket
 import threading
@@ -256,10 +255,3 @@ def steps_per_second(records: list[dict], start: float, end: float) -> float:
     """Learner steps per second in [start, end) by the ledger's wall-clock times."""
     inside = [r for r in records if start <= r["time"] < end]
     return len(inside) / max(end - start, 1e-9) if inside else 0.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]

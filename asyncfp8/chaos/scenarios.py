@@ -36,11 +36,13 @@ from .attacks import (
     lease_request,
     steps_per_second,
 )
-from .audit import applied_versions, audit, logged_rejections
+from .audit import Audit, applied_versions, audit, logged_rejections
 from .cluster import Cluster
 
 GROUP_SIZE = 4  # the cluster's run.group_size
 PREEMPTED = 128 + signal.SIGTERM  # the learner's exit code after a SIGTERM checkpoint
+# A run that goes on until the scenario stops it (SIGTERM: the learner checkpoints then).
+OPEN_ENDED = ("run.steps=100000", "run.checkpoint_every=100000")
 
 
 @dataclass
@@ -82,22 +84,27 @@ def _finish(c: Cluster, learner: subprocess.Popen, report: FaultReport, max_stal
     code = learner.wait(timeout=120)
     report.check("learner stops cleanly on SIGTERM (checkpoint written)", code == PREEMPTED, code)
     c.stop()
-    result = audit(c.run_dir, GROUP_SIZE, max_staleness)
-    report.lost = result.lost
+    result = _audit(c, report, max_staleness)
     report.details |= {
-        "steps": result.steps,
-        "trained_samples": result.trained_samples,
         "dropped_stale_groups": result.dropped_stale_groups,
         "max_step_gap_s": round(max(result.step_gaps_s, default=0.0), 2),
     }
+    report.check(
+        "staleness bound held at every step", result.stale_samples == 0, result.stale_samples
+    )
+    return result
+
+
+def _audit(c: Cluster, report: FaultReport, max_staleness: int) -> Audit:
+    """Audits the run and records what was lost, with a check for each kind of loss."""
+    result = audit(c.run_dir, GROUP_SIZE, max_staleness)
+    report.lost = result.lost
+    report.details |= {"steps": result.steps, "trained_samples": result.trained_samples}
     report.check("no sample trained twice", not result.duplicate_samples, result.duplicate_samples)
     report.check("no prompt trained twice", not result.duplicate_prompts, result.duplicate_prompts)
     report.check("no group trained half", not result.incomplete_groups, result.incomplete_groups)
     report.check(
         "every prompt handed out is accounted for", not result.lost_prompts, result.lost_prompts
-    )
-    report.check(
-        "staleness bound held at every step", result.stale_samples == 0, result.stale_samples
     )
     return result
 
@@ -146,11 +153,10 @@ def worker_kills(
     c = Cluster(
         work_dir,
         model_dir,
-        "run.steps=100000",
+        *OPEN_ENDED,
         "run.workers=2",
         f"run.lease_timeout={lease_timeout}",
         "sync.resend_after=2",
-        "run.checkpoint_every=100000",
     )
     report = FaultReport("worker SIGKILL + restart", injected=kills)
     try:
@@ -200,12 +206,11 @@ def worker_kills(
             max(gaps, default=0.0) <= stall_limit,
             report.details["max_stall_s"],
         )
-        incarnations = {s for s in result.senders}
-        report.details["worker_incarnations_trained"] = len(incarnations)
+        report.details["worker_incarnations_trained"] = len(result.senders)
         report.check(
             "every killed worker's replacement was trained on",
-            len(incarnations) == 2 + kills,
-            sorted(incarnations),
+            len(result.senders) == 2 + kills,
+            sorted(result.senders),
         )
     finally:
         c.stop()
@@ -308,21 +313,7 @@ def learner_kills(
             c.log("learner", tail=0).count("next prompt") == len(cycles),
             c.log("learner", tail=0).count("next prompt"),
         )
-        result = audit(c.run_dir, GROUP_SIZE, max_staleness=1)
-        report.lost = result.lost
-        report.details |= {"steps": result.steps, "trained_samples": result.trained_samples}
-        report.check(
-            "no sample trained twice", not result.duplicate_samples, result.duplicate_samples
-        )
-        report.check(
-            "no prompt trained twice", not result.duplicate_prompts, result.duplicate_prompts
-        )
-        report.check(
-            "no group trained half", not result.incomplete_groups, result.incomplete_groups
-        )
-        report.check(
-            "every prompt handed out is accounted for", not result.lost_prompts, result.lost_prompts
-        )
+        result = _audit(c, report, max_staleness=1)
         report.check("all steps trained", result.steps == steps, result.steps)
     finally:
         c.stop()
@@ -347,10 +338,9 @@ def corrupt_flood(
     c = Cluster(
         work_dir,
         model_dir,
-        "run.steps=100000",
+        *OPEN_ENDED,
         "run.workers=2",
         f"sync.max_trajectory_mb={limit_mb}",
-        "run.checkpoint_every=100000",
     )
     report = FaultReport("corrupt / truncated / oversized / replayed frames", injected=0)
     relay = flood = None
@@ -477,11 +467,10 @@ def impersonation(
     c = Cluster(
         work_dir / "run",
         model_dir,
-        "run.steps=100000",
+        *OPEN_ENDED,
         "run.workers=1",
         "sync.curve.enabled=true",
         f"sync.curve.keys_dir={keys}",
-        "run.checkpoint_every=100000",
     )
     report = FaultReport("impersonation (CURVE on)", injected=0)
     rogue = None
@@ -611,11 +600,10 @@ def slow_worker(
     c = Cluster(
         work_dir,
         model_dir,
-        "run.steps=100000",
+        *OPEN_ENDED,
         "run.workers=2",
         f"run.lease_timeout={lease_timeout}",
         "run.max_staleness=1",
-        "run.checkpoint_every=100000",
     )
     report = FaultReport("slow worker (SIGSTOP / SIGCONT)", injected=pauses)
     try:
