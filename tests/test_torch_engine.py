@@ -128,6 +128,16 @@ def test_seeds_make_sampling_reproducible(tiny_model_dir):
     assert [s.prompt_index for s in first] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5]
 
 
+def test_ignore_eos_generates_exactly_max_new_tokens(tiny_model_dir):
+    engine = TorchEngine(str(tiny_model_dir), "bf16")
+    stopping = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24, seed=0))
+    eos = engine.tokenizer.eos_token_id
+    assert any(s.finish_reason == "stop" and s.token_ids[-1] == eos for s in stopping)
+    forced = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24, seed=0, ignore_eos=True))
+    assert all(len(s.token_ids) == len(s.logprobs) == 24 for s in forced)
+    assert all(s.finish_reason == "length" for s in forced)
+
+
 def test_fp8_kv_needs_scales_before_generating(tiny_model_dir):
     engine = TorchEngine(str(tiny_model_dir), "fp8_kv")
     with pytest.raises(ValueError, match="FP8 KV cache needs per-layer scales"):

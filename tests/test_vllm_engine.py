@@ -154,3 +154,8 @@ def test_int8_updates_equal_a_fresh_engine_on_the_same_weights(
     # A second update (back to the start) is as exact as the first.
     engine.update_weights(2, version_of(load_model(tiny_model_dir, dtype=torch.float32)))
     assert torch.equal(teacher_forced(engine.llm, texts), initial)
+    engine.update_weights(3, {})  # nothing to apply: the layers keep their weights
+    assert torch.equal(teacher_forced(engine.llm, texts), initial)
+    half = dict(list(version_of(learner).items())[::2])
+    with pytest.raises(ValueError, match=r"version 4 lacks \d+ of the engine's weights"):
+        engine.update_weights(4, half)

@@ -13,7 +13,8 @@ import torch
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy; top_k 0 and top_p 1 turn those filters off. `seed`
-    makes a call reproducible (the torch engine; vLLM seeds per request)."""
+    makes a call reproducible (the torch engine; vLLM seeds per request). `ignore_eos`
+    generates exactly `max_new_tokens` tokens (benchmarks: decode speed at a set length)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -21,6 +22,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 64
     seed: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self):
         if self.n < 1 or self.max_new_tokens < 1:

@@ -178,7 +178,8 @@ class TorchEngine:
             tokens[active, step] = chosen[active]
             logprobs[active, step] = logp.gather(-1, chosen[:, None])[:, 0][active]
             lengths += active.long()
-            finished |= chosen == eos
+            if not sampling.ignore_eos:
+                finished |= chosen == eos
             if finished.all():
                 break
             mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], dim=-1)
@@ -201,7 +202,9 @@ class TorchEngine:
                     token_ids=ids,
                     logprobs=logprobs[row, :n].tolist(),
                     versions=[version] * n,
-                    finish_reason="stop" if ids and ids[-1] == eos else "length",
+                    finish_reason="stop"
+                    if ids and ids[-1] == eos and not sampling.ignore_eos
+                    else "length",
                     text=self.tokenizer.decode(ids, skip_special_tokens=True),
                     prompt_index=prompt_index,
                 )

@@ -43,6 +43,7 @@ import torch
 from asyncfp8.models.loading import check_model_dir
 from asyncfp8.precision import PrecisionPolicy, get_policy
 from asyncfp8.precision.export import export_checkpoint, read_tensors
+from asyncfp8.precision.fp8_kv import KV_SCALE_NAME
 from asyncfp8.precision.int8 import SCALE_SUFFIX
 
 from .base import EngineUnsupported, Sample, SamplingParams
@@ -66,14 +67,16 @@ def _reload(worker, pairs):
     _rebuild_onednn_int8_layers(runner, pairs)
 
 
+def _holds_onednn_handler(module) -> bool:
+    kernel = getattr(getattr(module, "scheme", None), "kernel", None)
+    return getattr(kernel, "dnnl_handler", None) is not None
+
+
 def _rebuild_onednn_int8_layers(runner, pairs) -> None:
+    """Every int8 layer, from the whole version in `pairs` (update_weights refuses
+    anything less for an int8 engine on CPU)."""
     model = runner.get_model()
-    layers = [
-        module
-        for module in model.modules()
-        if getattr(getattr(getattr(module, "scheme", None), "kernel", None), "dnnl_handler", None)
-        is not None
-    ]
+    layers = [module for module in model.modules() if _holds_onednn_handler(module)]
     if not layers:
         return
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -120,6 +123,7 @@ class VLLMEngine:
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
         config = self.policy.engine_config()
         self.on_cpu = not torch.cuda.is_available()
+        self._int8_on_cpu = self.on_cpu and config.get("quantization") == "compressed-tensors"
         if self.on_cpu and config.get("quantization") == "fp8" and not _cpu_has_amx():
             raise EngineUnsupported(
                 f"engine vllm (the CPU wheel) cannot run precision {self.policy.name!r}: "
@@ -178,7 +182,7 @@ class VLLMEngine:
         named_tensors: Mapping[str, torch.Tensor],
         extra: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        pairs = [*named_tensors.items(), *(extra or {}).items()]
+        extra = extra or {}
         for name, tensor in named_tensors.items():
             expected = self.expected.get(name)
             if expected is None:
@@ -190,7 +194,25 @@ class VLLMEngine:
                     f"version {version}: {name} is {tuple(tensor.shape)} {tensor.dtype}, the engine expects "
                     f"{expected[0]} {expected[1]}"
                 )
-        self.llm.collective_rpc(_reload, args=(pairs,))
+        missing = [
+            name
+            for name in self.expected
+            if name not in named_tensors and not KV_SCALE_NAME.match(name)
+        ]
+        if named_tensors and missing:
+            raise ValueError(
+                f"version {version} lacks {len(missing)} of the engine's weights (first: "
+                f"{missing[0]}); a version is applied whole"
+            )
+        if not named_tensors and extra and self._int8_on_cpu:
+            # Layerwise reload drops the int8 layers' None-valued parameters when it
+            # brings no weights for them, and only a whole version can rebuild them.
+            raise ValueError(
+                f"version {version} has only extra tensors: the int8 engine on the CPU wheel "
+                "applies whole versions (every weight) only"
+            )
+        if named_tensors or extra:
+            self.llm.collective_rpc(_reload, args=([*named_tensors.items(), *extra.items()],))
         self.llm.reset_prefix_cache()
         self.version = version
 
@@ -205,6 +227,7 @@ class VLLMEngine:
             max_tokens=sampling.max_new_tokens,
             logprobs=0,
             seed=sampling.seed,
+            ignore_eos=sampling.ignore_eos,
         )
         version = -1 if self.version is None else self.version
         samples = []
