@@ -156,7 +156,9 @@ def test_engines_by_name_and_config(tiny_model_dir):
 
     from asyncfp8.engines import RolloutEngine, build_engine, make_engine
 
-    with pytest.raises(ValueError, match="unknown engine 'tensorrt'; available: torch, vllm"):
+    with pytest.raises(
+        ValueError, match=r"unknown engine 'tensorrt'; available: torch, vllm, sglang$"
+    ):
         make_engine("tensorrt", str(tiny_model_dir))
     with initialize_config_module(version_base="1.3", config_module="asyncfp8.conf"):
         cfg = compose(overrides=["+engine=torch", "engine.max_batch=8"])

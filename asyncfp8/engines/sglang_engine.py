@@ -1,0 +1,158 @@
+"""SGLang as a rollout engine, through its offline `sglang.Engine` API.
+
+Not run here: SGLang does not install on these machines (CUDA only), and no GPU machine
+lent to this project has it. Written against SGLang 0.5's documented API (see
+docs/engines.md); its tests skip when `sglang` is absent.
+
+Why the Engine API and not the HTTP server: a worker already owns its engine for life
+and holds every version as tensors; `Engine.update_weights_from_tensor` takes them as
+they are (SGLang moves them to its scheduler process itself), where the server's
+`/update_weights_from_tensor` needs them serialized into a request body and a server
+process to start, watch and stop. The server's `/pause_generation` and
+`/continue_generation` matter when updates land while requests run; a worker applies
+versions between `generate` calls, and SGLang's update waits for running requests
+(its model-update lock), so a sample never mixes two versions.
+
+What the engine returns and what it refuses:
+- `meta_info["output_token_logprobs"]`: SGLang computes them in its sampler as
+  log_softmax(logits / temperature), before top-k / top-p / min-p filtering. That is
+  the processed distribution only without filters, so `generate` refuses top_k or
+  top_p (the learner's leases never set them). With SGLANG_RETURN_ORIGINAL_LOGPROB set,
+  SGLang returns temperature-1 logprobs instead: refused at start.
+- Precisions: bf16; fp8 (blockwise W8A8: SGLang starts from the exported checkpoint,
+  whose `quantization_config` names fp8 with 128×128 blocks, and each version's FP8
+  weights and `weight_scale_inv` load as they are, which is how slime refits FP8);
+  fp8_kv (`kv_cache_dtype="fp8_e4m3"`, each version's k/v scales sent with the weights).
+  int8 is refused at start: `update_weights_from_tensor` calls the model's
+  `load_weights` and re-runs no post-load processing, which SGLang's int8 layers need.
+- Seeds: SGLang honours per-request seeds only with deterministic inference on; the
+  engine passes `sampling_seed` and says so in the docs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from asyncfp8.models.loading import check_model_dir
+from asyncfp8.precision import PrecisionPolicy, get_policy
+
+from .base import EngineUnsupported, Sample, SamplingParams
+from .checkpoints import check_version, policy_checkpoint, tensor_specs
+
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3"}
+
+
+class SGLangEngine:
+    name = "sglang"
+
+    def __init__(
+        self,
+        model_dir: str,
+        policy: PrecisionPolicy | str = "bf16",
+        seed: int = 0,
+        mem_fraction_static: float = 0.5,
+        export_dir: str | None = None,
+        **engine_kwargs,
+    ):
+        self.policy = get_policy(policy) if isinstance(policy, str) else policy
+        config = self.policy.engine_config()
+        if config.get("quantization") not in (None, "fp8"):
+            raise EngineUnsupported(
+                f"engine sglang cannot refit precision {self.policy.name!r}: its "
+                "update_weights_from_tensor re-runs no post-load processing, which int8 layers "
+                "need. What works: bf16, fp8, fp8_kv, fp8+fp8_kv (or engine=vllm / torch for int8)."
+            )
+        if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true"):
+            raise EngineUnsupported(
+                "engine sglang: SGLANG_RETURN_ORIGINAL_LOGPROB is set, so SGLang would return "
+                "temperature-1 logprobs, not those of the distribution it sampled from; unset it"
+            )
+        try:
+            import sglang
+        except ImportError as err:
+            raise EngineUnsupported(
+                f"engine sglang needs the sglang package ({err}); it installs only on CUDA "
+                "machines. engine=torch runs anywhere, engine=vllm on CPU and GPU."
+            ) from None
+
+        self.model_dir = policy_checkpoint(self.policy, check_model_dir(model_dir), export_dir)
+        self.expected = tensor_specs(self.model_dir)
+        self.engine = sglang.Engine(
+            model_path=str(self.model_dir),
+            dtype="bfloat16",
+            quantization=config.get("quantization"),
+            kv_cache_dtype=KV_CACHE_DTYPES[config.get("kv_cache_dtype", "auto")],
+            random_seed=seed,
+            mem_fraction_static=mem_fraction_static,
+            **engine_kwargs,
+        )
+        self.tokenizer = self.engine.tokenizer_manager.tokenizer
+        self.version: int | None = None
+
+    def update_weights(
+        self,
+        version: int,
+        named_tensors: Mapping[str, torch.Tensor],
+        extra: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        check_version(version, named_tensors, self.expected)
+        pairs = [*named_tensors.items(), *(extra or {}).items()]
+        if pairs:
+            success, message = self.engine.update_weights_from_tensor(
+                named_tensors=pairs, flush_cache=True
+            )
+            if not success:
+                # SGLang may have loaded part of the version: nothing it generates now is
+                # any one version's, so the worker must not go on with it.
+                raise RuntimeError(f"engine sglang: version {version} failed to load: {message}")
+        self.version = version
+
+    def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> list[Sample]:
+        if sampling.top_k or sampling.top_p < 1:
+            raise ValueError(
+                "engine sglang returns logprobs before top-k / top-p filtering: with "
+                f"top_k={sampling.top_k}, top_p={sampling.top_p} they would not be those of the "
+                "distribution sampled from; use engine=vllm or torch for filtered sampling"
+            )
+        params = {
+            "temperature": sampling.temperature,
+            "max_new_tokens": sampling.max_new_tokens,
+            "ignore_eos": sampling.ignore_eos,
+        }
+        if sampling.seed is not None:
+            params["sampling_seed"] = sampling.seed
+        # n samples per prompt as n requests: SGLang shares the prompt's KV (radix cache).
+        jobs = [index for index in range(len(prompts)) for _ in range(sampling.n)]
+        outputs = self.engine.generate(
+            prompt=[prompts[index] for index in jobs],
+            sampling_params=params,
+            return_logprob=True,
+        )
+        version = -1 if self.version is None else self.version
+        samples = []
+        for index, output in zip(jobs, outputs, strict=True):
+            meta = output["meta_info"]
+            steps = meta["output_token_logprobs"]  # (logprob, token_id, text) per token
+            ids = [token for _, token, _ in steps]
+            samples.append(
+                Sample(
+                    prompt_ids=self.tokenizer(prompts[index])["input_ids"],
+                    token_ids=ids,
+                    logprobs=[float(logprob) for logprob, _, _ in steps],
+                    versions=[version] * len(ids),
+                    finish_reason="stop"
+                    if meta["finish_reason"]["type"] == "stop" and not sampling.ignore_eos
+                    else "length",
+                    text=output["text"],
+                    prompt_index=index,
+                )
+            )
+        return samples
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
