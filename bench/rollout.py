@@ -52,7 +52,6 @@ def timed(engine, prompt: str, batch: int, new_tokens: int, repeats: int) -> flo
     sampling = SamplingParams(
         n=batch, temperature=1.0, max_new_tokens=new_tokens, seed=0, ignore_eos=True
     )
-    engine.generate([prompt], SamplingParams(n=1, max_new_tokens=2, seed=0))  # warm-up
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -90,6 +89,7 @@ def main() -> None:
                 continue
             engine.update_weights(0, {}, kv_scales(policy, model_dir))
             for context, prompt in (("short", prompt_of(16)), ("long", prompt_of(args.long))):
+                engine.generate([prompt], SamplingParams(n=1, max_new_tokens=2, seed=0))  # warm-up
                 for batch in (1, 64):
                     prefill = timed(engine, prompt, batch, 1, args.repeats)
                     full = timed(engine, prompt, batch, args.new_tokens, args.repeats)

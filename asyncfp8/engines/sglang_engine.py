@@ -124,10 +124,11 @@ class SGLangEngine:
         }
         if sampling.seed is not None:
             params["sampling_seed"] = sampling.seed
+        encoded = [self.tokenizer(prompt)["input_ids"] for prompt in prompts]
         # n samples per prompt as n requests: SGLang shares the prompt's KV (radix cache).
         jobs = [index for index in range(len(prompts)) for _ in range(sampling.n)]
         outputs = self.engine.generate(
-            prompt=[prompts[index] for index in jobs],
+            input_ids=[encoded[index] for index in jobs],
             sampling_params=params,
             return_logprob=True,
         )
@@ -139,7 +140,7 @@ class SGLangEngine:
             ids = [token for _, token, _ in steps]
             samples.append(
                 Sample(
-                    prompt_ids=self.tokenizer(prompts[index])["input_ids"],
+                    prompt_ids=list(encoded[index]),
                     token_ids=ids,
                     logprobs=[float(logprob) for logprob, _, _ in steps],
                     versions=[version] * len(ids),
