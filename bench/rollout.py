@@ -93,6 +93,13 @@ def main() -> None:
                 for batch in (1, 64):
                     prefill = timed(engine, prompt, batch, 1, args.repeats)
                     full = timed(engine, prompt, batch, args.new_tokens, args.repeats)
+                    if full <= prefill:
+                        raise SystemExit(
+                            f"{engine_name}/{precision} {context} batch {batch}: generating "
+                            f"{args.new_tokens} tokens took no longer than 1 ({full:.4f} s vs "
+                            f"{prefill:.4f} s): decode is lost in the noise; raise --new-tokens "
+                            "or --repeats"
+                        )
                     decode_tokens = batch * (args.new_tokens - 1)
                     rows.append(
                         {
