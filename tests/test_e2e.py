@@ -14,6 +14,7 @@ import pytest
 
 from asyncfp8.chaos.cluster import SMALL_RUN, Cluster
 from asyncfp8.launch import free_ports
+from asyncfp8.ledger import read_ledger
 from asyncfp8.report import per_step
 
 
@@ -73,7 +74,16 @@ def test_launcher_runs_an_asynchronous_run_and_reports(tmp_path, tiny_model_dir)
     assert (run_dir / "plots.png").stat().st_size > 10_000
     assert "reward" in out and "done in" in out
     last = done[-1]
-    assert {"worker/0/tokens_per_s", "worker/1/tokens_per_s"} <= set(last)
+    # Workers report their rates with their next lease request: one that started late
+    # and got a single lease before the end (seen under CI load) reports nothing, so the
+    # check is on the workers whose samples were trained.
+    trained_by = {
+        sender.split("/")[0]
+        for record in read_ledger(run_dir)
+        for _lease, _prompt, samples in record["groups"]
+        for sender, *_ in samples
+    }
+    assert trained_by and {f"worker/{w}/tokens_per_s" for w in trained_by} <= set(last)
     assert last["total/rejected_messages"] == 0 and last["sync/bytes"] > 0
 
 
