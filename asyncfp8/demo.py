@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from asyncfp8.correction import build_correction
 from asyncfp8.engines import SamplingParams, build_engine
 from asyncfp8.models import load_model, load_tokenizer, read_metadata, resolve_model_dir
-from asyncfp8.precision import build_policy
+from asyncfp8.precision import build_policy, version_tensors
 from asyncfp8.tasks import build_task, registered_tasks
 
 
@@ -52,7 +52,7 @@ def main(cfg: DictConfig) -> None:
         + (f", warm-started {meta['warm_start_steps']} steps" if meta else "")
     )
     task = build_task(cfg.task)
-    policy = build_policy(cfg.precision)
+    policy = build_policy(cfg.precision, model_dir)
     engine = build_engine(cfg.engine, str(model_dir), policy)
     print(
         f"[demo] task {task.name!r} (registered: {', '.join(registered_tasks())}); "
@@ -68,12 +68,8 @@ def main(cfg: DictConfig) -> None:
             [p.text + task.completion(p) for p in calibration], return_tensors="pt", padding=True
         )
     )
-    weights = dict(
-        policy.quantize_weights(
-            (n, p.detach().to(torch.bfloat16)) for n, p in learner.named_parameters()
-        )
-    )
-    engine.update_weights(0, weights, policy.calibrate(learner, batch))
+    version = version_tensors(learner, policy, batch)
+    engine.update_weights(0, dict(version.weights), version.extra)
 
     shown = [task.prompt(i) for i in range(cfg.samples)]
     sampling = SamplingParams(

@@ -4,27 +4,24 @@
 
 One step, top to bottom (`Learner.train_step`): take `groups_per_step` complete GRPO
 groups whose samples are at most `max_staleness` versions old (older ones are dropped
-and counted), recompute the sampled tokens' logprobs with the FP32 master weights,
+and counted), recompute the sampled tokens' logprobs with the FP32 master weights (or,
+with `precision.learner_forward=quantized`, through the engine's quantized forward),
 let the configured correction weigh them against the rollout engine's logprobs, take
 the policy loss and an AdamW step. Every `sync.every` steps the weights go out as a new
 version through the precision policy (quantized, KV scales recalibrated). Receiving
-runs on its own thread (`Inbox`), so trajectories are acknowledged and work is leased
-out while the learner computes.
+runs on its own thread (`asyncfp8.inbox.Inbox`), so trajectories are acknowledged and
+work is leased out while the learner computes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
 import os
 import random
 import sys
-import threading
 import time
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +35,13 @@ from asyncfp8.correction import build_correction
 from asyncfp8.correction.metrics import mismatch_metrics
 from asyncfp8.correction.registry import make_batch
 from asyncfp8.failpoints import failpoint
+from asyncfp8.inbox import Group, Inbox
 from asyncfp8.leases import LeaseBook
 from asyncfp8.ledger import Ledger
 from asyncfp8.losses import corrected_policy_loss, group_advantages
 from asyncfp8.metrics import MetricsLog
 from asyncfp8.models import load_model, load_tokenizer, resolve_model_dir
-from asyncfp8.precision import build_policy
+from asyncfp8.precision import build_policy, version_tensors
 from asyncfp8.process import (
     StopFlag,
     check_counts,
@@ -56,7 +54,6 @@ from asyncfp8.sync import (
     HandshakeWatch,
     Limits,
     Trajectory,
-    TrajectoryReceiver,
     VersionPublisher,
 )
 from asyncfp8.tasks import build_task
@@ -72,240 +69,6 @@ LATEST_VERSION_FILE = "latest_version"
 
 class Preempted(Exception):
     """SIGTERM / Ctrl-C while waiting for data."""
-
-
-@dataclass
-class Group:
-    """The `group_size` samples of one prompt, as one worker generated them."""
-
-    lease: int
-    prompt: int
-    trajectories: list[Trajectory]
-
-    @property
-    def oldest_version(self) -> int:
-        return min(min(t.versions, default=0) for t in self.trajectories)
-
-
-class Inbox:
-    """The learner's receiving side, on its own thread: acknowledges trajectories,
-    assembles them into groups, answers lease requests from the `LeaseBook`, and
-    expires the leases of workers that died holding them."""
-
-    def __init__(
-        self,
-        address: str,
-        book: LeaseBook,
-        group_size: int,
-        sampling: dict,
-        seed: int,
-        curve,
-        limits: Limits | None = None,
-        watch: HandshakeWatch | None = None,
-    ):
-        self.book, self.group_size, self.sampling, self.seed = book, group_size, sampling, seed
-        self.receiver = TrajectoryReceiver(
-            address, curve=curve, limits=limits, on_lease=self._on_lease, watch=watch
-        )
-        self.lock = threading.Condition()
-        self.ready: deque[Group] = deque()
-        self.dropped: list[tuple[int, int, int]] = []  # stale groups since the last step
-        self.partial: dict[tuple[int, int], list[Trajectory]] = {}
-        self.version: int | None = None  # the newest published version: leases start from it
-        self.finished = False
-        self.workers: dict[str, dict[str, float]] = {}  # worker id -> its latest counters
-        self.told_done: set[str] = set()
-        self.reported: set[tuple[int, int]] = set()  # groups already reported as not owed
-        self.last_request: dict[str, float] = {}
-        self.counts = dict.fromkeys(
-            ("samples", "tokens", "stale_groups", "late_samples", "bad_trajectories", "waits"), 0
-        )
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="asyncfp8-inbox", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _serve(self) -> None:
-        last_expiry = time.monotonic()
-        while not self._stop.is_set():
-            trajectories = self.receiver.poll(timeout_ms=50)
-            with self.lock:
-                for trajectory in trajectories:
-                    self._add(trajectory)
-                if time.monotonic() - last_expiry > 1.0:
-                    last_expiry = time.monotonic()
-                    for lease in self.book.expire(time.monotonic()):
-                        log.warning(
-                            "lease %d of %s expired after %.0f s: prompts %s go to another worker",
-                            lease.id,
-                            lease.worker,
-                            self.book.timeout,
-                            sorted(lease.pending),
-                        )
-                        for prompt in lease.pending:
-                            self.partial.pop((lease.id, prompt), None)
-
-    def _add(self, trajectory: Trajectory) -> None:
-        lease = trajectory.meta.get("lease")
-        if not isinstance(lease, int) or not trajectory.token_ids:
-            self.counts["bad_trajectories"] += 1
-            log.warning(
-                "dropped a trajectory from %s without a lease or tokens", trajectory.worker_id
-            )
-            return
-        key = (lease, trajectory.prompt_index)
-        owed = self.book.leases.get(lease)
-        if owed is None or trajectory.prompt_index not in owed.pending:
-            self.counts["late_samples"] += 1
-            if key not in self.reported:  # once per group, not per sample
-                self.reported.add(key)
-                log.warning(
-                    "dropping samples of (lease %d, prompt %d) from %s: not owed (the lease "
-                    "expired, or an earlier learner granted it after its last checkpoint)",
-                    lease,
-                    trajectory.prompt_index,
-                    trajectory.worker_id,
-                )
-            return
-        part = self.partial.setdefault(key, [])
-        part.append(trajectory)
-        if len(part) < self.group_size:
-            return
-        del self.partial[key]
-        self.book.returned(lease, trajectory.prompt_index)
-        self.ready.append(Group(lease, trajectory.prompt_index, part))
-        self.counts["samples"] += len(part)
-        self.counts["tokens"] += sum(len(t.token_ids) for t in part)
-        self.lock.notify_all()
-
-    def _on_lease(self, request: dict[str, Any]) -> dict[str, Any]:
-        now = time.monotonic()
-        with self.lock:
-            self.workers[request["worker_id"]] = request["stats"]
-            self.last_request[request["sender"]] = now
-            if self.finished:
-                self.told_done.add(request["sender"])
-                return {"done": True}
-            if self.version is None:
-                return {"wait": 0.5}
-            lease = self.book.grant(request["sender"], request["want"], self.version, now)
-            if lease is None:
-                self.counts["waits"] += 1
-                return {"wait": 0.2}
-            return {
-                "lease": lease.id,
-                "prompts": lease.prompts,
-                "min_version": lease.min_version,
-                "sampling": self.sampling | {"seed": self.seed * 1_000_003 + lease.serial},
-            }
-
-    def take(
-        self, count: int, version: int, max_staleness: int, timeout: float
-    ) -> list[Group] | None:
-        """`count` groups no older than `max_staleness` versions, oldest first; None if
-        they did not arrive within `timeout` s. Stale groups met on the way are dropped
-        (and their prompts queued again)."""
-        deadline = time.monotonic() + timeout
-        with self.lock:
-            while True:
-                stale = [g for g in self.ready if version - g.oldest_version > max_staleness]
-                for group in stale:
-                    self.ready.remove(group)
-                    self.book.dropped(group.prompt)
-                    self.dropped.append((group.lease, group.prompt, group.oldest_version))
-                    self.counts["stale_groups"] += 1
-                    log.info(
-                        "dropped the group of (lease %d, prompt %d) from %s: too stale (version "
-                        "%d, training %d, max staleness %d); the prompt is queued again",
-                        group.lease,
-                        group.prompt,
-                        group.trajectories[0].worker_id,
-                        group.oldest_version,
-                        version,
-                        max_staleness,
-                    )
-                if len(self.ready) >= count:
-                    return [self.ready.popleft() for _ in range(count)]
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self.lock.wait(min(left, 0.5))
-
-    def take_dropped(self) -> list[tuple[int, int, int]]:
-        """(lease, prompt, oldest version) of the groups dropped as stale since the last call."""
-        with self.lock:
-            dropped, self.dropped = self.dropped, []
-            return dropped
-
-    def trained(self, groups: int, version: int | None) -> None:
-        """A step consumed `groups` (after its version went out): capacity for new leases."""
-        with self.lock:
-            self.book.close(groups)
-            if version is not None:
-                self.version = version
-
-    def finish(self, linger: float) -> None:
-        """Tells every worker the run is over (at its next lease request), waiting up to
-        `linger` s for the workers heard from in the last minute to have been told."""
-        deadline = time.monotonic() + linger
-        with self.lock:
-            self.finished = True
-        while time.monotonic() < deadline:
-            with self.lock:
-                recent = {s for s, t in self.last_request.items() if time.monotonic() - t < 60}
-                if recent <= self.told_done:
-                    return
-            time.sleep(0.1)
-
-    def state_dict(self) -> dict[str, Any]:
-        with self.lock:
-            return {
-                "book": self.book.state_dict(),
-                "receiver": self.receiver.state_dict(),
-                "ready": [
-                    (g.lease, g.prompt, [dataclasses.asdict(t) for t in g.trajectories])
-                    for g in self.ready
-                ],
-                "partial": [
-                    (lease, prompt, [dataclasses.asdict(t) for t in part])
-                    for (lease, prompt), part in self.partial.items()
-                ],
-            }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        with self.lock:
-            self.book.load_state_dict(state["book"], time.monotonic())
-            self.receiver.load_state_dict(state["receiver"])
-            self.ready = deque(
-                Group(lease, prompt, [Trajectory(**t) for t in part])
-                for lease, prompt, part in state["ready"]
-            )
-            self.partial = {
-                (lease, prompt): [Trajectory(**t) for t in part]
-                for lease, prompt, part in state["partial"]
-            }
-
-    def snapshot_counts(self) -> dict[str, Any]:
-        with self.lock:
-            return {
-                "queue/ready_groups": len(self.ready),
-                "queue/partial_groups": len(self.partial),
-                "queue/open_groups": self.book.open_groups,
-                "queue/leases": len(self.book.leases),
-                "data/next_prompt": self.book.next_prompt,
-                "data/expired_groups": self.book.expired_groups,
-                "counts": dict(self.counts),
-                "workers": {name: dict(stats) for name, stats in self.workers.items()},
-                "rejected": self.receiver.rejected,
-                "rejected_by_source": dict(self.receiver.rejections.counts),
-                "duplicates": self.receiver.duplicates,
-            }
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.receiver.close()
 
 
 def completion_logprobs(
@@ -399,11 +162,11 @@ class Learner:
         self.dir.mkdir(parents=True, exist_ok=True)
 
         model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
-        self.model = load_model(model_dir, dtype=torch.float32)
-        self.tokenizer = load_tokenizer(model_dir)
         self.task = build_task(cfg.task)
-        self.policy = build_policy(cfg.precision)
+        self.policy = build_policy(cfg.precision, model_dir)
         self.correction = build_correction(cfg.correction)
+        self.model = self.policy.prepare_learner(load_model(model_dir, dtype=torch.float32))
+        self.tokenizer = load_tokenizer(model_dir)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.optim.lr,
@@ -458,11 +221,12 @@ class Learner:
         self.metrics = MetricsLog(self.dir, run.tensorboard)
         OmegaConf.save(cfg, self.dir / "config.yaml")
         log.info(
-            "model %s (%.2fM parameters), precision %s, correction %s (%s), %s mode, "
+            "model %s (%.2fM parameters), precision %s (learner forward: %s), correction %s (%s), %s mode, "
             "max staleness %d, listening on %s",
             model_dir,
             sum(p.numel() for p in self.model.parameters()) / 1e6,
-            self.policy.name,
+            self.policy.spec,
+            self.policy.learner_forward,
             self.correction.name,
             cfg.correction.mode,
             run.mode,
@@ -662,20 +426,13 @@ class Learner:
         latest.with_suffix(".tmp").write_text(str(self.version))
         os.replace(latest.with_suffix(".tmp"), latest)
         with torch.no_grad():
-            weights = self.policy.quantize_weights(
-                (name, p.detach().to(torch.bfloat16)) for name, p in self.model.named_parameters()
-            )
-            extra = (
-                self.policy.calibrate(self.model, self.calibration_batch)
-                if self.policy.needs_calibration
-                else {}
-            )
+            tensors = version_tensors(self.model, self.policy, self.calibration_batch)
             stats = self.publisher.publish(
                 self.version,
-                itertools.chain(weights, extra.items()),
-                policy=self.policy.name,
+                itertools.chain(tensors.weights, tensors.extra.items()),
+                policy=self.policy.spec,
                 engine_config=self.policy.engine_config(),
-                copy=False,  # every tensor is fresh (cast or quantized from the FP32 master)
+                copy=False,  # version_tensors never aliases the master weights
             )
         return {
             "sync/version": self.version,

@@ -26,6 +26,7 @@ from asyncfp8.engines import EngineUnsupported, SamplingParams, build_engine
 from asyncfp8.models import resolve_model_dir
 from asyncfp8.precision import build_policy
 from asyncfp8.precision.fp8_kv import split_kv_scales
+from asyncfp8.precision.policy import plain
 from asyncfp8.process import (
     StopFlag,
     check_counts,
@@ -59,8 +60,11 @@ class Worker:
         threads = set_threads(run.threads, run.workers + 1)
         model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
         self.task = build_task(cfg.task)
-        self.policy = build_policy(cfg.precision)
+        self.policy = build_policy(cfg.precision, model_dir)
         self.engine = build_engine(cfg.engine, str(model_dir), self.policy)
+        # What every version's header must say: a learner with another precision (or
+        # other parameters of it) makes tensors this engine was not built for.
+        self.expected_header = (self.policy.spec, plain(self.policy.engine_config()))
         addresses, secure = endpoints(cfg.sync, "connect"), curve(cfg.sync)
         self.watch = HandshakeWatch()  # logs a learner that fails to authenticate
         self.subscriber = VersionSubscriber(
@@ -163,6 +167,7 @@ class Worker:
             left = max(0.0, deadline - time.monotonic())
             version = self.subscriber.poll(timeout_ms=int(min(left, 0.2) * 1000))
             if version is not None:
+                self._check_header(version)
                 started = time.perf_counter()
                 weights, extra = split_kv_scales(version.tensors)
                 try:
@@ -178,6 +183,16 @@ class Worker:
                 return True
             if time.monotonic() >= deadline or self.stop:
                 return False
+
+    def _check_header(self, version) -> None:
+        policy, engine_config = self.expected_header
+        if (version.policy, plain(version.engine_config)) != (policy, engine_config):
+            raise SystemExit(
+                f"worker {self.id}: version {version.number} is for precision {version.policy!r} "
+                f"(engine config {version.engine_config}), but this worker's {self.engine.name} "
+                f"engine runs {policy!r} ({engine_config}). Start the learner and the workers "
+                "with the same precision= overrides."
+            )
 
     def _wait_for_version(self, wanted: int) -> None:
         started = time.monotonic()

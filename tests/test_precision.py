@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from asyncfp8.precision import ComposedPolicy, build_policy, get_policy, registered_policies
-from asyncfp8.precision.fp8 import FP8_MAX, dequantize_blockwise, quantize_blockwise
+from asyncfp8.precision.fp8 import FP8_MAX, FP8BlockLinear, dequantize_blockwise, quantize_blockwise
 from asyncfp8.precision.fp8_kv import capture_qkv, kv_scale_names
-from asyncfp8.precision.int8 import dequantize_per_channel, quantize_per_channel
-from asyncfp8.precision.modules import FP8BlockLinear, Int8Linear, apply_policy
+from asyncfp8.precision.int8 import Int8Linear, dequantize_per_channel, quantize_per_channel
+from asyncfp8.precision.modules import apply_policy
 
 E4M3_GRID = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()
 E4M3_GRID = E4M3_GRID[torch.isfinite(E4M3_GRID)].unique()
@@ -159,7 +159,8 @@ def test_fp8_policy_quantizes_linears_only_and_streams():
         "model.layers.0.mlp.gate_proj.weight",
     }
     assert out["model.layers.0.mlp.gate_proj.weight_scale_inv"].shape == (2, 1)
-    assert torch.equal(out["model.embed_tokens.weight"], NAMED[0][1])
+    # The policy gets the FP32 master and casts what it does not quantize itself.
+    assert torch.equal(out["model.embed_tokens.weight"], NAMED[0][1].to(torch.bfloat16))
 
     def source():
         yield NAMED[2]
@@ -370,6 +371,7 @@ def test_profile_cli_and_smoothing_preserves_the_float_model(tiny_model_dir, tmp
     path = tmp_path / "profile.safetensors"
     main(["--model", str(tiny_model_dir), "--out", str(path), "--samples", "32"])
     policy = get_policy("int8", profile=str(path))
+    policy.engine_dtype = torch.float32  # the transform alone, without the cast to BF16
     model = load_model(tiny_model_dir)
     smoothed = copy.deepcopy(model)
     with torch.no_grad():  # the smoothing transform alone, without quantization

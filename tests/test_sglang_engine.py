@@ -28,7 +28,7 @@ def test_without_sglang_the_engine_fails_at_start_saying_what_works(tiny_model_d
 def test_int8_is_refused_before_anything_starts(tiny_model_dir):
     with pytest.raises(
         EngineUnsupported,
-        match=r"engine sglang cannot refit precision 'int8'.*What works: bf16, fp8",
+        match=r"engine sglang cannot run precision 'int8': its update_weights_from_tensor",
     ):
         make_engine("sglang", str(tiny_model_dir), "int8")
 
@@ -42,18 +42,13 @@ def test_temperature_one_logprobs_are_refused(tiny_model_dir, monkeypatch):
 @needs_sglang
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_update_takes_effect_with_faithful_logprobs(precision, tiny_model_dir):
-    from asyncfp8.precision import get_policy
+    from asyncfp8.precision import get_policy, version_tensors
 
     policy = get_policy(precision)
     engine = make_engine("sglang", str(tiny_model_dir), policy)
     try:
         learner = perturbed_state(tiny_model_dir)
-        version = dict(
-            policy.quantize_weights(
-                (n, p.detach().to(torch.bfloat16)) for n, p in learner.named_parameters()
-            )
-        )
-        engine.update_weights(2, version)
+        engine.update_weights(2, dict(version_tensors(learner, policy).weights))
         samples = engine.generate(
             PROMPTS, SamplingParams(n=2, temperature=0.8, max_new_tokens=8, seed=0)
         )

@@ -6,7 +6,7 @@ import torch
 from asyncfp8.engines.base import SamplingParams
 from asyncfp8.engines.torch_engine import TorchEngine, processed_logprobs
 from asyncfp8.models import load_model, load_tokenizer
-from asyncfp8.precision import get_policy
+from asyncfp8.precision import get_policy, version_tensors
 from asyncfp8.tasks import ArithmeticTask
 
 TASK = ArithmeticTask(seed=5)
@@ -70,13 +70,8 @@ def test_logprobs_after_an_update_match_the_learner(precision, tiny_model_dir):
     policy = get_policy(precision)
     engine = TorchEngine(str(tiny_model_dir), policy)
     learner = perturbed_state(tiny_model_dir)
-    version = dict(
-        policy.quantize_weights(
-            (n, p.detach().to(torch.bfloat16)) for n, p in learner.named_parameters()
-        )
-    )
-    extra = policy.calibrate(learner, calibration(tiny_model_dir))
-    engine.update_weights(3, version, extra)
+    version = version_tensors(learner, policy, calibration(tiny_model_dir))
+    engine.update_weights(3, dict(version.weights), version.extra)
     samples = engine.generate(
         PROMPTS, SamplingParams(n=2, temperature=0.8, max_new_tokens=8, seed=0)
     )
@@ -101,7 +96,9 @@ def test_update_takes_effect_and_is_all_or_nothing(tiny_model_dir):
     snapshot = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     broken = dict(state)
     broken["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
-    with pytest.raises(ValueError, match=r"up_proj\.weight has shape \(3, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"up_proj\.weight is \(3, 3\) torch.float32, the engine.s \(192, 64\)"
+    ):
         engine.update_weights(1, broken)
     with pytest.raises(ValueError, match=r"unknown tensor 'model\.extra\.weight'"):
         engine.update_weights(1, {**state, "model.extra.weight": torch.zeros(1)})

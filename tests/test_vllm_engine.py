@@ -118,7 +118,7 @@ def test_int8_updates_equal_a_fresh_engine_on_the_same_weights(
     a checkpoint. Before the repair, the refit gave NaN logprobs."""
     from asyncfp8.engines.vllm_engine import VLLMEngine
     from asyncfp8.models import load_model, load_tokenizer
-    from asyncfp8.precision import get_policy
+    from asyncfp8.precision import get_policy, version_tensors
     from asyncfp8.precision.export import export_checkpoint
 
     policy = get_policy("int8")
@@ -127,13 +127,11 @@ def test_int8_updates_equal_a_fresh_engine_on_the_same_weights(
     initial = teacher_forced(engine.llm, texts)
 
     def version_of(model):
-        return dict(
-            policy.quantize_weights(
-                (n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()
-            )
-        )
+        return dict(version_tensors(model, policy).weights)
 
-    learner = perturbed_state(tiny_model_dir)
+    # BF16-exact values, as the checkpoint exported below holds them: the version is
+    # quantized from the learner's FP32 master, the checkpoint from its BF16 save.
+    learner = perturbed_state(tiny_model_dir).to(torch.bfloat16).float()
     engine.update_weights(1, version_of(learner))
     updated = teacher_forced(engine.llm, texts)
     samples = engine.generate(

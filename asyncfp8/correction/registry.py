@@ -171,16 +171,17 @@ def get_correction(name: str, **params: Any) -> Correction:
 
 def build_correction(cfg: Mapping[str, Any]) -> Correction:
     """A correction from its `correction=` config entry (see asyncfp8/conf/correction/)."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
-    params = OmegaConf.to_container(OmegaConf.create(dict(cfg)), resolve=True)
+    if isinstance(cfg, DictConfig):
+        params = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    else:
+        params = dict(cfg)
     if "name" not in params:
         raise ValueError(f"correction config needs a 'name'; got keys {sorted(params)}")
     name = params.pop("name")
     max_staleness = params.pop("max_staleness", None)
-    params.pop(
-        "mode", None
-    )  # decoupled / bypass: how the loss uses the correction (asyncfp8.losses)
+    params.pop("mode", None)  # decoupled / bypass: how the loss uses it (asyncfp8.losses)
     return get_correction(name, max_staleness=max_staleness, **params)
 
 

@@ -11,19 +11,42 @@ from pathlib import Path
 import torch
 
 from asyncfp8.precision import PrecisionPolicy
-from asyncfp8.precision.export import export_checkpoint, read_tensors
+from asyncfp8.precision.export import export_checkpoint, read_tensors, unquantized_layers
 from asyncfp8.precision.fp8_kv import KV_SCALE_NAME
+
+from .base import EngineUnsupported
 
 TensorSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
+def refuse_unsupported(engine: str, policy: PrecisionPolicy, formats: tuple[str, ...]) -> None:
+    """EngineUnsupported, at start, for a policy that says `engine` cannot run it or whose
+    weight format (`engine_config()["quantization"]`) is not among the `formats` the
+    adapter knows how to start and refit."""
+    reason = policy.supported_by(engine)
+    quantization = policy.engine_config().get("quantization")
+    if not reason and quantization is not None and quantization not in formats:
+        reason = (
+            f"its weight format {quantization!r} is not one this adapter starts and refits "
+            f"({', '.join(formats)}); engine=torch runs any policy with a linear_module"
+        )
+    if reason:
+        raise EngineUnsupported(f"engine {engine} cannot run precision {policy.name!r}: {reason}")
+
+
 def policy_checkpoint(policy: PrecisionPolicy, source: Path, export_dir: str | None) -> Path:
     """`source` itself when the policy has no checkpoint format, else `source` exported in
-    the policy's format (quantized weights, KV-scale parameters) to `export_dir` or a
-    directory beside it named after the source and the format."""
-    if not policy.checkpoint_config():
+    the policy's format (quantized weights, the layers it leaves unquantized listed as
+    ignored, KV-scale parameters) to `export_dir` or a directory beside it named after
+    the source, the policy and the format."""
+    if policy.model_config is None:
+        from transformers import AutoConfig
+
+        policy.bind_model(AutoConfig.from_pretrained(source, local_files_only=True))
+    config = policy.checkpoint_config(unquantized_layers(policy, source))
+    if not config:
         return source
-    key = hashlib.sha256(f"{source.resolve()}:{policy.checkpoint_config()}".encode()).hexdigest()
+    key = hashlib.sha256(f"{source.resolve()}:{policy.spec}:{config}".encode()).hexdigest()
     out = (
         Path(export_dir)
         if export_dir

@@ -40,7 +40,7 @@ from asyncfp8.models.loading import check_model_dir
 from asyncfp8.precision import PrecisionPolicy, get_policy
 
 from .base import EngineUnsupported, Sample, SamplingParams
-from .checkpoints import check_version, policy_checkpoint, tensor_specs
+from .checkpoints import check_version, policy_checkpoint, refuse_unsupported, tensor_specs
 
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3"}
 
@@ -58,13 +58,8 @@ class SGLangEngine:
         **engine_kwargs,
     ):
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
+        refuse_unsupported(self.name, self.policy, ("fp8",))
         config = self.policy.engine_config()
-        if config.get("quantization") not in (None, "fp8"):
-            raise EngineUnsupported(
-                f"engine sglang cannot refit precision {self.policy.name!r}: its "
-                "update_weights_from_tensor re-runs no post-load processing, which int8 layers "
-                "need. What works: bf16, fp8, fp8_kv, fp8+fp8_kv (or engine=vllm / torch for int8)."
-            )
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true"):
             raise EngineUnsupported(
                 "engine sglang: SGLANG_RETURN_ORIGINAL_LOGPROB is set, so SGLang would return "

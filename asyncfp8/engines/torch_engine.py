@@ -12,12 +12,10 @@ from transformers.cache_utils import DynamicCache
 from asyncfp8.models.loading import load_model, load_tokenizer
 from asyncfp8.precision import PrecisionPolicy, get_policy
 from asyncfp8.precision.fp8_kv import KV_SCALE_NAME, kv_scale_names
-from asyncfp8.precision.modules import FP8BlockLinear, Int8Linear, apply_policy
+from asyncfp8.precision.modules import QuantizedLinear, apply_policy
 
-from .base import Sample, SamplingParams
+from .base import EngineUnsupported, Sample, SamplingParams
 from .kv_cache import fp8_kv_cache
-
-_SCALE_SUFFIXES = ("_scale_inv", "_scale")
 
 
 def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -51,10 +49,20 @@ class TorchEngine:
         max_batch: int = 64,
     ):
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
+        reason = self.policy.supported_by(self.name)
+        if reason:
+            raise EngineUnsupported(
+                f"engine torch cannot run precision {self.policy.name!r}: {reason}"
+            )
         config = self.policy.engine_config()
         self.model = load_model(model_dir, dtype=dtype).eval()
         self.tokenizer = load_tokenizer(model_dir)
-        apply_policy(self.model, self.policy)
+        if self.policy.model_config is None:
+            self.policy.bind_model(self.model.config)
+        try:
+            apply_policy(self.model, self.policy)
+        except NotImplementedError as err:
+            raise EngineUnsupported(f"engine torch: {err}") from None
         if config.get("lm_head_dtype") == "float32":
             # FlashRL's LM-head option: the last projection in FP32 (weights and input).
             self.model.lm_head.float()
@@ -67,10 +75,12 @@ class TorchEngine:
         self._params = dict(self.model.named_parameters()) | {
             name: buffer for name, buffer in self.model.named_buffers() if name.endswith(".bias")
         }
-        self._quantized = {
-            f"{name}.weight": module
-            for name, module in self.model.named_modules()
-            if isinstance(module, FP8BlockLinear | Int8Linear)
+        # Every engine-side tensor name a quantized module owns -> that module.
+        self._owners = {
+            name: module
+            for module in self.model.modules()
+            if isinstance(module, QuantizedLinear)
+            for name in module.expects
         }
 
     # -- weights -----------------------------------------------------------------------------
@@ -82,38 +92,40 @@ class TorchEngine:
         extra: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """Checks every tensor against the model first and only then writes any: a
-        version is applied whole or not at all."""
-        tensors = dict(named_tensors) | dict(extra or {})
-        plan, kv = [], {}
-        for name, tensor in tensors.items():
-            if name in self._quantized:
-                scale_name = next((name + s for s in _SCALE_SUFFIXES if name + s in tensors), None)
-                if scale_name is None:
-                    raise ValueError(
-                        f"version {version}: {name} is quantized in this engine but came without its scale"
-                    )
-                plan.append(("quantized", self._quantized[name], tensor, tensors[scale_name]))
+        version is applied whole or not at all. Values are copied into the existing
+        storage (no parameter or buffer moves)."""
+        params, layers, kv = [], {}, {}
+        for name, tensor in named_tensors.items():
+            if name in self._owners:
+                layers.setdefault(self._owners[name], {})[name] = tensor
             elif name in self._params:
                 param = self._params[name]
-                if tuple(param.shape) != tuple(tensor.shape):
+                if (tuple(param.shape), param.dtype) != (tuple(tensor.shape), tensor.dtype):
                     raise ValueError(
-                        f"version {version}: {name} has shape {tuple(tensor.shape)}, the engine's {tuple(param.shape)}"
+                        f"version {version}: {name} is {tuple(tensor.shape)} {tensor.dtype}, the "
+                        f"engine's {tuple(param.shape)} {param.dtype} (do the learner and this "
+                        "worker use the same model and precision?)"
                     )
-                plan.append(("param", param, tensor, None))
-            elif (match := KV_SCALE_NAME.match(name)) is not None:
-                kv.setdefault(int(match.group(1)), {})[match.group(2)] = float(tensor)
-            elif not (
-                name.endswith(_SCALE_SUFFIXES) and name.rsplit("_scale", 1)[0] in self._quantized
-            ):
+                params.append((param, tensor))
+            else:
                 raise ValueError(
                     f"version {version}: unknown tensor {name!r} (is the worker's model the learner's?)"
                 )
+        for name, tensor in (extra or {}).items():
+            match = KV_SCALE_NAME.match(name)
+            if match is None or not self.fp8_kv:
+                raise ValueError(
+                    f"version {version}: extra tensor {name!r} is not a KV scale this engine "
+                    f"uses (precision {self.policy.name!r})"
+                )
+            kv.setdefault(int(match.group(1)), {})[match.group(2)] = float(tensor)
+        for module, tensors in layers.items():
+            module.check(version, tensors)
         with torch.no_grad():
-            for kind, target, tensor, scale in plan:
-                if kind == "quantized":
-                    target.load(tensor, scale)
-                else:
-                    target.copy_(tensor)
+            for module, tensors in layers.items():
+                module.load(tensors)
+            for param, tensor in params:
+                param.copy_(tensor)
         for layer, scales in kv.items():
             self.kv_scales.setdefault(layer, {}).update(scales)
         self.version = version

@@ -43,7 +43,7 @@ from asyncfp8.precision import PrecisionPolicy, get_policy
 from asyncfp8.precision.int8 import SCALE_SUFFIX
 
 from .base import EngineUnsupported, Sample, SamplingParams
-from .checkpoints import check_version, policy_checkpoint, tensor_specs
+from .checkpoints import check_version, policy_checkpoint, refuse_unsupported, tensor_specs
 
 WORKS_ON_CPU = "bf16, fp8_kv and int8 (or engine=torch, which runs every precision)"
 
@@ -118,6 +118,7 @@ class VLLMEngine:
         **llm_kwargs,
     ):
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
+        refuse_unsupported(self.name, self.policy, ("fp8", "compressed-tensors"))
         config = self.policy.engine_config()
         self.on_cpu = not torch.cuda.is_available()
         self._int8_on_cpu = self.on_cpu and config.get("quantization") == "compressed-tensors"

@@ -2,9 +2,11 @@
 
 from asyncfp8.precision import PrecisionPolicy, get_policy, register_policy
 policy = get_policy("fp8")          # "bf16", "fp8", "fp8_kv", "fp8+fp8_kv", "int8"
+policy.quantizes(name, tensor)      # the per-tensor decision everything asks
 policy.engine_config()              # how the engine must be started
 policy.quantize_weights(named)      # streaming (name, tensor) -> (name, tensor)
 policy.calibrate(model, batch)      # extra tensors for this version (KV scales)
+version_tensors(model, policy, batch)  # both, for one version of a model
 """
 
 from . import bf16, fp8, fp8_kv, int8  # noqa: F401  (registers the built-in policies)
@@ -17,13 +19,16 @@ from .policy import (
     register_policy,
     registered_policies,
 )
+from .versions import VersionTensors, version_tensors
 
 __all__ = [
     "ComposedPolicy",
     "PrecisionPolicy",
+    "VersionTensors",
     "build_policy",
     "get_policy",
     "is_quantizable",
     "register_policy",
     "registered_policies",
+    "version_tensors",
 ]

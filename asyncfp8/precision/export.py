@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from asyncfp8.models.loading import check_model_dir
 
-from .policy import PrecisionPolicy
+from .policy import PrecisionPolicy, is_quantizable
 
 COPIED_FILES = (
     "generation_config.json",
@@ -43,6 +43,19 @@ def read_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)
+
+
+def unquantized_layers(policy: PrecisionPolicy, model_dir: str | Path) -> list[str]:
+    """The linear layers of a model that a weight format could quantize but `policy`
+    leaves in the engine dtype: the format's ignore list (vLLM's `ignored_layers`,
+    compressed-tensors' `ignore`), so an engine loads them as the policy sends them."""
+    if not policy.quantizes_weights:
+        return []
+    return sorted(
+        name.removesuffix(".weight")
+        for name, tensor in read_tensors(model_dir)
+        if is_quantizable(name, tensor) and not policy.quantizes(name, tensor)
+    )
 
 
 def export_checkpoint(
@@ -87,6 +100,10 @@ def export_checkpoint(
             weight_map.update(dict.fromkeys(shard, name))
             shard, shard_size = {}, 0
 
+    if policy.model_config is None:
+        from transformers import AutoConfig
+
+        policy.bind_model(AutoConfig.from_pretrained(source, local_files_only=True))
     for name, tensor in itertools.chain(
         policy.quantize_weights(read_tensors(source)), extra.items()
     ):
@@ -107,7 +124,7 @@ def export_checkpoint(
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
     config = json.loads((source / "config.json").read_text())
-    quantization_config = policy.checkpoint_config()
+    quantization_config = policy.checkpoint_config(unquantized_layers(policy, source))
     if quantization_config:
         config["quantization_config"] = quantization_config
     else:

@@ -11,10 +11,12 @@ moves a few weights changes at most their blocks' scales.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
+import torch.nn.functional as F
 
+from .modules import QuantizedLinear
 from .policy import PrecisionPolicy, ceil_div, check_weight, register_policy
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -76,28 +78,149 @@ def dequantize_blockwise(
     return (q.float() * scale).to(dtype)
 
 
+def quantize_activations_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (K a multiple of `group`) -> (e4m3 [T, K], fp32 scales [T, K/group]):
+    dynamic, per token and per `group` columns, as vLLM's blockwise FP8 path does."""
+    tokens, width = x.shape
+    groups = x.float().view(tokens, width // group, group)
+    scale = groups.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX
+    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(tokens, width), scale
+
+
+def fake_quantize_activations_fp8(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the FP8 GEMM sees it (quantized and dequantized per token per group), in fp32;
+    K need not be a multiple of `group` (zero padding, as the engine pads)."""
+    width = x.shape[-1]
+    flat = F.pad(x.reshape(-1, width).float(), (0, -width % group))
+    q, scale = quantize_activations_fp8(flat, group)
+    dequantized = q.float().view(flat.shape[0], -1, group) * scale[..., None]
+    return dequantized.view(flat.shape)[:, :width].reshape(x.shape)
+
+
+class FP8BlockLinear(QuantizedLinear):
+    """W8A8 blockwise FP8 for the built-in engine: activations quantized per token per
+    `block[1]` columns, weights per `block` block, accumulated in FP32. `real=True` runs
+    real e4m3 GEMMs (`torch._scaled_mm`, one per block of the inner dimension, with
+    rowwise scales); `real=False` is the fake-quant twin (the same rounding, float
+    matmul), for checking the real kernels against."""
+
+    def __init__(
+        self,
+        name: str,
+        q: torch.Tensor,
+        scale_inv: torch.Tensor,
+        bias: torch.Tensor | None,
+        block: tuple[int, int] = BLOCK,
+        real: bool = True,
+    ):
+        super().__init__({name: q, name + SCALE_SUFFIX: scale_inv}, bias)
+        self.weight_name, self.block, self.real = name, tuple(block), real
+        self.out_features, self.in_features = q.shape
+        grid_rows, grid_cols = scale_inv.shape
+        block_rows, block_cols = self.block
+        # Padded to whole blocks once, so every block-wide slice is a full GEMM operand;
+        # the padding stays zero across updates (`load` writes the unpadded part only).
+        self.register_buffer(
+            "q",
+            torch.zeros(
+                grid_rows * block_rows,
+                grid_cols * block_cols,
+                dtype=torch.float8_e4m3fn,
+                device=q.device,
+            ),
+            persistent=False,
+        )
+        self.register_buffer(
+            "scale_inv", torch.empty_like(scale_inv, dtype=torch.float32), persistent=False
+        )
+        # The weight scale of every output row, for each inner-dimension block: [K/bk, 1, N_pad].
+        self.register_buffer(
+            "row_scales",
+            torch.empty(grid_cols, 1, grid_rows * block_rows, device=q.device),
+            persistent=False,
+        )
+        self.load({name: q, name + SCALE_SUFFIX: scale_inv})
+
+    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        q, scale_inv = tensors[self.weight_name], tensors[self.weight_name + SCALE_SUFFIX]
+        rows, cols = q.shape
+        self.q.view(torch.uint8)[:rows, :cols].copy_(q.view(torch.uint8))
+        self.scale_inv.copy_(scale_inv)
+        self.row_scales.copy_(scale_inv.float().t().repeat_interleave(self.block[0], 1)[:, None, :])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        group = self.block[1]
+        x = x.reshape(-1, self.in_features)
+        x = F.pad(x, (0, self.q.shape[1] - self.in_features))
+        xq, x_scale = quantize_activations_fp8(x, group)
+        if self.real:
+            out = torch.zeros(x.shape[0], self.q.shape[0], dtype=torch.float32, device=x.device)
+            for block in range(self.scale_inv.shape[1]):
+                cols = slice(block * group, (block + 1) * group)
+                out += torch._scaled_mm(
+                    xq[:, cols],
+                    self.q[:, cols].t(),
+                    scale_a=x_scale[:, block : block + 1].contiguous(),
+                    scale_b=self.row_scales[block],
+                    out_dtype=torch.float32,
+                )
+        else:
+            x_deq = (xq.float().view(x.shape[0], -1, group) * x_scale[..., None]).view(x.shape)
+            rows, cols = self.out_features, self.in_features
+            w_deq = dequantize_blockwise(self.q[:rows, :cols], self.scale_inv, self.block)
+            out = x_deq[:, :cols] @ w_deq.t()
+        out = out[:, : self.out_features]
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(dtype).reshape(*shape[:-1], self.out_features)
+
+
 @register_policy("fp8")
 class FP8Policy(PrecisionPolicy):
-    """W8A8 FP8 with 128×128 weight blocks and dynamic per-token-group activations."""
+    """W8A8 FP8 with 128×128 weight blocks (`block_size`) and dynamic per-token-group
+    activations (groups as wide as a weight block)."""
 
     name = "fp8"
     quantizes_weights = True
 
     def __init__(self, block_size: tuple[int, int] | list[int] = BLOCK):
-        if len(block_size) != 2 or min(block_size) < 1:
-            raise ValueError(f"fp8: block_size must be two positive ints, got {block_size}")
+        if len(block_size) != 2 or not all(isinstance(b, int) and b >= 16 for b in block_size):
+            raise ValueError(
+                f"fp8: block_size must be two ints >= 16 (the e4m3 GEMMs work on slices of at "
+                f"least 16), got {list(block_size)}"
+            )
+        if any(b % 16 for b in block_size):
+            raise ValueError(f"fp8: block_size must be multiples of 16, got {list(block_size)}")
         self.block = (int(block_size[0]), int(block_size[1]))
 
-    def checkpoint_config(self) -> dict:
-        return {
+    def checkpoint_config(self, unquantized_layers: Iterable[str] = ()) -> dict:
+        config = {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": list(self.block),
         }
+        layers = sorted(unquantized_layers)
+        if layers:
+            config["ignored_layers"] = layers  # vLLM / SGLang skip quantization there
+        return config
 
     def engine_config(self) -> dict:
-        return {"quantization": "fp8", "quantization_config": self.checkpoint_config()}
+        return {
+            "dtype": "bfloat16",
+            "quantization": "fp8",
+            "quantization_config": self.checkpoint_config(),
+        }
+
+    def supported_by(self, engine: str) -> str | None:
+        if engine in ("vllm", "sglang") and self.block != BLOCK:
+            return (
+                f"its block-FP8 kernels are built and tested for 128x128 weight blocks; "
+                f"precision.block_size={list(self.block)} runs on engine=torch"
+            )
+        return None
 
     def quantize_tensor(
         self, name: str, tensor: torch.Tensor
@@ -105,3 +228,15 @@ class FP8Policy(PrecisionPolicy):
         q, scale_inv = quantize_blockwise(tensor, self.block, name=name)
         yield name, q
         yield name + SCALE_SUFFIX, scale_inv
+
+    def linear_module(self, name, tensors, bias, real=True):
+        return FP8BlockLinear(
+            name, tensors[name], tensors[name + SCALE_SUFFIX], bias, self.block, real
+        )
+
+    def fake_quantize_weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        q, scale_inv = quantize_blockwise(weight, self.block, name=name)
+        return dequantize_blockwise(q, scale_inv, self.block)
+
+    def fake_quantize_input(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return fake_quantize_activations_fp8(x, self.block[1])

@@ -22,6 +22,7 @@ from .fp8 import FP8_MAX
 from .policy import PrecisionPolicy, register_policy
 
 CAPTURE_IMPLEMENTATION = "asyncfp8_kv_capture"
+FAKE_QUANT_IMPLEMENTATION = "asyncfp8_fp8_kv"
 KV_CACHE_SCHEME = {
     "num_bits": 8,
     "type": "float",
@@ -49,6 +50,13 @@ def split_kv_scales(
     for name, tensor in tensors.items():
         (scales if KV_SCALE_NAME.match(name) else weights)[name] = tensor
     return weights, scales
+
+
+def fake_quantize_e4m3(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """x as an FP8 KV cache stores and returns it: round(x / scale) in e4m3, times scale."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.float() * scale
 
 
 def high_percentile(values: torch.Tensor, percentile: float) -> torch.Tensor:
@@ -110,11 +118,13 @@ class FP8KVPolicy(PrecisionPolicy):
         if margin < 1:
             raise ValueError(f"fp8_kv: margin must be >= 1 (it widens the range), got {margin}")
         self.percentile, self.margin = float(percentile), float(margin)
+        #: layer -> (k_scale, v_scale) of the last calibration (the learner's quantized forward)
+        self.latest_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def engine_config(self) -> dict:
-        return {"kv_cache_dtype": "fp8"}
+        return {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}
 
-    def checkpoint_config(self) -> dict:
+    def checkpoint_config(self, unquantized_layers=()) -> dict:
         """A compressed-tensors config with only a KV-cache scheme: it is what makes
         vLLM create per-layer k/v/q scale parameters for BF16 weights, so that each
         version's scales have somewhere to load."""
@@ -137,4 +147,29 @@ class FP8KVPolicy(PrecisionPolicy):
             for part, values in parts.items():
                 amax = high_percentile(values, self.percentile).clamp_min(1e-8)
                 extra[names[part]] = (amax * self.margin / FP8_MAX).float().reshape(())
+            self.latest_scales[layer] = (extra[names["k"]], extra[names["v"]])
         return extra
+
+    def prepare_learner(self, model: torch.nn.Module) -> torch.nn.Module:
+        """With `learner_forward="quantized"`, attention reads k and v rounded to e4m3
+        with the latest calibrated scales, as the engine's FP8 cache stores them
+        (straight-through gradients)."""
+        if self.learner_forward != "quantized":
+            return model
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        from .modules import straight_through
+
+        def fake_quant_kv(module, query, key, value, attention_mask, **kwargs):
+            scales = self.latest_scales.get(int(module.layer_idx))
+            if scales is not None:
+                with torch.no_grad():
+                    key_hat = fake_quantize_e4m3(key.detach(), scales[0])
+                    value_hat = fake_quantize_e4m3(value.detach(), scales[1])
+                key, value = straight_through(key, key_hat), straight_through(value, value_hat)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+        AttentionInterface.register(FAKE_QUANT_IMPLEMENTATION, fake_quant_kv)
+        model.set_attn_implementation(FAKE_QUANT_IMPLEMENTATION)
+        return model

@@ -8,16 +8,20 @@ An optional SmoothQuant-style profile (per-input-channel factors, computed once 
 `python -m asyncfp8.precision.profile`) divides each linear layer's input channels by
 a factor and multiplies the preceding norm's weight by it: the product is unchanged,
 activation outliers shrink, and INT8 per-token activations lose less.
+
+This file is the whole format: quantizer, policy, and the built-in engine's runtime
+module (`Int8Linear`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
-from .policy import PrecisionPolicy, check_weight, is_quantizable, register_policy
+from .modules import QuantizedLinear
+from .policy import PrecisionPolicy, check_weight, register_policy
 
 INT8_MAX = 127.0
 AMAX_FLOOR = 1e-10
@@ -53,13 +57,60 @@ def dequantize_per_channel(
     return (q.float() * scale.float()).to(dtype)
 
 
-def compressed_tensors_config() -> dict:
-    """HF `quantization_config` for compressed-tensors W8A8 INT8 (channel / token)."""
+def quantize_activations_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (int8 [T, K], fp32 per-token scales [T, 1])."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR) / INT8_MAX
+    return torch.round(x / scale).clamp(-128, 127).to(torch.int8), scale
+
+
+class Int8Linear(QuantizedLinear):
+    """W8A8 INT8 for the built-in engine: activations quantized per token, an int8 × int8
+    → int32 GEMM (`torch._int_mm`), scaled by the per-token and per-channel scales.
+    `real=False` is the fake-quant twin (exact integer sums in float64)."""
+
+    def __init__(
+        self,
+        name: str,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        real: bool = True,
+    ):
+        super().__init__({name: q, name + SCALE_SUFFIX: scale}, bias)
+        self.weight_name, self.real = name, real
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("q", torch.empty_like(q), persistent=False)
+        self.register_buffer(
+            "scale", torch.empty_like(scale, dtype=torch.float32), persistent=False
+        )
+        self.load({name: q, name + SCALE_SUFFIX: scale})
+
+    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.q.copy_(tensors[self.weight_name])
+        self.scale.copy_(tensors[self.weight_name + SCALE_SUFFIX])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xq, x_scale = quantize_activations_int8(x.reshape(-1, self.in_features))
+        if self.real:
+            accumulated = torch._int_mm(xq, self.q.t()).float()
+        else:
+            accumulated = xq.double() @ self.q.double().t()  # exact integer sums
+        out = accumulated.float() * x_scale * self.scale.t()
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+def compressed_tensors_config(ignore: Iterable[str] = ()) -> dict:
+    """HF `quantization_config` for compressed-tensors W8A8 INT8 (channel / token);
+    `ignore` lists layers left unquantized (the LM head always is)."""
     return {
         "quant_method": "compressed-tensors",
         "format": "int-quantized",
         "quantization_status": "compressed",
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", *sorted(set(ignore) - {"lm_head"})],
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
@@ -98,14 +149,23 @@ class INT8Policy(PrecisionPolicy):
 
             self.smoothing = load_profile(Path(profile))
 
-    def checkpoint_config(self) -> dict:
-        return compressed_tensors_config()
+    def checkpoint_config(self, unquantized_layers: Iterable[str] = ()) -> dict:
+        return compressed_tensors_config(unquantized_layers)
 
     def engine_config(self) -> dict:
         return {
+            "dtype": "bfloat16",
             "quantization": "compressed-tensors",
             "quantization_config": self.checkpoint_config(),
         }
+
+    def supported_by(self, engine: str) -> str | None:
+        if engine == "sglang":
+            return (
+                "its update_weights_from_tensor re-runs no post-load processing, which int8 "
+                "layers need (engine=vllm or engine=torch run int8)"
+            )
+        return None
 
     def quantize_tensor(
         self, name: str, tensor: torch.Tensor
@@ -121,8 +181,31 @@ class INT8Policy(PrecisionPolicy):
 
     def passthrough(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         factors = self.smoothing.get(name)
-        if factors is None or is_quantizable(
-            name, tensor
-        ):  # the linears are scaled in quantize_tensor
-            return tensor
-        return (tensor.float() / factors).to(tensor.dtype)
+        if factors is not None:
+            # A norm before smoothed linears is divided by s; a smoothed linear left
+            # unquantized (a subclass's choice) is multiplied by s: the float product stays.
+            tensor = tensor.float() / factors if tensor.dim() == 1 else tensor.float() * factors
+        return super().passthrough(name, tensor)
+
+    def linear_module(self, name, tensors, bias, real=True):
+        return Int8Linear(name, tensors[name], tensors[name + SCALE_SUFFIX], bias, real)
+
+    def fake_quantize_weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        # In the learner's unsmoothed coordinates: dq(q(w·s))/s times dq(q(x/s))·s is the
+        # engine's product, and the straight-through gradient stays the float layer's.
+        factors = self.smoothing.get(name)
+        scaled = weight.float() * factors[None, :] if factors is not None else weight
+        q, scale = quantize_per_channel(scaled, name=name)
+        dequantized = dequantize_per_channel(q, scale)
+        return dequantized / factors[None, :] if factors is not None else dequantized
+
+    def fake_quantize_input(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        factors = self.smoothing.get(name)
+        flat = x.reshape(-1, x.shape[-1]).float()
+        if factors is not None:
+            flat = flat / factors[None, :]
+        q, scale = quantize_activations_int8(flat)
+        dequantized = q.float() * scale
+        if factors is not None:
+            dequantized = dequantized * factors[None, :]
+        return dequantized.reshape(x.shape)

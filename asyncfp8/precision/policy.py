@@ -1,15 +1,22 @@
 """PrecisionPolicy: how the learner's weights become what a rollout engine runs.
 
-In the spirit of vLLM's `QuantizationConfig`: a small object with a narrow lifecycle.
-At start, `engine_config()` says how the engine must be built; every version,
-`quantize_weights()` streams the learner's (name, tensor) pairs through the policy one
-at a time (the quantized model is never held whole), and `calibrate()` adds the extra
-tensors the version needs (KV-cache scales). Policies compose with "+":
-`fp8+fp8_kv` is FP8 weights and an FP8 KV cache.
+In the spirit of vLLM's `QuantizationConfig`: a small object with a narrow lifecycle,
+and the one place that decides anything about a tensor's precision. At start,
+`engine_config()` says how the engine must be built and `linear_module()` gives the
+built-in engine its runtime module for a quantized linear layer; every version,
+`quantize_weights()` streams the learner's FP32 master tensors through the policy one at
+a time (the quantized model is never held whole) and `calibrate()` adds the extra
+tensors the version needs (KV-cache scales). `quantizes(name, tensor)` is the per-tensor
+decision that the learner's quantization, the engines' module replacement, checkpoint
+export and the vLLM/SGLang configs (`ignored_layers`) all ask. Policies compose with
+"+": `fp8+fp8_kv` is FP8 weights and an FP8 KV cache.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import logging
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -17,15 +24,21 @@ from typing import Any
 
 import torch
 
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
+from .schema import check_params, parameters
 
-# Left in the training dtype by every weight quantizer: embeddings, the LM head, norms,
-# biases (1-D anyway) and MoE routers (`mlp.gate`, not `mlp.gate_proj`).
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+log = logging.getLogger("asyncfp8.precision")
+
+# Left in the engine dtype by the built-in weight quantizers: embeddings, the LM head,
+# norms, biases (1-D anyway) and MoE routers (`mlp.gate`, not `mlp.gate_proj`).
 UNQUANTIZED = re.compile(r"(embed|lm_head|norm|\.mlp\.gate\.weight$|\.bias$)")
+LEARNER_FORWARDS = ("master", "quantized")
 
 
 def is_quantizable(name: str, tensor: torch.Tensor) -> bool:
-    """A linear layer's 2-D weight that W8A8 quantizers turn into 8 bits."""
+    """A linear layer's 2-D weight that a W8A8 format can turn into 8 bits: the built-in
+    policies' default for `quantizes`, and what an exported checkpoint lists as ignored
+    when a policy declines it."""
     return name.endswith(".weight") and tensor.dim() == 2 and not UNQUANTIZED.search(name)
 
 
@@ -45,37 +58,89 @@ def check_weight(name: str, tensor: torch.Tensor) -> None:
 
 
 class PrecisionPolicy:
-    """Base class: the identity policy. Subclasses override what they change."""
+    """Base class: BF16 weights, no calibration. Subclasses override what they change.
+
+    A policy receives the learner's master tensors (FP32, or the training dtype) and
+    casts them itself, so what an engine gets is decided here and nowhere else."""
 
     name: str = "base"
-    #: True if `quantize_weights` changes weights (at most one such part per composition).
+    #: True if the policy has a weight format of its own (at most one such part per composition).
     quantizes_weights: bool = False
     #: True if `calibrate` returns tensors every version needs (KV-cache scales).
     needs_calibration: bool = False
+    #: The dtype of every floating-point tensor the policy does not quantize.
+    engine_dtype: torch.dtype = torch.bfloat16
+    #: "master" (the learner's FP32 forward) or "quantized" (the engine's quantized forward,
+    #: as fake-quant with straight-through gradients): set from `precision.learner_forward`.
+    learner_forward: str = "master"
+    #: Name and parameters, as the learner writes them into every version's header; a
+    #: worker refuses a version whose spec differs from its own. Set by `get_policy`.
+    spec: str = ""
+    #: The model's HF config (layers, sizes), once `bind_model` has run.
+    model_config: Any = None
 
-    def engine_config(self) -> dict[str, Any]:
-        """What the rollout engine must be started with: `dtype`, `quantization`,
-        `quantization_config` (HF config.json form), `kv_cache_dtype`, ..."""
-        return {}
+    # -- the per-tensor decision -------------------------------------------------------------
+
+    def quantizes(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether this tensor goes through `quantize_tensor` (else `passthrough`). The
+        built-in formats quantize every linear weight but the embeddings, LM head and
+        routers; override to narrow or widen that."""
+        return self.quantizes_weights and is_quantizable(name, tensor)
 
     def quantize_tensor(
         self, name: str, tensor: torch.Tensor
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The engine-side tensors for one learner tensor (one or several, e.g. a
-        weight and its scale). Called only for tensors `is_quantizable` accepts."""
-        yield name, tensor
+        """The engine-side tensors for one learner tensor that `quantizes` accepts (one or
+        several, e.g. a weight and its scale)."""
+        yield name, self.passthrough(name, tensor)
 
     def passthrough(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor the policy does not quantize, as the engine gets it."""
-        return tensor
+        return tensor.to(self.engine_dtype) if tensor.is_floating_point() else tensor
 
     def quantize_weights(self, named_tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
         """Streams (name, tensor) pairs through the policy, one learner tensor at a time."""
         for name, tensor in named_tensors:
-            if self.quantizes_weights and is_quantizable(name, tensor):
+            if self.quantizes(name, tensor):
                 yield from self.quantize_tensor(name, tensor)
             else:
                 yield name, self.passthrough(name, tensor)
+
+    # -- engines -----------------------------------------------------------------------------
+
+    def engine_config(self) -> dict[str, Any]:
+        """What the rollout engine must be started with: `dtype`, `quantization`,
+        `quantization_config` (HF config.json form), `kv_cache_dtype`, ..."""
+        return {"dtype": "bfloat16"}
+
+    def linear_module(
+        self,
+        name: str,
+        tensors: Mapping[str, torch.Tensor],
+        bias: torch.Tensor | None,
+        real: bool = True,
+    ) -> torch.nn.Module:
+        """The built-in torch engine's runtime module for a linear layer this policy
+        quantizes, from `quantize_tensor`'s output for its weight `name` (an
+        `asyncfp8.precision.modules.QuantizedLinear`). `real=False` asks for its
+        fake-quant twin (the same rounding, float matmuls)."""
+        raise NotImplementedError(
+            f"precision {self.name!r} quantizes weights but gives the built-in torch engine no "
+            "runtime module (PrecisionPolicy.linear_module)"
+        )
+
+    def supported_by(self, engine: str) -> str | None:
+        """None if engine `engine` can run this policy, else the reason it cannot. The
+        engines also refuse what they find out themselves at start."""
+        return None
+
+    def checkpoint_config(self, unquantized_layers: Iterable[str] = ()) -> dict[str, Any] | None:
+        """The `quantization_config` an exported checkpoint's config.json carries;
+        `unquantized_layers` are the linear layers this policy left in the engine dtype
+        (the format's ignore list)."""
+        return None
+
+    # -- the learner -------------------------------------------------------------------------
 
     def calibrate(
         self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
@@ -83,12 +148,43 @@ class PrecisionPolicy:
         """Extra tensors for this version (e.g. KV-cache scales); none by default."""
         return {}
 
-    def checkpoint_config(self) -> dict[str, Any] | None:
-        """The `quantization_config` an exported checkpoint's config.json carries."""
-        return None
+    def fake_quantize_weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` as the engine multiplies with it (quantized and dequantized, no
+        gradient); the learner's quantized forward uses it."""
+        return weight
+
+    def fake_quantize_input(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The input of linear layer `name` as the engine's GEMM sees it."""
+        return x
+
+    def prepare_learner(self, model: torch.nn.Module) -> torch.nn.Module:
+        """With `learner_forward="quantized"`, makes the learner's forward the engine's
+        quantized one (fake-quant, straight-through gradients); parameter names and
+        objects are kept, so optimizer, checkpoints and versions see the same model."""
+        if self.learner_forward != "quantized":
+            return model
+        from .modules import use_fake_quant
+
+        return use_fake_quant(model, self)
+
+    # -- the model ---------------------------------------------------------------------------
+
+    def bind_model(self, config: Any) -> PrecisionPolicy:
+        """Gives the policy the facts of the model it runs on (an HF config: layers,
+        sizes); called by `build_policy`, the engines and checkpoint export."""
+        self.model_config = config
+        return self
+
+    def require_model(self) -> Any:
+        if self.model_config is None:
+            raise ValueError(
+                f"precision {self.name!r} needs the model's config (number of layers, ...): "
+                "build it with build_policy(cfg, model_dir) or call policy.bind_model(config)"
+            )
+        return self.model_config
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r})"
+        return f"{type(self).__name__}({self.spec or self.name!r})"
 
 
 class ComposedPolicy(PrecisionPolicy):
@@ -116,9 +212,13 @@ class ComposedPolicy(PrecisionPolicy):
         self._weights = next((p for p in parts if p.quantizes_weights), parts[0])
         self.quantizes_weights = self._weights.quantizes_weights
         self.needs_calibration = any(p.needs_calibration for p in parts)
+        self.engine_dtype = self._weights.engine_dtype
 
     def engine_config(self) -> dict[str, Any]:
         return dict(self._engine_config)
+
+    def quantizes(self, name, tensor):
+        return self._weights.quantizes(name, tensor)
 
     def quantize_tensor(self, name, tensor):
         return self._weights.quantize_tensor(name, tensor)
@@ -126,17 +226,41 @@ class ComposedPolicy(PrecisionPolicy):
     def passthrough(self, name, tensor):
         return self._weights.passthrough(name, tensor)
 
+    def linear_module(self, name, tensors, bias, real=True):
+        return self._weights.linear_module(name, tensors, bias, real)
+
+    def supported_by(self, engine):
+        return next((r for p in self.parts if (r := p.supported_by(engine))), None)
+
+    def fake_quantize_weight(self, name, weight):
+        return self._weights.fake_quantize_weight(name, weight)
+
+    def fake_quantize_input(self, name, x):
+        return self._weights.fake_quantize_input(name, x)
+
+    def prepare_learner(self, model):
+        for part in self.parts:
+            part.learner_forward = self.learner_forward
+            model = part.prepare_learner(model)
+        return model
+
+    def bind_model(self, config):
+        for part in self.parts:
+            part.bind_model(config)
+        return super().bind_model(config)
+
     def calibrate(self, model, batch):
         extra: dict[str, torch.Tensor] = {}
         for part in self.parts:
             extra |= part.calibrate(model, batch)
         return extra
 
-    def checkpoint_config(self):
+    def checkpoint_config(self, unquantized_layers=()):
         """The weight format's config, plus what lets the engine load KV scales:
         compressed-tensors (INT8) takes a `kv_cache_scheme`; blockwise FP8's own config
         already loads `k_scale` / `v_scale`; BF16 weights take the KV part's config."""
-        config = self._weights.checkpoint_config() if self._weights.quantizes_weights else None
+        layers = list(unquantized_layers)
+        config = self._weights.checkpoint_config(layers) if self.quantizes_weights else None
         kv = next(
             (
                 p.checkpoint_config()
@@ -176,6 +300,38 @@ def registered_policies() -> list[str]:
     return sorted(_POLICIES)
 
 
+def plain(value: Any) -> Any:
+    """Tuples as lists (in dicts too), so that a default (128, 128), a YAML [128, 128] and
+    what msgpack gives back compare equal."""
+    if isinstance(value, Mapping):
+        return {key: plain(v) for key, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [plain(v) for v in value]
+    return value
+
+
+def _spec(name: str, factory: Callable[..., Any], params: Mapping[str, Any]) -> str:
+    """`name(key=value, ...)` over every parameter, given or default: two processes that
+    built the same policy from differently written configs get the same spec."""
+    effective = {
+        key: plain(params.get(key, p.default))
+        for key, p in parameters(factory).items()
+        if key in params or p.default is not p.empty
+    }
+    shown = ", ".join(f"{key}={effective[key]!r}" for key in sorted(effective))
+    return f"{name}({shown})" if shown else name
+
+
+def _make(label: str, factory: Callable[..., Any], params: Mapping[str, Any]) -> PrecisionPolicy:
+    check_params(label, factory, params)
+    policy = factory(**params)
+    if not isinstance(policy, PrecisionPolicy):
+        raise ValueError(
+            f"precision {label!r} made a {type(policy).__name__}, not a PrecisionPolicy"
+        )
+    return policy
+
+
 def get_policy(name: str, **params: Any) -> PrecisionPolicy:
     """`get_policy("fp8")`, `get_policy("fp8+fp8_kv", margin=1.1)`. Parameters go to
     every part that accepts them; one no part accepts is an error."""
@@ -184,31 +340,111 @@ def get_policy(name: str, **params: Any) -> PrecisionPolicy:
     if unknown or not all(parts_names):
         raise ValueError(
             f"unknown precision policy {name!r}; registered: {', '.join(registered_policies())} "
-            "(compose with '+', e.g. 'fp8+fp8_kv')"
+            "(compose with '+', e.g. 'fp8+fp8_kv'; a class of your own: precision._target_=pkg.Class)"
         )
-    import inspect
-
     parts, used = [], set()
     for part_name in parts_names:
         factory = _POLICIES[part_name]
-        accepted = set(inspect.signature(factory).parameters)
-        mine = {k: v for k, v in params.items() if k in accepted}
+        mine = {k: v for k, v in params.items() if k in parameters(factory)}
         used |= set(mine)
-        parts.append(factory(**mine))
+        part = _make(part_name, factory, mine)
+        part.spec = _spec(part.name, factory, mine)
+        parts.append(part)
     unused = sorted(set(params) - used)
     if unused:
-        raise ValueError(f"precision {name!r} takes no parameter(s) {unused}")
-    return parts[0] if len(parts) == 1 else ComposedPolicy(parts)
+        taken = sorted({key for n in parts_names for key in parameters(_POLICIES[n])})
+        raise ValueError(
+            f"precision {name!r} takes no parameter(s) {unused} (it takes: {', '.join(taken) or 'none'})"
+        )
+    if len(parts) == 1:
+        return parts[0]
+    composed = ComposedPolicy(parts)
+    composed.spec = "+".join(p.spec for p in parts)
+    return composed
 
 
-def build_policy(cfg: Mapping[str, Any]) -> PrecisionPolicy:
-    """A policy from its `precision=` config entry: `name` plus parameters."""
-    from omegaconf import OmegaConf
+def import_target(target: str) -> Callable[..., Any]:
+    """The object `pkg.module.Name` names; ValueError saying what failed."""
+    module_name, _, attribute = target.rpartition(".")
+    if not module_name:
+        raise ValueError(
+            f"precision._target_={target!r} must be a dotted path (package.module.ClassName)"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(
+            f"precision._target_={target!r}: cannot import {module_name!r} ({err}); is it on "
+            "PYTHONPATH for the learner and every worker?"
+        ) from None
+    if not hasattr(module, attribute):
+        raise ValueError(f"precision._target_={target!r}: {module_name} has no {attribute!r}")
+    return getattr(module, attribute)
 
-    params = OmegaConf.to_container(OmegaConf.create(dict(cfg)), resolve=True)
-    if "name" not in params:
-        raise ValueError(f"precision config needs a 'name'; got keys {sorted(params)}")
-    return get_policy(params.pop("name"), **params)
+
+def policy_from_target(
+    target: str, params: dict[str, Any], default_name: str | None
+) -> PrecisionPolicy:
+    """A user's policy class with its parameters. Keys left over from the default policy
+    of the config (named by `default_name`, at their default values) are not passed on:
+    `precision._target_=pkg.MyPolicy` is one override on top of the default config."""
+    factory = import_target(target)
+    if not (inspect.isclass(factory) and issubclass(factory, PrecisionPolicy)):
+        raise ValueError(
+            f"precision._target_={target!r} is {factory!r}, not a PrecisionPolicy subclass "
+            "(from asyncfp8.precision import PrecisionPolicy)"
+        )
+    accepted = parameters(factory)
+    leftover = parameters(_POLICIES[default_name]) if default_name in _POLICIES else {}
+    dropped = sorted(
+        key
+        for key, value in params.items()
+        if key not in accepted and key in leftover and leftover[key].default == value
+    )
+    if dropped:
+        log.info(
+            "precision._target_=%s: not passing %s (defaults of precision %r)",
+            target,
+            dropped,
+            default_name,
+        )
+    mine = {k: v for k, v in params.items() if k not in dropped}
+    policy = _make(target, factory, mine)
+    policy.spec = _spec(f"{target}:{policy.name}", factory, mine)
+    return policy
+
+
+def build_policy(cfg: Mapping[str, Any], model_dir: Any = None) -> PrecisionPolicy:
+    """A policy from its `precision=` config entry: `name` (registered, or composed with
+    '+') or `_target_` (a PrecisionPolicy subclass of your own, imported here), plus
+    parameters, `learner_forward`, and bound to the model in `model_dir` when given."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        params = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    else:
+        params = dict(cfg)
+    target = params.pop("_target_", None)
+    name = params.pop("name", None)
+    learner_forward = params.pop("learner_forward", "master")
+    if learner_forward not in LEARNER_FORWARDS:
+        raise ValueError(
+            f"precision.learner_forward must be one of {', '.join(LEARNER_FORWARDS)}, got {learner_forward!r}"
+        )
+    if target:
+        policy = policy_from_target(target, params, name)
+    elif name:
+        policy = get_policy(name, **params)
+    else:
+        raise ValueError(
+            f"precision config needs a 'name' or a '_target_'; got keys {sorted(params)}"
+        )
+    policy.learner_forward = learner_forward
+    if model_dir is not None:
+        from transformers import AutoConfig
+
+        policy.bind_model(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    return policy
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -1,0 +1,52 @@
+"""The `correction=` config as schemas in Hydra's ConfigStore: one base for the keys every
+correction has (`name`, `reject`, `mode`, `max_staleness`) and, for every registered
+method, a dataclass with its own parameters, typed from its signature. Each YAML under
+conf/correction/ extends its method's schema, so a mistyped key
+(`correction.uper=5`) or a wrong type (`correction.upper=five`) fails when the config is
+composed, naming the key; value checks (lower <= upper, ...) stay with the methods."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+import typing
+from typing import Any
+
+
+class Mode(enum.StrEnum):
+    decoupled = "decoupled"  # the learner recomputes π_prox; three policies
+    bypass = "bypass"  # π_prox := π_rollout
+
+
+@dataclasses.dataclass
+class CorrectionConfig:
+    """Keys every correction has."""
+
+    name: str = "none"
+    reject: list[Any] = dataclasses.field(default_factory=list)  # more rejection filters
+    mode: Mode = Mode.decoupled
+    max_staleness: int | None = None  # mask sequences with a token older than this
+
+
+def method_schema(name: str, method: Any) -> type:
+    """A dataclass for `correction=<name>`: the base keys and the method's parameters."""
+    hints = typing.get_type_hints(method)
+    fields = []
+    for parameter in list(inspect.signature(method).parameters.values())[1:]:
+        hint = hints.get(parameter.name, Any)
+        fields.append(
+            (parameter.name, hint if hint in (int, float, bool, str) else Any, parameter.default)
+        )
+    return dataclasses.make_dataclass(name, fields, bases=(CorrectionConfig,))
+
+
+def register_schemas() -> None:
+    """Stores `schema/correction/<name>` for every registered correction."""
+    from hydra.core.config_store import ConfigStore
+
+    from .registry import _METHODS
+
+    store = ConfigStore.instance()
+    for name, method in _METHODS.items():
+        store.store(group="schema/correction", name=name, node=method_schema(name, method))
