@@ -15,6 +15,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
 from asyncfp8.correction import build_correction
 from asyncfp8.engines import SamplingParams, build_engine
 from asyncfp8.models import load_model, load_tokenizer, read_metadata, resolve_model_dir

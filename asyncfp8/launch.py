@@ -28,8 +28,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
 from asyncfp8.metrics import METRICS_FILE
 from asyncfp8.models import resolve_model_dir
+from asyncfp8.precision import PrecisionPolicy, build_policy
 from asyncfp8.report import plot_runs, summarize
 
 PORTS = ("version", "snapshot", "trajectory")
@@ -127,12 +129,22 @@ class Progress:
         self.bar.close()
 
 
-def launch(cfg: DictConfig, overrides: list[str]) -> int:
+def check_start(cfg: DictConfig) -> PrecisionPolicy:
+    """What can be checked before any process starts: the model (built or found once
+    here, so that N+1 processes do not wait on its lock) and the precision as every
+    process will build it (a user's class imported here too), against the engine."""
+    model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
+    policy = build_policy(cfg.precision, model_dir)
+    reason = policy.supported_by(cfg.engine.name)
+    if reason:
+        raise ValueError(f"engine {cfg.engine.name} cannot run precision {policy.name!r}: {reason}")
+    return policy
+
+
+def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> int:
     run = cfg.run
     run_dir = Path(run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    # Build (or find) the model once here, so that N+1 processes do not wait on its lock.
-    resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
     ports = free_ports(3)
     common = [
         *overrides,
@@ -146,7 +158,7 @@ def launch(cfg: DictConfig, overrides: list[str]) -> int:
         for i in range(run.workers)
     ]
     print(
-        f"[launch] learner + {run.workers} workers ({cfg.engine.name} engine, {cfg.precision.name}, "
+        f"[launch] learner + {run.workers} workers ({cfg.engine.name} engine, {policy.spec}, "
         f"correction {cfg.correction.name}, {run.mode}); logs and metrics in {run_dir}",
         flush=True,
     )
@@ -230,7 +242,12 @@ def stop_all(learner: Process, workers: list[Process]) -> None:
 def main(cfg: DictConfig) -> None:
     own = ("run.dir=", "run.worker_id=", "sync.host=", *(f"sync.{p}_port=" for p in PORTS))
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(own)]
-    sys.exit(launch(cfg, overrides))
+    try:
+        policy = check_start(cfg)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"[launch] {err}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(launch(cfg, overrides, policy))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import torch
 import zmq
 from omegaconf import DictConfig, OmegaConf
 
+import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
 from asyncfp8.correction import build_correction
 from asyncfp8.correction.metrics import mismatch_metrics
 from asyncfp8.correction.registry import make_batch
@@ -164,6 +165,11 @@ class Learner:
         model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
         self.task = build_task(cfg.task)
         self.policy = build_policy(cfg.precision, model_dir)
+        reason = self.policy.supported_by(cfg.engine.name)
+        if reason:  # the workers would refuse it at start: say so here, once
+            raise ValueError(
+                f"engine {cfg.engine.name} cannot run precision {self.policy.name!r}: {reason}"
+            )
         self.correction = build_correction(cfg.correction)
         self.model = self.policy.prepare_learner(load_model(model_dir, dtype=torch.float32))
         self.tokenizer = load_tokenizer(model_dir)

@@ -22,6 +22,7 @@ import hydra
 import zmq
 from omegaconf import DictConfig
 
+import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
 from asyncfp8.engines import EngineUnsupported, SamplingParams, build_engine
 from asyncfp8.models import resolve_model_dir
 from asyncfp8.precision import build_policy
@@ -92,7 +93,7 @@ class Worker:
         self.log.info(
             "engine %s, precision %s (%s), %d torch threads; learner at %s",
             self.engine.name,
-            self.policy.name,
+            self.policy.spec,
             self.policy.engine_config() or "no engine options",
             threads,
             addresses.trajectories,

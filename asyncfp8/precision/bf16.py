@@ -27,7 +27,7 @@ class BF16Policy(PrecisionPolicy):
     def supported_by(self, engine: str) -> str | None:
         if self.lm_head_fp32 and engine in ("vllm", "sglang"):
             return "it has no option to run the LM head in FP32 (engine=torch does)"
-        return None
+        return super().supported_by(engine)
 
     def passthrough(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if self.lm_head_fp32 and name.startswith("lm_head") and tensor.is_floating_point():

@@ -220,7 +220,7 @@ class FP8Policy(PrecisionPolicy):
                 f"its block-FP8 kernels are built and tested for 128x128 weight blocks; "
                 f"precision.block_size={list(self.block)} runs on engine=torch"
             )
-        return None
+        return super().supported_by(engine)
 
     def quantize_tensor(
         self, name: str, tensor: torch.Tensor

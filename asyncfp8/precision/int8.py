@@ -165,7 +165,7 @@ class INT8Policy(PrecisionPolicy):
                 "its update_weights_from_tensor re-runs no post-load processing, which int8 "
                 "layers need (engine=vllm or engine=torch run int8)"
             )
-        return None
+        return super().supported_by(engine)
 
     def quantize_tensor(
         self, name: str, tensor: torch.Tensor

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import logging
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -27,7 +26,6 @@ import torch
 from .schema import check_params, parameters
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
-log = logging.getLogger("asyncfp8.precision")
 
 # Left in the engine dtype by the built-in weight quantizers: embeddings, the LM head,
 # norms, biases (1-D anyway) and MoE routers (`mlp.gate`, not `mlp.gate_proj`).
@@ -132,6 +130,15 @@ class PrecisionPolicy:
     def supported_by(self, engine: str) -> str | None:
         """None if engine `engine` can run this policy, else the reason it cannot. The
         engines also refuse what they find out themselves at start."""
+        if (
+            engine == "torch"
+            and self.quantizes_weights
+            and type(self).linear_module is PrecisionPolicy.linear_module
+        ):
+            return (
+                f"precision {self.name!r} quantizes weights but gives the built-in torch engine "
+                "no runtime module (PrecisionPolicy.linear_module)"
+            )
         return None
 
     def checkpoint_config(self, unquantized_layers: Iterable[str] = ()) -> dict[str, Any] | None:
@@ -382,42 +389,24 @@ def import_target(target: str) -> Callable[..., Any]:
     return getattr(module, attribute)
 
 
-def policy_from_target(
-    target: str, params: dict[str, Any], default_name: str | None
-) -> PrecisionPolicy:
-    """A user's policy class with its parameters. Keys left over from the default policy
-    of the config (named by `default_name`, at their default values) are not passed on:
-    `precision._target_=pkg.MyPolicy` is one override on top of the default config."""
+def policy_from_target(target: str, params: dict[str, Any]) -> PrecisionPolicy:
+    """A user's policy class, with its parameters."""
     factory = import_target(target)
     if not (inspect.isclass(factory) and issubclass(factory, PrecisionPolicy)):
         raise ValueError(
             f"precision._target_={target!r} is {factory!r}, not a PrecisionPolicy subclass "
             "(from asyncfp8.precision import PrecisionPolicy)"
         )
-    accepted = parameters(factory)
-    leftover = parameters(_POLICIES[default_name]) if default_name in _POLICIES else {}
-    dropped = sorted(
-        key
-        for key, value in params.items()
-        if key not in accepted and key in leftover and leftover[key].default == value
-    )
-    if dropped:
-        log.info(
-            "precision._target_=%s: not passing %s (defaults of precision %r)",
-            target,
-            dropped,
-            default_name,
-        )
-    mine = {k: v for k, v in params.items() if k not in dropped}
-    policy = _make(target, factory, mine)
-    policy.spec = _spec(f"{target}:{policy.name}", factory, mine)
+    policy = _make(target, factory, params)
+    policy.spec = _spec(f"{target}:{policy.name}", factory, params)
     return policy
 
 
 def build_policy(cfg: Mapping[str, Any], model_dir: Any = None) -> PrecisionPolicy:
     """A policy from its `precision=` config entry: `name` (registered, or composed with
     '+') or `_target_` (a PrecisionPolicy subclass of your own, imported here), plus
-    parameters, `learner_forward`, and bound to the model in `model_dir` when given."""
+    parameters, `learner_forward`, and bound to the model in `model_dir` when given. With
+    `_target_`, `name` is not used (the class says its own)."""
     from omegaconf import DictConfig, OmegaConf
 
     if isinstance(cfg, DictConfig):
@@ -432,7 +421,7 @@ def build_policy(cfg: Mapping[str, Any], model_dir: Any = None) -> PrecisionPoli
             f"precision.learner_forward must be one of {', '.join(LEARNER_FORWARDS)}, got {learner_forward!r}"
         )
     if target:
-        policy = policy_from_target(target, params, name)
+        policy = policy_from_target(target, params)
     elif name:
         policy = get_policy(name, **params)
     else:
