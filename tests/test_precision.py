@@ -388,26 +388,3 @@ def test_profile_cli_and_smoothing_preserves_the_float_model(tiny_model_dir, tmp
         )
     with pytest.raises(FileNotFoundError, match="make one with"):
         get_policy("int8", profile=str(tmp_path / "missing.safetensors"))
-
-
-def test_example_policy_is_selected_by_hydra_override(tiny_model_dir, tmp_path):
-    example = Path(__file__).parents[1] / "examples" / "mixed_precision_policy.py"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(example),
-            f"model.path={tiny_model_dir}",
-            "precision.num_layers=2",
-            "precision.keep_last=0",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
-    assert any("layers.0.self_attn.q_proj.weight " in line and "bfloat16" in line for line in lines)
-    assert any(
-        "layers.1.self_attn.q_proj.weight " in line and "float8_e4m3fn" in line for line in lines
-    )
