@@ -5,16 +5,15 @@ a model, GPU and RL workload (`python -m asyncfp8.plan`, docs/plan.md).
     gpus.py         the GPU table (datasheets) and custom specs
     precisions.py   what each rollout precision stores and computes in
     costs.py        FLOPs and bytes of a decode step, per primitive
-    step.py         the price of a step: roofline × efficiency + fixed costs; KV capacity
-    calibration.py  efficiency factors fitted to measured points (bench/results)
+    step.py         the price of a step: roofline x efficiency + fixed costs; KV capacity
+    calibration.py  efficiency factors fitted to measured points (bench/results); CLI
     lengths.py      response-length distributions (lognormal, measured)
     rollout.py      one engine's rollout under continuous batching and a long tail
     rlstep.py       an RL step synchronous vs asynchronous, weight sync full vs delta
-    planner.py      all of it for every precision, and the recommendation
+    planner.py      all of it for every precision, and the recommendation (make_plan)
     report.py       table, JSON, PNG
+    __main__.py     the Hydra CLI (asyncfp8/conf/plan.yaml)
+
+Nothing is imported here, so that `python -m asyncfp8.plan.calibration` runs its module
+once.
 """
-
-from .errors import PlanInputError
-from .planner import make_plan
-
-__all__ = ["PlanInputError", "make_plan"]

@@ -39,6 +39,7 @@ from .step import Efficiency, price_ops
 
 CALIBRATIONS = Path(__file__).parent / "data" / "calibration"
 PRIORS = "gpu-priors"
+GRID = np.log(np.logspace(-2, 2, 17))  # log-shifts a factor is scanned over before the simplex
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,11 @@ class Calibration:
     sync: dict[str, Any] = field(default_factory=dict)
     quantize_gb_s: dict[str, float] = field(default_factory=dict)
     sources: list[str] = field(default_factory=list)
+    initial: Efficiency | None = None  # the starting values the fit began from
+
+    def refit(self, points: list[Point]) -> Efficiency:
+        """The factors fitted again, from the same start, to `points` (e.g. all but one)."""
+        return fit(points, self.device, self.initial, self.fitted + self.unfitted)[0]
 
     def delta_bytes_ratio(self, weights: str) -> float:
         """Wire bytes of a delta version over (changed fraction × full version bytes):
@@ -212,8 +218,9 @@ def fit(
     for name in names:
         if get_factor(start, name) <= 0:
             raise PlanInputError(f"calibration: factor {name} must start positive to be fitted")
-        moved = loss(with_factors(start, {name: get_factor(start, name) * 2}))
-        (fitted if abs(moved - base) > 1e-12 else unfitted).append(name)
+        # A roofline's max() is flat on one side: try the factor far in both directions.
+        moved = [loss(with_factors(start, {name: get_factor(start, name) * f})) for f in (0.1, 10)]
+        (fitted if any(abs(m - base) > 1e-12 for m in moved) else unfitted).append(name)
     if not fitted:
         return start, fitted, unfitted
     x0 = np.log([get_factor(start, name) for name in fitted])
@@ -221,7 +228,16 @@ def fit(
     def objective(x: np.ndarray) -> float:
         return loss(with_factors(start, dict(zip(fitted, np.exp(x), strict=True))))
 
-    best, _ = nelder_mead(objective, x0)
+    # The roofline's max() leaves flat regions a simplex started in cannot leave: first
+    # scan each factor over four decades around its start, then polish with Nelder-Mead.
+    best = x0.copy()
+    for _ in range(2):
+        for i in range(len(best)):
+            trials = [best.copy() for _ in GRID]
+            for trial, shift in zip(trials, GRID, strict=True):
+                trial[i] = x0[i] + shift
+            best = min([*trials, best], key=objective)
+    best, _ = nelder_mead(objective, best)
     best, _ = nelder_mead(objective, best, step=0.2)  # restart: the simplex may have collapsed
     return with_factors(start, dict(zip(fitted, np.exp(best), strict=True))), fitted, unfitted
 
@@ -281,6 +297,7 @@ def load_calibration(name_or_path: str) -> Calibration:
         sync=raw.get("sync", {}),
         quantize_gb_s=raw.get("quantize_gb_s", {}),
         sources=raw.get("sources", []),
+        initial=start,
     )
 
 

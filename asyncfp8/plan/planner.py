@@ -21,7 +21,7 @@ from .model import ModelFacts, load_model_facts
 from .precisions import Precision, get_precision
 from .rlstep import learner_step_seconds, step_times, weight_sync
 from .rollout import simulate
-from .step import decode_step, kv_capacity_tokens, prefill_seconds
+from .step import StepModel, decode_step, kv_capacity_tokens
 
 # A quantized precision is recommended only if it beats BF16 by more than this: smaller
 # predicted gains are inside the model's error (docs/plan.md) and cost a mismatch.
@@ -110,13 +110,8 @@ def _precision_plan(
         result["fits"] = False
         return result
 
-    def step_seconds(batch: int, context_tokens: float) -> float:
-        return decode_step(model, precision, gpu, eff, batch, context_tokens, tp).seconds
-
-    def prefill(tokens: int) -> float:
-        return prefill_seconds(model, precision, gpu, eff, tokens, tp)
-
-    args = (capacity, engine["max_num_seqs"], step_seconds, prefill)
+    steps = StepModel(model, precision, gpu, eff, tp)
+    args = (capacity, engine["max_num_seqs"], steps.seconds, steps.prefill_seconds)
     one_step = simulate(prompt, responses, *args)
     first = simulate(prompt, stream[: len(responses)], *args)
     whole = simulate(prompt, stream, *args)
@@ -321,8 +316,8 @@ def recommend(rows: dict[str, dict[str, Any]], gpu: GPU) -> dict[str, Any]:
     )
     sync = row["weight_sync"]
     lines.append(
-        f"weight sync per version ({sync['mode']}): {sync['wire_gb']:.2f} GB, "
-        f"{sync['quantize_s'] + sync['transfer_s'] + sync['apply_s']:.2f} s"
+        f"weight sync per version ({sync['mode']}): {sync['wire_gb']:.3g} GB, "
+        f"{sync['quantize_s'] + sync['transfer_s'] + sync['apply_s']:.3g} s"
     )
     if choice != "bf16":
         lines.append("a quantized rollout needs a mismatch correction (e.g. correction=token_tis)")

@@ -25,6 +25,10 @@ def write_json(plan: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def _num(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
@@ -33,8 +37,8 @@ def table(plan: dict[str, Any]) -> str:
     model, gpu, engine, workload = plan["model"], plan["gpu"], plan["engine"], plan["workload"]
     calibration = plan["calibration"]
     lines = [
-        f"model {model['name']}: {model['parameters'] / 1e9:.2f}B parameters"
-        + (f" ({model['active_parameters'] / 1e9:.2f}B active, MoE)" if model["moe"] else "")
+        f"model {model['name']}: {_count(model['parameters'])} parameters"
+        + (f" ({_count(model['active_parameters'])} active, MoE)" if model["moe"] else "")
         + f", {model['layers']} layers, heads {model['heads']}",
         f"gpu {gpu['name']}: {gpu['memory_gb']:g} GiB, {gpu['bandwidth_tb_s']:g} TB/s, "
         f"BF16 {gpu['bf16_tflops']:g} TFLOP/s; {engine['engines']} engine(s) of tp={engine['tp']}, "
@@ -64,11 +68,11 @@ def table(plan: dict[str, Any]) -> str:
     for name, row in plan["precisions"].items():
         fits = row["fits"]
         lines.append(
-            f"{name:<11}{row['weight_gb']:>11.2f}{row['kv_capacity_tokens']:>12,}"
+            f"{name:<11}{row['weight_gb']:>11.3g}{row['kv_capacity_tokens']:>12,}"
             f"{row['running_sequences_at_mean_context']:>9}"
             + (
                 f"{row['rollout_seconds']:>11.1f}{row['rollout_speedup_vs_bf16'] or 0:>8.2f}x"
-                f"{row['tail_fraction']:>6.0%}{row['weight_sync']['wire_gb']:>9.2f}"
+                f"{row['tail_fraction']:>6.0%}{row['weight_sync']['wire_gb']:>9.3g}"
                 f"{row['step_sync_s']:>11.1f}{row['step_async_s']:>11.1f}"
                 if fits
                 else f"{'does not fit: the longest sequence exceeds the KV cache':>56}"

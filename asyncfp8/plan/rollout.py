@@ -2,10 +2,11 @@
 budget, with a long-tailed length distribution that empties the batch at the end.
 
 Sequences are admitted in order (a prefill each) while fewer than `max_num_seqs` run and
-their tokens fit in the cache; every decode step adds one token to each running
-sequence. When the cache would overflow, the most recently admitted sequence is
-preempted and requeued first, to be prefilled again with what it had generated (vLLM's
-recompute preemption). Steps are taken in chunks between events (a sequence finishing,
+their tokens fit in the cache with a watermark of 1% of it to spare (vLLM's default
+block watermark: without it every step would preempt what the last admitted); every
+decode step adds one token to each running sequence. When the cache would overflow, the
+most recently admitted sequence is preempted and requeued first, to be prefilled again
+with what it had generated (vLLM's recompute preemption). Steps are taken in chunks between events (a sequence finishing,
 the cache filling), each priced at its mean context: a step's price is linear in the
 context within a chunk.
 """
@@ -21,6 +22,7 @@ import numpy as np
 from .errors import PlanInputError
 
 MAX_CHUNK = 64  # decode steps priced as one; keeps the mean-context price accurate
+WATERMARK = 0.01  # of the cache, kept free when admitting a sequence beside running ones
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ def simulate(
     waiting = deque(range(len(responses)))
     running: list[int] = []
     used = 0  # KV tokens held by the running sequences
+    watermark = int(WATERMARK * capacity_tokens)
     seconds, preemptions = 0.0, 0
     times: list[float] = []
     batches: list[int] = []
@@ -67,7 +70,7 @@ def simulate(
         while waiting and len(running) < max_num_seqs:
             i = waiting[0]
             held = prompt_tokens + generated[i]
-            if used + held + 1 > capacity_tokens:
+            if used + held + 1 + (watermark if running else 0) > capacity_tokens:
                 break
             waiting.popleft()
             running.append(i)

@@ -135,3 +135,40 @@ def kv_capacity_tokens(
     free = gpu.memory_bytes * memory_utilization - weight_bytes(model, precision) / tp
     free -= reserved_gib * 2**30
     return max(0, int(free // per_token_per_gpu))
+
+
+class StepModel:
+    """`decode_step` and `prefill_seconds` for the many calls of a rollout simulation:
+    everything but attention depends on the batch only and is priced once per batch;
+    attention is linear in the context (both sides of its roofline)."""
+
+    def __init__(
+        self, model: ModelFacts, precision: Precision, gpu: GPU, eff: Efficiency, tp: int = 1
+    ):
+        self.args = (model, precision, gpu, eff)
+        self.tp = tp
+        per_token = next(
+            op for op in decode_ops(model, precision, 1, 1.0, tp) if op.kind == "attention"
+        )
+        self.attention_compute_s = per_token.flops / (
+            gpu.peak_flops("bf16") * eff.attention_compute
+        )
+        self.attention_memory_s = per_token.io_bytes / (
+            gpu.bandwidth * eff.attention_memory[precision.kv]
+        )
+        self._without_attention: dict[int, float] = {}
+        self._prefill: dict[int, float] = {}
+
+    def seconds(self, batch: int, context_tokens: float) -> float:
+        fixed = self._without_attention.get(batch)
+        if fixed is None:
+            fixed = decode_step(*self.args, batch, 0.0, self.tp).seconds
+            self._without_attention[batch] = fixed
+        return fixed + context_tokens * max(self.attention_compute_s, self.attention_memory_s)
+
+    def prefill_seconds(self, tokens: int) -> float:
+        seconds = self._prefill.get(tokens)
+        if seconds is None:
+            seconds = prefill_seconds(*self.args, tokens, self.tp)
+            self._prefill[tokens] = seconds
+        return seconds
