@@ -188,6 +188,11 @@ def error(predicted: float, low: float, high: float) -> float:
     return 0.0
 
 
+def gain_error(predicted: float, low: float, high: float) -> float:
+    """The same on the gain (speed-up - 1): +12% predicted as +6% is a -50% error."""
+    return error(predicted - 1, low - 1, high - 1)
+
+
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     settings = dict(case["settings"])
     filled = dict(case["filled"])
@@ -228,6 +233,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
                 "predicted": predicted,
                 "predicted_range_over_lengths": [min(values), max(values)],
                 "error": error(predicted, low, high),
+                "gain_error": gain_error(predicted, low, high),
             }
         )
     for name, (low, high) in case.get("published_over_fp8", {}).items():
@@ -240,6 +246,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
                 "predicted": predicted,
                 "predicted_range_over_lengths": [min(values), max(values)],
                 "error": error(predicted, low, high),
+                "gain_error": gain_error(predicted, low, high),
             }
         )
     what_if = None
@@ -374,6 +381,7 @@ def main() -> None:
     args = parser.parse_args()
     cases = [run_case(case) for case in CASES]
     errors = [abs(c["error"]) for case in cases for c in case["comparisons"]]
+    gain_errors = [abs(c["gain_error"]) for case in cases for c in case["comparisons"]]
     orderings = rankings(cases)
     capacities = nemo_capacities()
     cpu = [cpu_cells("cpu-torch"), cpu_cells("cpu-vllm")]
@@ -385,11 +393,17 @@ def main() -> None:
             lo, hi = c["predicted_range_over_lengths"]
             print(
                 f"  {c['what']:<22} published {pub:<10} predicted {c['predicted']:.2f} "
-                f"(lengths: {lo:.2f}-{hi:.2f})  error {c['error']:+.0%}"
+                f"(lengths: {lo:.2f}-{hi:.2f})  error {c['error']:+.0%}, on the gain "
+                f"{c['gain_error']:+.0%}"
             )
         if case["what_if"]:
-            print(f"  what if {case['what_if']['settings']}: {case['what_if']['speedup_vs_bf16']}")
-    print(f"median |error| over {len(errors)} published speed-ups: {statistics.median(errors):.1%}")
+            speedups = case["what_if"]["speedup_vs_bf16"]
+            shown = ", ".join(f"{n} {v:.2f}" for n, v in speedups.items() if v is not None)
+            print(f"  what if {case['what_if']['settings']}: {shown}")
+    print(
+        f"median |error| over {len(errors)} published speed-ups: {statistics.median(errors):.1%}"
+        f" (on the gains: {statistics.median(gain_errors):.0%})"
+    )
     for check in orderings:
         print(f"ranking {'right' if check['right'] else 'WRONG'}: {check['ordering']}")
     for row in capacities["rows"]:
@@ -411,6 +425,7 @@ def main() -> None:
         {
             "published": cases,
             "median_abs_error_published": statistics.median(errors),
+            "median_abs_gain_error_published": statistics.median(gain_errors),
             "rankings": orderings,
             "kv_capacity": capacities,
             "cpu": cpu,

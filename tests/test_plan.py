@@ -365,6 +365,46 @@ def test_the_fit_recovers_factors_that_generated_the_points():
         assert get_factor(fitted, name) == pytest.approx(get_factor(truth, name), rel=0.02)
 
 
+def test_gpu_rows_of_bench_rollout_become_a_calibration_the_planner_picks(tmp_path, monkeypatch):
+    import shutil
+
+    from asyncfp8.plan import calibration
+
+    # What bench/rollout.py would write on an H100, made from known factors.
+    truth = with_factors(
+        Efficiency(), {"gemm_memory.bf16": 0.75, "gemm_memory.fp8": 0.55, "step_overhead_s": 4e-4}
+    )
+    rows = []
+    for precision in ("bf16", "fp8"):
+        for context, prompt in (("short", 16), ("long", 2048)):
+            for batch in (1, 64):
+                point = Point("qwen2.5-1.5b", precision, batch, prompt, 64, 1.0)
+                rate = predict_points([point], GPUS["h100"], truth)[0]["predicted_tokens_per_s"]
+                rows.append(
+                    {"engine": "torch", "precision": precision, "context": context}
+                    | {"batch": batch, "decode_tokens_per_s": rate}
+                )
+    results = tmp_path / "rollout-gpu.json"
+    results.write_text(
+        json.dumps(
+            {"model": "/models/qwen2.5-1.5b", "new_tokens": 64, "long_prompt": 2048}
+            | {"rows": rows}
+        )
+    )
+    bundled = tmp_path / "calibration"
+    shutil.copytree(calibration.CALIBRATIONS, bundled)
+    raw = calibration.derive([str(results)], "torch", "h100-torch", "qwen2.5-1.5b", "h100")
+    (bundled / "h100-torch.json").write_text(json.dumps(raw))
+    monkeypatch.setattr(calibration, "CALIBRATIONS", bundled)
+
+    assert calibration.choose_calibration("auto", GPUS["h100"]) == "h100-torch"
+    assert calibration.choose_calibration("auto", GPUS["h200"]) == "gpu-priors"
+    loaded = calibration.load_calibration("h100-torch")
+    assert loaded.device.name == "h100" and "gemm_memory.fp8" in loaded.fitted
+    errors = [r["error"] for r in predict_points(loaded.points, loaded.device, loaded.efficiency)]
+    assert max(map(abs, errors)) < 0.02
+
+
 def test_bundled_cpu_calibration_reproduces_its_measured_points():
     calibration = load_calibration("cpu-vllm")
     assert calibration.device.name == "cpu-epyc-2core"

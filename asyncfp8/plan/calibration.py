@@ -394,6 +394,8 @@ def derive(
             raise SystemExit(f"{path}: not an output of bench/rollout.py, sync.py or quantize.py")
     if not points:
         raise SystemExit(f"no {engine} rows in {paths}")
+    if not gpu and not (copies and links):
+        raise SystemExit("a CPU calibration needs bench/sync.py output (memcpy and link bandwidth)")
     device = (
         {**vars(GPUS[gpu])}
         if gpu
@@ -407,18 +409,22 @@ def derive(
             fit_names += [f"gemm_compute.{weights}", f"gemm_launch_s.{weights}"]
     if any("fp8_kv" in p for p in precisions):
         fit_names += ["attention_memory.fp8", "kv_quantize_overhead_s"]
-    return {
-        "name": name,
-        "description": f"{engine} engine on {device['name']}: {len(points)} decode rates "
-        "measured by bench/rollout.py; weight-sync and quantization throughput by "
-        "bench/sync.py and bench/quantize.py",
-        "sources": paths,
-        "device": device,
-        "engine": engine,
-        # Starting values for the fit: the GPU priors' fixed costs are far too small for
-        # a CPU and the weights of asyncfp8's small model sit in cache, so the streaming
-        # factors stay at 1 (they barely matter) and the fixed costs start at CPU scale.
-        "efficiency": {
+    if gpu:
+        # On a GPU the weights stream from HBM: how fast each type's GEMMs read them is
+        # what the rows measure best, so those factors are fitted too, from the priors.
+        priors = json.loads((CALIBRATIONS / f"{PRIORS}.json").read_text())
+        start = priors["efficiency"]
+        fit_names += ["gemm_memory.bf16"]
+        fit_names += [
+            f"gemm_memory.{w}" for w in ("fp8", "int8") if f"gemm_compute.{w}" in fit_names
+        ]
+        if not sync["delta_bytes_ratio"]:  # a property of the format: the priors carry it
+            sync["delta_bytes_ratio"] = priors["sync"]["delta_bytes_ratio"]
+    else:
+        # The fixed costs of a CPU are ~100x a GPU's and the weights of asyncfp8's small
+        # model sit in cache: the streaming factors stay at 1 (they barely matter) and
+        # the fixed costs start at CPU scale.
+        start = {
             "memory": 1.0,
             "gemm_memory": {"bf16": 1.0, "fp8": 1.0, "int8": 1.0},
             "attention_compute": 1.0,
@@ -428,7 +434,17 @@ def derive(
             "kv_quantize_overhead_s": 5e-5,
             "gemm_compute": {"bf16": 0.3, "fp8": 0.3, "int8": 0.3},
             "attention_memory": {"bf16": 0.3, "fp8": 0.3},
-        },
+        }
+    return {
+        "name": name,
+        "description": f"{engine} engine on {device['name']}: {len(points)} decode rates "
+        "measured by bench/rollout.py"
+        + ("; weight-sync throughput by bench/sync.py" if copies and links else "")
+        + ("; quantization throughput by bench/quantize.py" if quantize else ""),
+        "sources": paths,
+        "device": device,
+        "engine": engine,
+        "efficiency": start,
         "fit": fit_names,
         "points": points,
         "sync": sync,

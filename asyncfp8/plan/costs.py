@@ -35,7 +35,6 @@ class Op:
     weight_bytes: float  # weights read (at the precision's storage size, scales included)
     io_bytes: float  # everything else read or written: activations, KV cache, logits
     dtype: str  # what the math runs in: bf16, fp8, int8 (GEMMs) or the KV type (attention)
-    quantized: bool = False  # a W8A8 GEMM: its input is quantized by one more kernel
     launches: int = 0  # GEMM kernels this op stands for in one step
 
 
@@ -89,7 +88,6 @@ def decode_ops(
     `context_tokens` tokens in all (the new token included), on one of `tp` GPUs."""
     b, h = batch, model.hidden_size
     weights = precision.weights
-    quantized = precision.quantizes_activations
     ops: list[Op] = []
 
     def gemm(name: str, layers: int, out_features: int, in_features: int, wbytes: float):
@@ -101,7 +99,6 @@ def decode_ops(
                 weight_bytes=layers * wbytes / tp,
                 io_bytes=layers * b * (in_features + out_features / tp) * ACTIVATION_BYTES,
                 dtype=weights,
-                quantized=quantized,
                 launches=layers,
             )
         )
@@ -141,7 +138,6 @@ def decode_ops(
                 weight_bytes=layers * touched * expert_bytes / tp,
                 io_bytes=layers * b * k * (2 * h + 3 * i / tp) * ACTIVATION_BYTES,
                 dtype=weights,
-                quantized=quantized,
                 launches=2 * layers,  # grouped gate/up, then grouped down
             )
         )

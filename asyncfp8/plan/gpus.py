@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from .errors import PlanInputError
 
 GIB = 2**30
@@ -163,13 +165,8 @@ def get_gpu(spec: str | Mapping[str, Any]) -> GPU:
     if path.suffix in (".json", ".yaml", ".yml") and path.is_file():
         text = path.read_text()
         try:
-            if path.suffix == ".json":
-                loaded = json.loads(text)
-            else:
-                import yaml
-
-                loaded = yaml.safe_load(text)
-        except ValueError as err:  # JSONDecodeError and YAMLError's parse errors
+            loaded = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (ValueError, yaml.YAMLError) as err:
             raise PlanInputError(f"GPU spec {path}: cannot parse ({err})") from None
         if not isinstance(loaded, Mapping):
             raise PlanInputError(f"GPU spec {path}: expected a mapping of GPU numbers")

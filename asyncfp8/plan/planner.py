@@ -148,6 +148,10 @@ def _precision_plan(
 
 
 def make_plan(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    if not cfg["model"].get("path"):
+        raise PlanInputError(
+            "model.path is not set: an HF model directory, a config.json or a bundled name"
+        )
     model = load_model_facts(str(cfg["model"]["path"]))
     gpu = resolve_gpu(cfg["gpu"])
     engine, workload, plan, learner = cfg["engine"], cfg["workload"], cfg["plan"], cfg["learner"]

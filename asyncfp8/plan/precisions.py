@@ -33,11 +33,6 @@ class Precision:
     def kv_bytes_per_element(self) -> int:
         return 2 if self.kv == "bf16" else 1
 
-    @property
-    def quantizes_activations(self) -> bool:
-        """W8A8: every quantized GEMM first quantizes its input (one more kernel)."""
-        return self.weights != "bf16"
-
     def scale_bytes(self, out_features: int, in_features: int) -> int:
         """Bytes of the scales stored beside one quantized weight [out, in]."""
         if self.weights == "fp8":

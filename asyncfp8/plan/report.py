@@ -71,7 +71,7 @@ def table(plan: dict[str, Any]) -> str:
             f"{name:<11}{row['weight_gb']:>11.3g}{row['kv_capacity_tokens']:>12,}"
             f"{row['running_sequences_at_mean_context']:>9}"
             + (
-                f"{row['rollout_seconds']:>11.1f}{row['rollout_speedup_vs_bf16'] or 0:>8.2f}x"
+                f"{row['rollout_seconds']:>11.1f}{_num(row['rollout_speedup_vs_bf16'], 2):>8}x"
                 f"{row['tail_fraction']:>6.0%}{row['weight_sync']['wire_gb']:>9.3g}"
                 f"{row['step_sync_s']:>11.1f}{row['step_async_s']:>11.1f}"
                 if fits
