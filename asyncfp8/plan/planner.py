@@ -90,7 +90,9 @@ def _precision_plan(
         "weight_gb": weight_bytes(model, precision) / 1e9,
         "kv_bytes_per_token": kv_bytes_per_token(model, precision),
         "kv_capacity_tokens": capacity,
-        "running_sequences_at_mean_context": min(engine["max_num_seqs"], int(capacity // context)),
+        "running_sequences_at_mean_context": min(
+            engine["max_num_seqs"], int(capacity // context), len(responses)
+        ),
         "uses_tensor_cores": gpu.has_tensor_cores_for(precision.weights),
     }
     result["decode_tokens_per_s"] = [

@@ -94,13 +94,15 @@ def plot(plan: dict[str, Any], path: str | Path) -> Path:
 
     fig, (throughput, tail) = plt.subplots(1, 2, figsize=(12, 4.5))
     batches = plan["batch_sizes"]
-    for name, row in plan["precisions"].items():
+    styles = ["-", "--", "-.", ":"]  # INT8 and FP8 often coincide: keep both visible
+    for i, (name, row) in enumerate(plan["precisions"].items()):
+        style = styles[i % len(styles)]
         points = [(b, v) for b, v in zip(batches, row["decode_tokens_per_s"], strict=True) if v]
         if points:
-            throughput.plot(*zip(*points, strict=True), marker="o", label=name)
+            throughput.plot(*zip(*points, strict=True), style, marker="o", label=name)
         trace = row.get("_trace")
         if trace is not None:
-            tail.step(trace.times, trace.batches, where="post", label=name)
+            tail.step(trace.times, trace.batches, style, where="post", label=name)
     throughput.set(
         xscale="log",
         yscale="log",
