@@ -431,6 +431,54 @@ def test_custom_gpu_by_mapping_and_file(tmp_path):
         get_gpu(spec)
 
 
+# --- the plan -------------------------------------------------------------------------
+
+
+def plan_config(**overrides):
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    import asyncfp8
+
+    cfg = OmegaConf.load(Path(asyncfp8.__file__).parent / "conf" / "plan.yaml")
+    for key in ("defaults", "hydra"):
+        cfg.pop(key)
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key.replace("__", "."), value)
+    return OmegaConf.to_container(cfg)
+
+
+def test_a_precision_whose_cache_cannot_hold_the_longest_sequence_is_reported_not_fitting():
+    from asyncfp8.plan.planner import make_plan
+
+    # Qwen2.5-0.5B on a 2 GiB GPU: BF16 leaves room for ~76K KV tokens, FP8 weights for
+    # ~106K; every response is ~100K tokens long.
+    small_gpu = {"name": "small", "memory_gb": 2, "bandwidth_tb_s": 1, "bf16_tflops": 100}
+    small_gpu |= {"fp8_tflops": 200, "int8_tops": 200, "link_gb_s": 50}
+    cfg = plan_config(
+        model__path="qwen2.5-0.5b",
+        gpu=small_gpu,
+        engine__reserved_gib=0.0,
+        workload__prompts_per_step=2,
+        workload__samples_per_prompt=1,
+        workload__rollout_gpus=1,
+        workload__prompt_tokens=100,
+        workload__response__mean_tokens=95_000,
+        workload__response__sigma=0.01,
+        workload__response__max_tokens=100_000,
+        plan__precisions=["fp8", "bf16", "fp8+fp8_kv"],  # BF16 need not come first
+    )
+    plan = make_plan(cfg)
+    rows = plan["precisions"]
+    assert not rows["bf16"]["fits"] and rows["bf16"]["rollout_speedup_vs_bf16"] is None
+    assert rows["fp8"]["fits"] and rows["fp8+fp8_kv"]["fits"]
+    assert rows["fp8"]["rollout_speedup_vs_bf16"] is None  # nothing to compare with
+    assert rows["fp8+fp8_kv"]["rollout_seconds"] < rows["fp8"]["rollout_seconds"]
+    assert plan["recommendation"]["precision"] == "fp8+fp8_kv"
+    assert "bf16: the longest sequence does not fit" in plan["recommendation"]["text"][0]
+
+
 # --- the CLI --------------------------------------------------------------------------
 
 

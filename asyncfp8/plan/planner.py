@@ -172,6 +172,13 @@ def make_plan(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if cfg["sync"]["mode"] not in ("full", "delta"):
         raise PlanInputError(f"sync.mode must be full or delta, got {cfg['sync']['mode']!r}")
     _positive(cfg["sync"]["link_gb_s"], "sync.link_gb_s")
+    if not 0 < _positive(cfg["sync"]["changed_fraction"], "sync.changed_fraction") <= 1:
+        raise PlanInputError("sync.changed_fraction is a share of the weights: at most 1")
+    staleness = cfg["sync"]["max_staleness"]
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        raise PlanInputError(f"sync.max_staleness must be an integer >= 0, got {staleness!r}")
+    if engine["reserved_gib"] < 0:
+        raise PlanInputError(f"engine.reserved_gib must be >= 0, got {engine['reserved_gib']}")
     batch_sizes = [_positive_int(b, "plan.batch_sizes[]") for b in plan["batch_sizes"]]
     precisions = [get_precision(name) for name in plan["precisions"]]
     if "bf16" not in plan["precisions"]:
@@ -223,7 +230,6 @@ def make_plan(cfg: Mapping[str, Any]) -> dict[str, Any]:
         )
         learner_source = f"from FLOPs at {learner['mfu']:.0%} MFU on {learner['gpus']} x {gpu.name}"
 
-    base = rows["bf16"]
     for row in rows.values():
         if not row["fits"]:
             row |= {"rollout_speedup_vs_bf16": None, "step_sync_s": None, "step_async_s": None}
@@ -233,13 +239,15 @@ def make_plan(cfg: Mapping[str, Any]) -> dict[str, Any]:
             row["rollout_stream_seconds_per_step"],
             learner_s,
             row.pop("_sync"),
-            int(cfg["sync"]["max_staleness"]),
+            staleness,
         )
-        row["rollout_speedup_vs_bf16"] = (
-            base["rollout_seconds"] / row["rollout_seconds"] if base["fits"] else None
-        )
-        if base["fits"]:
+    base = rows["bf16"]
+    for row in rows.values():
+        if row["fits"] and base["fits"]:
+            row["rollout_speedup_vs_bf16"] = base["rollout_seconds"] / row["rollout_seconds"]
             row["step_async_speedup_vs_bf16_sync"] = base["step_sync_s"] / row["step_async_s"]
+        elif row["fits"]:
+            row["rollout_speedup_vs_bf16"] = None
 
     return {
         "model": {

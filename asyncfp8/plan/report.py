@@ -29,6 +29,10 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def _num(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
@@ -71,7 +75,7 @@ def table(plan: dict[str, Any]) -> str:
             f"{name:<11}{row['weight_gb']:>11.3g}{row['kv_capacity_tokens']:>12,}"
             f"{row['running_sequences_at_mean_context']:>9}"
             + (
-                f"{row['rollout_seconds']:>11.1f}{_num(row['rollout_speedup_vs_bf16'], 2):>8}x"
+                f"{row['rollout_seconds']:>11.1f}{_times(row['rollout_speedup_vs_bf16']):>9}"
                 f"{row['tail_fraction']:>6.0%}{row['weight_sync']['wire_gb']:>9.3g}"
                 f"{row['step_sync_s']:>11.1f}{row['step_async_s']:>11.1f}"
                 if fits
