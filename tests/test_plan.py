@@ -27,10 +27,10 @@ from asyncfp8.plan.costs import decode_ops, kv_bytes_per_token, step_flops, weig
 from asyncfp8.plan.errors import PlanInputError
 from asyncfp8.plan.gpus import GPUS, get_gpu
 from asyncfp8.plan.lengths import lognormal, measured
-from asyncfp8.plan.model import facts_from_config, load_model_facts
+from asyncfp8.plan.model import BUNDLED_MODELS, facts_from_config, load_model_facts
 from asyncfp8.plan.planner import resolve_gpu
 from asyncfp8.plan.precisions import PRECISIONS
-from asyncfp8.plan.rlstep import WeightSync, step_times
+from asyncfp8.plan.rlstep import WeightSync, step_times, weight_sync
 from asyncfp8.plan.rollout import simulate
 from asyncfp8.plan.step import Efficiency, StepModel, decode_step, kv_capacity_tokens
 
@@ -97,9 +97,7 @@ def test_decode_flops_equal_a_traced_qwen2_forward():
 
 
 def test_decode_flops_of_qwen2_5_0_5b_equal_a_traced_forward_on_meta_tensors():
-    config = json.loads(
-        (load_model_facts.__globals__["BUNDLED_MODELS"] / "qwen2.5-0.5b.json").read_text()
-    )
+    config = json.loads((BUNDLED_MODELS / "qwen2.5-0.5b.json").read_text())
     config = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
     traced, _ = traced_decode_flops(qwen2(config, device="meta"), batch=4, prompt=100)
     facts = load_model_facts("qwen2.5-0.5b")
@@ -312,6 +310,24 @@ def test_async_step_takes_the_longer_side_and_sync_the_sum():
     learner_bound = step_times(100, 80, 90, sync, max_staleness=1)
     assert learner_bound["step_async_s"] == 90 + 1.0 + 2.0
     assert step_times(100, 80, 30, sync, max_staleness=0)["async_speedup"] == 1.0
+
+
+def test_weight_sync_sends_the_model_or_its_changed_elements_over_the_link():
+    calibration, facts, h100 = (
+        load_calibration("gpu-priors"),
+        load_model_facts("qwen3-8b"),
+        GPUS["h100"],
+    )
+    full = weight_sync(facts, PRECISIONS["fp8"], h100, calibration, "full", 10, 0.03, 1)
+    delta = weight_sync(facts, PRECISIONS["fp8"], h100, calibration, "delta", 10, 0.03, 1)
+    assert full.wire_bytes == weight_bytes(facts, PRECISIONS["fp8"])
+    # bench/sync.py measured FP8 deltas at 1.04x (changed fraction x full bytes).
+    assert delta.wire_bytes == pytest.approx(full.wire_bytes * 0.03 * 1.04)
+    assert full.transfer_s == pytest.approx(full.wire_bytes / 10e9)
+    assert delta.seconds < full.seconds and delta.quantize_s == full.quantize_s > 0
+    bf16 = weight_sync(facts, PRECISIONS["bf16"], h100, calibration, "delta", 10, 0.03, 1)
+    assert bf16.quantize_s == 0  # nothing to quantize
+    assert bf16.wire_bytes == pytest.approx(2 * facts.parameter_count() * 0.03 * 2.0)
 
 
 # --- lengths --------------------------------------------------------------------------
