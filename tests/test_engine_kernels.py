@@ -311,6 +311,21 @@ def test_a_path_the_device_cannot_run_names_the_device_the_kernel_and_what_works
         K.int8_matmul(x_i8, torch.ones(1, 1), x_i8, torch.ones(1, 1), impl="cuda")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark runs for minutes")
+def test_the_kernel_benchmark_without_a_gpu_says_so_and_exits_non_zero(tmp_path):
+    out = tmp_path / "kernels.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "kernels.py"), "--out", str(out)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr[-2000:]
+    assert "found no CUDA GPU" in result.stderr and "Nothing was measured" in result.stderr
+    assert not out.exists()
+
+
 # --- on a GPU ----------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
