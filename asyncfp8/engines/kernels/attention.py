@@ -186,7 +186,7 @@ if triton is not None:
 
 def _scale_tensor(name: str, scale, device) -> torch.Tensor:
     if not isinstance(scale, torch.Tensor):
-        # A Python number works, but a CUDA graph captured with it keeps the old value.
+        # A host-to-device copy per call, which CUDA-graph capture does not allow.
         return torch.tensor(float(scale), dtype=torch.float32, device=device)
     if scale.numel() != 1 or scale.dtype != torch.float32:
         raise ValueError(
@@ -404,8 +404,8 @@ def fp8_kv_decode_attention(
     k_cache, v_cache: float8_e4m3fn [B, Hkv, Tmax, D], a preallocated static cache, the
     value at a position being round(x / scale); Hq a multiple of Hkv, query head h
     reading KV head h // (Hq / Hkv) (transformers' `repeat_kv` order).
-    k_scale, v_scale: fp32 0-dim tensors (one-element tensors and Python floats are
-    taken too; a float is baked into a captured CUDA graph).
+    k_scale, v_scale: fp32 0-dim tensors (one-element tensors too). A Python float is
+    taken outside CUDA-graph capture only: it is copied to the device at every call.
     kv_valid: bool [B, Tmax], the positions each sequence attends to (left padding,
     unwritten slots and the new token's own slot as the caller sets them).
     sm_scale: the score scale, 1/sqrt(D) when None.

@@ -19,8 +19,6 @@ except ImportError:  # the `triton` extra is optional
     triton = None
     tl = None
 
-IMPLS = ("auto", "triton", "reference")
-
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -13,15 +13,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import ceil_div as _ceil_div
 from .common import (
+    ceil_div,
     check_impl,
+    next_power_of_2,
     triton,
     triton_runs_on,
     unavailable,
     why_no_triton,
 )
-from .common import next_power_of_2 as _next_power_of_2
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-10
@@ -101,7 +101,7 @@ def quantize_activations_fp8_reference(
     amax and quantize to zero), then cropped back."""
     _check_input(x, group)
     tokens, width = x.shape
-    groups = _ceil_div(width, group)
+    groups = ceil_div(width, group)
     padded = F.pad(x.float(), (0, groups * group - width))
     blocks = padded.view(tokens, groups, group)
     scale = blocks.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX
@@ -128,7 +128,7 @@ def quantize_activations_fp8_triton(
     if x.stride(1) != 1:
         x = x.contiguous()
     tokens, width = x.shape
-    groups = _ceil_div(width, group)
+    groups = ceil_div(width, group)
     q = torch.empty((tokens, width), dtype=torch.float8_e4m3fn, device=x.device)
     scale = empty_activation_scales(tokens, groups, x.device, column_major_scales)
     if tokens and width:
@@ -142,7 +142,7 @@ def quantize_activations_fp8_triton(
             scale.stride(0),
             scale.stride(1),
             GROUP_SIZE=group,
-            BLOCK=_next_power_of_2(group),
+            BLOCK=next_power_of_2(group),
         )
     return q, scale
 
