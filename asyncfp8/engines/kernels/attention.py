@@ -1,0 +1,426 @@
+"""Decode attention over an FP8 (e4m3) KV cache, reading the cache as e4m3.
+
+`fp8_kv_decode_attention` computes one new query token per sequence against a static,
+preallocated e4m3 cache. On CUDA (and on the CPU under `TRITON_INTERPRET=1`, as the tests
+run it) it is a Triton kernel: one program per (sequence, KV head, split of the cache),
+which loads each e4m3 byte of its part of the cache once for all the query heads that
+share that KV head (GQA), takes the dots on tensor cores in TF32 (exact for e4m3 and
+bf16/fp16 inputs), keeps an online softmax in fp32 and applies the k/v scales inside the
+kernel; when the cache is split (few sequences, long context: flash-decoding)
+a second small kernel merges the splits' partial softmaxes. Elsewhere the torch reference
+runs: it dequantizes the cache and takes a masked softmax in fp32. Prefill does not come
+here (it may dequantize and use SDPA).
+
+The scales are fp32 0-dim tensors read by the kernel, and `kv_valid` / `kv_len` are
+tensors too, so a captured CUDA graph stays valid when a new version changes the scales
+or the sequences grow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .common import (
+    ceil_div,
+    check_impl,
+    multiprocessors,
+    next_power_of_2,
+    triton,
+    triton_runs_on,
+    unavailable,
+    why_no_triton,
+)
+
+FP8 = torch.float8_e4m3fn
+QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LOG2E = 1.4426950408889634
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _fp8_kv_decode_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
+        valid_ptr,
+        len_ptr,
+        out_ptr,
+        max_ptr,
+        sum_ptr,
+        sm_scale,
+        t_max,
+        tiles_per_split,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_kh,
+        stride_kt,
+        stride_vb,
+        stride_vh,
+        stride_vt,
+        stride_valid_b,
+        stride_len,
+        stride_ob,
+        stride_oh,
+        stride_os,
+        stride_mb,
+        stride_mh,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        HAS_LEN: tl.constexpr,
+        SPLIT: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        heads = kv_head * GROUP + g
+        g_in = g < GROUP
+        d_in = d < HEAD_DIM
+        # The query heads of this KV head's group, padded to a tl.dot tile (>= 16 rows).
+        q = tl.load(
+            q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=g_in[:, None] & d_in[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        # Scores in log2 units: exp2 is the cheap exponential.
+        qk_scale = sm_scale * tl.load(k_scale_ptr) * 1.4426950408889634
+        limit = t_max
+        if HAS_LEN:
+            limit = tl.minimum(limit, tl.load(len_ptr + b * stride_len))
+        start = split * tiles_per_split * BLOCK_T
+        end = tl.minimum(start + tiles_per_split * BLOCK_T, limit)
+        k_base = k_ptr + b * stride_kb + kv_head * stride_kh
+        v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+        running_max = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+        running_sum = tl.zeros((BLOCK_G,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+        for t0 in range(start, end, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            t_in = t < end
+            valid = tl.load(valid_ptr + b * stride_valid_b + t, mask=t_in, other=0) != 0
+            kv_mask = t_in[:, None] & d_in[None, :]
+            k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+            scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, 1))
+            # Until a row has seen a valid position its max is -inf; subtract 0 then,
+            # so that exp2(-inf - (-inf)) never makes a NaN.
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            correction = tl.exp2(running_max - shift)
+            p = tl.exp2(scores - shift[:, None])
+            running_sum = running_sum * correction + tl.sum(p, 1)
+            v = tl.load(v_base + t[:, None] * stride_vt + d[None, :], mask=kv_mask, other=0.0)
+            pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+            acc = acc * correction[:, None] + pv
+            running_max = new_max
+        out_mask = g_in[:, None] & d_in[None, :]
+        if SPLIT:  # unnormalised partials; _merge_splits_kernel finishes them
+            out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
+            tl.store(out + d[None, :], acc, mask=out_mask)
+            stats = b * stride_mb + heads * stride_mh + split
+            tl.store(max_ptr + stats, running_max, mask=g_in)
+            tl.store(sum_ptr + stats, running_sum, mask=g_in)
+        else:
+            # A sequence with no valid position attends to nothing: its output is 0.
+            denominator = tl.where(running_sum > 0.0, running_sum, 1.0)
+            result = acc / denominator[:, None] * tl.load(v_scale_ptr)
+            out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+            tl.store(out, result.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _merge_splits_kernel(
+        part_ptr,
+        max_ptr,
+        sum_ptr,
+        v_scale_ptr,
+        out_ptr,
+        splits,
+        stride_pb,
+        stride_ph,
+        stride_ps,
+        stride_mb,
+        stride_mh,
+        stride_ob,
+        stride_oh,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        s_in = s < splits
+        stats = b * stride_mb + head * stride_mh + s
+        maxes = tl.load(max_ptr + stats, mask=s_in, other=float("-inf"))
+        sums = tl.load(sum_ptr + stats, mask=s_in, other=0.0)
+        part = tl.load(
+            part_ptr + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+            mask=s_in[:, None] & (d[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        overall = tl.max(maxes, 0)
+        shift = tl.where(overall == float("-inf"), 0.0, overall)
+        weights = tl.exp2(maxes - shift)
+        total = tl.sum(weights * sums, 0)
+        merged = tl.sum(weights[:, None] * part, 0)
+        denominator = tl.where(total > 0.0, total, 1.0)
+        result = merged / denominator * tl.load(v_scale_ptr)
+        tl.store(
+            out_ptr + b * stride_ob + head * stride_oh + d,
+            result.to(out_ptr.dtype.element_ty),
+            mask=d < HEAD_DIM,
+        )
+
+
+def _scale_tensor(name: str, scale, device) -> torch.Tensor:
+    if not isinstance(scale, torch.Tensor):
+        # A host-to-device copy per call, which CUDA-graph capture does not allow.
+        return torch.tensor(float(scale), dtype=torch.float32, device=device)
+    if scale.numel() != 1 or scale.dtype != torch.float32:
+        raise ValueError(
+            f"{name} must be a one-element fp32 tensor, got {scale.dtype} {tuple(scale.shape)}"
+        )
+    return scale.reshape(())
+
+
+def _check(q, k_cache, v_cache, kv_valid, kv_len):
+    if q.dim() != 3 or q.dtype not in QUERY_DTYPES:
+        raise ValueError(f"q must be [B, Hq, D] fp32/bf16/fp16, got {q.dtype} {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.dtype != FP8 or v_cache.dtype != FP8:
+        raise ValueError(
+            f"k_cache and v_cache must be float8_e4m3fn [B, Hkv, Tmax, D], got "
+            f"{k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} {tuple(v_cache.shape)}"
+        )
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
+    batch, q_heads, head_dim = q.shape
+    cache_batch, kv_heads, t_max, cache_dim = k_cache.shape
+    if (cache_batch, cache_dim) != (batch, head_dim) or kv_heads < 1 or q_heads % kv_heads:
+        raise ValueError(
+            f"q {tuple(q.shape)} and cache {tuple(k_cache.shape)}: need the same B and D, "
+            "and Hq a multiple of Hkv"
+        )
+    if kv_valid.dtype != torch.bool or tuple(kv_valid.shape) != (batch, t_max):
+        raise ValueError(
+            f"kv_valid must be bool [{batch}, {t_max}], got {kv_valid.dtype} {tuple(kv_valid.shape)}"
+        )
+    if kv_len is not None and (
+        kv_len.dtype not in (torch.int32, torch.int64) or kv_len.numel() not in (1, batch)
+    ):
+        raise ValueError(f"kv_len must be int32/int64 [{batch}] or one element, got {kv_len.dtype}")
+
+
+def fp8_kv_decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    kv_valid: torch.Tensor,
+    sm_scale: float | None = None,
+    kv_len: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The torch reference (any device): dequantizes the cache (e4m3 · scale, fp32),
+    scores = q·kᵀ · sm_scale, masked softmax over the valid positions in fp32, times v;
+    output in q's dtype. See `fp8_kv_decode_attention`."""
+    _check(q, k_cache, v_cache, kv_valid, kv_len)
+    batch, q_heads, head_dim = q.shape
+    kv_heads, t_max = k_cache.shape[1], k_cache.shape[2]
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    keys = k_cache.float() * _scale_tensor("k_scale", k_scale, q.device)
+    values = v_cache.float() * _scale_tensor("v_scale", v_scale, q.device)
+    queries = q.float().view(batch, kv_heads, q_heads // kv_heads, head_dim)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * sm_scale  # [B, Hkv, G, T]
+    valid = kv_valid
+    if kv_len is not None:
+        positions = torch.arange(t_max, device=q.device)
+        valid = valid & (positions[None, :] < kv_len.reshape(-1, 1).to(q.device))
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    # A row with no valid position gives NaN; it attends to nothing, so 0 (as the kernel).
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.matmul(weights, values).view(batch, q_heads, head_dim).to(q.dtype)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # The dots run on fp32 operands. TF32 keeps 10 mantissa bits: every e4m3 key and
+    # value and every bf16/fp16 query is exact in it, only the softmax weights round
+    # (2^-11 relative, finer than a bf16 weight would be). fp32 queries get 3xTF32, about
+    # fp32's precision. (Triton's interpreter gets bf16 dots wrong; fp32 ones it gets right.)
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _splits(batch: int, kv_heads: int, tiles: int, tensor: torch.Tensor) -> int:
+    # Enough programs for about two per multiprocessor, each on at least 4 tiles.
+    want = ceil_div(2 * multiprocessors(tensor), batch * kv_heads)
+    return max(1, min(want, tiles // 4))
+
+
+def fp8_kv_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    kv_valid: torch.Tensor,
+    sm_scale: float | None = None,
+    kv_len: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_t: int | None = None,
+) -> torch.Tensor:
+    """The Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1); see
+    `fp8_kv_decode_attention`. `num_splits` (default: by the machine's size and the
+    cache length) cuts each sequence's cache into that many parts run in parallel and
+    merged; `block_t` is the number of cache positions per tile (a power of two ≥ 16)."""
+    _check(q, k_cache, v_cache, kv_valid, kv_len)
+    if not triton_runs_on(q):
+        raise unavailable(
+            "fp8_kv_decode_attention (Triton)",
+            q,
+            why_no_triton(q),
+            "impl='reference' (dequantize, masked softmax in torch; any device)",
+        )
+    batch, q_heads, head_dim = q.shape
+    kv_heads, t_max = k_cache.shape[1], k_cache.shape[2]
+    group = q_heads // kv_heads
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    k_scale = _scale_tensor("k_scale", k_scale, q.device)
+    v_scale = _scale_tensor("v_scale", v_scale, q.device)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
+    v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
+    valid = kv_valid.contiguous().view(torch.uint8)  # Triton reads bytes; bool is one byte
+    if block_t is None:
+        block_t = 64 if q.is_cuda else 16
+    if block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two >= 16, got {block_t}")
+    tiles = ceil_div(t_max, block_t)
+    splits = _splits(batch, kv_heads, tiles, q) if num_splits is None else num_splits
+    splits = max(1, min(int(splits), max(tiles, 1)))
+    tiles_per_split = ceil_div(tiles, splits)
+    splits = max(1, ceil_div(tiles, tiles_per_split))
+    out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if kv_len is None:
+        lengths, stride_len = valid, 0  # never read (HAS_LEN is off)
+    else:
+        lengths = kv_len.to(device=q.device, dtype=torch.int32).reshape(-1)
+        stride_len = 0 if lengths.numel() == 1 else 1
+    if splits > 1:
+        partial = torch.empty(
+            (batch, q_heads, splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        maxes = torch.empty((batch, q_heads, splits), dtype=torch.float32, device=q.device)
+        sums = torch.empty_like(maxes)
+        target, stride_ob, stride_oh, stride_os = partial, *partial.stride()[:3]
+    else:
+        maxes = sums = out  # never written (SPLIT is off)
+        target, stride_ob, stride_oh, stride_os = out, out.stride(0), out.stride(1), 0
+    block_d = max(16, next_power_of_2(head_dim))
+    _fp8_kv_decode_kernel[(batch, kv_heads, splits)](
+        q,
+        k_cache,
+        v_cache,
+        k_scale,
+        v_scale,
+        valid,
+        lengths,
+        target,
+        maxes,
+        sums,
+        sm_scale,
+        t_max,
+        tiles_per_split,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        valid.stride(0),
+        stride_len,
+        stride_ob,
+        stride_oh,
+        stride_os,
+        maxes.stride(0) if splits > 1 else 0,
+        maxes.stride(1) if splits > 1 else 0,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_G=max(16, next_power_of_2(group)),
+        BLOCK_D=block_d,
+        BLOCK_T=block_t,
+        HAS_LEN=kv_len is not None,
+        SPLIT=splits > 1,
+        PRECISION=_dot_precision(q.dtype),
+    )
+    if splits > 1:
+        _merge_splits_kernel[(batch, q_heads)](
+            partial,
+            maxes,
+            sums,
+            v_scale,
+            out,
+            splits,
+            partial.stride(0),
+            partial.stride(1),
+            partial.stride(2),
+            maxes.stride(0),
+            maxes.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_S=max(2, next_power_of_2(splits)),
+            BLOCK_D=block_d,
+        )
+    return out
+
+
+def fp8_kv_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    kv_valid: torch.Tensor,
+    sm_scale: float | None = None,
+    kv_len: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Attention of ONE new query token per sequence over an e4m3 KV cache.
+
+    q: [B, Hq, D] fp32 / bf16 / fp16 (last dim contiguous, else copied).
+    k_cache, v_cache: float8_e4m3fn [B, Hkv, Tmax, D], a preallocated static cache, the
+    value at a position being round(x / scale); Hq a multiple of Hkv, query head h
+    reading KV head h // (Hq / Hkv) (transformers' `repeat_kv` order).
+    k_scale, v_scale: fp32 0-dim tensors (one-element tensors too). A Python float is
+    taken outside CUDA-graph capture only: it is copied to the device at every call.
+    kv_valid: bool [B, Tmax], the positions each sequence attends to (left padding,
+    unwritten slots and the new token's own slot as the caller sets them).
+    sm_scale: the score scale, 1/sqrt(D) when None.
+    kv_len: optional int32/int64 [B] (or one element) tensor: positions ≥ kv_len[b] are
+    neither read nor attended, so a long static cache costs only its filled part.
+    Returns [B, Hq, D] in q's dtype; a sequence with no valid position gets zeros.
+
+    impl: "auto" (Triton on CUDA when installed, the torch reference otherwise),
+    "triton" or "reference".
+    """
+    check_impl(impl, ("auto", "triton", "reference"))
+    if impl == "triton" or (impl == "auto" and q.is_cuda and triton_runs_on(q)):
+        return fp8_kv_decode_attention_triton(
+            q, k_cache, v_cache, k_scale, v_scale, kv_valid, sm_scale, kv_len
+        )
+    return fp8_kv_decode_attention_reference(
+        q, k_cache, v_cache, k_scale, v_scale, kv_valid, sm_scale, kv_len
+    )

@@ -1,0 +1,169 @@
+"""FP8 activation quantization, per token and per `group` columns (DESIGN.md §4): the
+scales the block-scaled GEMM (gemm.py) multiplies back in.
+
+`quantize_activations_fp8` runs a Triton kernel on CUDA (and on the CPU under
+`TRITON_INTERPRET=1`, which the tests use) and the torch reference everywhere else. Both
+give the same bytes as `asyncfp8.precision.modules.quantize_activations_fp8`, today's
+CPU path: amax floored at 1e-10, scale = amax / 448 (IEEE division), q = clamp(x /
+scale, ±448) cast to e4m3 rounding to nearest even.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import (
+    ceil_div,
+    check_impl,
+    next_power_of_2,
+    triton,
+    triton_runs_on,
+    unavailable,
+    why_no_triton,
+)
+
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-10
+GROUP = 128
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+if triton is not None:
+    import triton.language as tl
+
+    from asyncfp8.precision.kernels import _round_to_e4m3_grid
+
+    @triton.jit
+    def _quantize_activations_kernel(
+        x_ptr,
+        q_ptr,
+        scale_ptr,
+        cols,
+        stride_x,
+        stride_q,
+        stride_scale_row,
+        stride_scale_group,
+        GROUP_SIZE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        group = tl.program_id(1)
+        offsets = tl.arange(0, BLOCK)
+        c = group * GROUP_SIZE + offsets
+        inside = (offsets < GROUP_SIZE) & (c < cols)
+        x = tl.load(x_ptr + row * stride_x + c, mask=inside, other=0.0).to(tl.float32)
+        # The same operations as the reference, in the same order: IEEE divisions
+        # (div_rn; Triton's default `/` is approximate on the GPU) and an exact e4m3
+        # rounding before the cast, so the bytes match it everywhere.
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x)), 1e-10), 448.0)
+        q = _round_to_e4m3_grid(tl.clamp(tl.div_rn(x, scale), -448.0, 448.0))
+        tl.store(q_ptr + row * stride_q + c, q.to(tl.float8e4nv), mask=inside)
+        tl.store(scale_ptr + row * stride_scale_row + group * stride_scale_group, scale)
+
+
+def empty_activation_scales(
+    rows: int, groups: int, device: torch.device | str, column_major: bool = False
+) -> torch.Tensor:
+    """An uninitialised fp32 [rows, groups] scale tensor. `column_major=True` gives
+    strides (1, rows), the layout torch's blockwise `scaled_mm` wants for its 1×128
+    operand, for every rows ≥ 1: `x.t().contiguous().t()` gives (groups, 1) when
+    rows = 1, which scaled_mm rejects (gpu/README.md)."""
+    if column_major:
+        return torch.empty_strided(
+            (rows, groups), (1, max(rows, 1)), dtype=torch.float32, device=device
+        )
+    return torch.empty((rows, groups), dtype=torch.float32, device=device)
+
+
+def to_column_major(scales: torch.Tensor) -> torch.Tensor:
+    """`scales` [rows, groups] with strides (1, rows): itself if it has them, else a copy."""
+    rows, groups = scales.shape
+    if scales.stride(0) == 1 and (scales.stride(1) == rows or groups == 1):
+        return scales
+    out = empty_activation_scales(rows, groups, scales.device, column_major=True)
+    return out.copy_(scales)
+
+
+def _check_input(x: torch.Tensor, group: int) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"x must be fp32, bf16 or fp16, got {x.dtype}")
+    if not isinstance(group, int) or group < 1:
+        raise ValueError(f"group must be a positive int, got {group!r}")
+
+
+def quantize_activations_fp8_reference(
+    x: torch.Tensor, group: int = GROUP, column_major_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference (any device); see `quantize_activations_fp8`. A K that is
+    not a multiple of `group` is zero-padded to whole groups first (zeros change no
+    amax and quantize to zero), then cropped back."""
+    _check_input(x, group)
+    tokens, width = x.shape
+    groups = ceil_div(width, group)
+    padded = F.pad(x.float(), (0, groups * group - width))
+    blocks = padded.view(tokens, groups, group)
+    scale = blocks.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX
+    q = (blocks / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = q.view(tokens, groups * group)[:, :width].contiguous()
+    if column_major_scales:
+        scale = to_column_major(scale)
+    return q, scale
+
+
+def quantize_activations_fp8_triton(
+    x: torch.Tensor, group: int = GROUP, column_major_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1); see
+    `quantize_activations_fp8`. One program per (token, group)."""
+    _check_input(x, group)
+    if not triton_runs_on(x):
+        raise unavailable(
+            "quantize_activations_fp8 (Triton)",
+            x,
+            why_no_triton(x),
+            "impl='reference' (torch, any device)",
+        )
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    tokens, width = x.shape
+    groups = ceil_div(width, group)
+    q = torch.empty((tokens, width), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = empty_activation_scales(tokens, groups, x.device, column_major_scales)
+    if tokens and width:
+        _quantize_activations_kernel[(tokens, groups)](
+            x,
+            q,
+            scale,
+            width,
+            x.stride(0),
+            q.stride(0),
+            scale.stride(0),
+            scale.stride(1),
+            GROUP_SIZE=group,
+            BLOCK=next_power_of_2(group),
+        )
+    return q, scale
+
+
+def quantize_activations_fp8(
+    x: torch.Tensor, group: int = GROUP, column_major_scales: bool = False, impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 quantization of activations, per token per `group` columns.
+
+    x: [M, K] fp32 / bf16 / fp16, last dimension contiguous (else copied). K need not
+    be a multiple of `group`: the last group is then partial, quantized as if padded
+    with zeros (so a caller that pads x to whole groups first gets the same bytes).
+    Returns (q float8_e4m3fn [M, K] row-major, scales fp32 [M, ceil(K / group)]) with
+    x ≈ q · scale per group; scales are row-major, or with `column_major_scales=True`
+    strides (1, M) as `fp8_block_matmul`'s sm90 `scaled_mm` path takes them (M = 1
+    included).
+
+    impl: "auto" (Triton on CUDA when it is installed, the torch reference on the
+    CPU or without Triton), "triton" or "reference". All give the same bytes.
+    """
+    check_impl(impl, ("auto", "triton", "reference"))
+    if impl == "triton" or (impl == "auto" and x.is_cuda and triton_runs_on(x)):
+        return quantize_activations_fp8_triton(x, group, column_major_scales)
+    return quantize_activations_fp8_reference(x, group, column_major_scales)
