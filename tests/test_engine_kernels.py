@@ -17,9 +17,8 @@ import torch
 
 from asyncfp8.engines import kernels as K
 from asyncfp8.engines.kernels import common
-from asyncfp8.precision.fp8 import quantize_blockwise_reference
-from asyncfp8.precision.modules import FP8BlockLinear
-from asyncfp8.precision.modules import quantize_activations_fp8 as module_quantize
+from asyncfp8.precision.fp8 import FP8BlockLinear, quantize_blockwise_reference
+from asyncfp8.precision.fp8 import quantize_activations_fp8 as module_quantize
 
 REPO = Path(__file__).resolve().parents[1]
 FP8 = torch.float8_e4m3fn
@@ -78,7 +77,7 @@ def test_triton_kernels_match_the_torch_references_under_the_interpreter(check):
 def test_reference_quantizer_gives_the_bytes_of_todays_module_quantizer(dtype, tokens, cols):
     x = (torch.randn(tokens, cols) * torch.logspace(-4, 3, tokens)[:, None]).to(dtype)
     padded = torch.nn.functional.pad(x, (0, -cols % 128))  # the module pads to whole groups
-    q_old, s_old = module_quantize(padded)
+    q_old, s_old = module_quantize(padded, 128)
     q, s = K.quantize_activations_fp8_reference(x, 128)
     assert q.shape == (tokens, cols) and s.shape == (tokens, math.ceil(cols / 128))
     assert torch.equal(q.view(torch.uint8), q_old[:, :cols].view(torch.uint8))
@@ -124,7 +123,7 @@ def test_scaled_mm_weight_scales_pad_k_blocks_to_a_multiple_of_4_and_transpose()
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 200, 352), (5, 256, 384), (3, 130, 129)])
 def test_reference_fp8_gemm_is_todays_fp8_block_linear_bit_for_bit(m, n, k):
     x, x_q, x_scale, w_q, w_scale = fp8_operands(m, n, k, (128, 128))
-    module = FP8BlockLinear(w_q, w_scale, None, real=True)
+    module = FP8BlockLinear("w", w_q, w_scale, None, real=True)
     with torch.no_grad():
         expected = module(x)
     got = K.fp8_block_matmul_reference(x_q, x_scale, w_q, w_scale, (128, 128), torch.float32)
