@@ -216,6 +216,7 @@ class Inbox:
                     (lease, prompt, [dataclasses.asdict(t) for t in part])
                     for (lease, prompt), part in self.partial.items()
                 ],
+                "counts": dict(self.counts),  # run totals continue across a resume
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -230,6 +231,7 @@ class Inbox:
                 (lease, prompt): [Trajectory(**t) for t in part]
                 for lease, prompt, part in state["partial"]
             }
+            self.counts |= state.get("counts", {})
 
     def snapshot_counts(self) -> dict[str, Any]:
         with self.lock:

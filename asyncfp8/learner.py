@@ -29,10 +29,11 @@ import hydra
 import numpy as np
 import torch
 import zmq
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
-from asyncfp8.correction import build_correction
+from asyncfp8.checks import check_config, max_staleness_of
 from asyncfp8.correction.metrics import mismatch_metrics
 from asyncfp8.correction.registry import make_batch
 from asyncfp8.failpoints import failpoint
@@ -42,22 +43,21 @@ from asyncfp8.ledger import Ledger
 from asyncfp8.losses import corrected_policy_loss, group_advantages
 from asyncfp8.metrics import MetricsLog
 from asyncfp8.models import load_model, load_tokenizer, resolve_model_dir
-from asyncfp8.precision import build_policy, version_tensors
+from asyncfp8.precision import version_tensors
 from asyncfp8.process import (
     StopFlag,
-    check_counts,
     curve,
     endpoints,
     set_threads,
     setup_logging,
 )
+from asyncfp8.runconfig import CONFIG_FILE, log_resume, restore_on_resume
 from asyncfp8.sync import (
     HandshakeWatch,
     Limits,
     Trajectory,
     VersionPublisher,
 )
-from asyncfp8.tasks import build_task
 
 log = logging.getLogger("asyncfp8.learner")
 CHECKPOINT_DIR = "checkpoints"
@@ -66,6 +66,8 @@ CHECKPOINT_DIR = "checkpoints"
 # halfway through sending one), and workers ignore a version number they have passed: a
 # resumed learner numbers its versions after this one.
 LATEST_VERSION_FILE = "latest_version"
+# Warn when more than this share of groups had no reward spread over this many steps.
+ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW = 0.5, 20
 
 
 class Preempted(Exception):
@@ -135,26 +137,15 @@ def lr_lambda(optim: DictConfig, steps: int):
     return factor
 
 
-def max_staleness_of(run: DictConfig) -> int:
-    if run.mode not in ("async", "sync"):
-        raise ValueError(f"run.mode must be async or sync, got {run.mode!r}")
-    if run.mode == "sync":
-        return 0
-    if run.max_staleness is None or run.max_staleness < 0:
-        raise ValueError(f"run.max_staleness must be >= 0, got {run.max_staleness!r}")
-    return int(run.max_staleness)
-
-
 class Learner:
     def __init__(self, cfg: DictConfig):
         self.cfg, run = cfg, cfg.run
         self.stop = StopFlag()
+        # The whole config, before a socket is bound or the model loaded.
+        model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
+        checked = check_config(cfg, model_dir, "learner")
+        self.task, self.policy, self.correction = checked.task, checked.policy, checked.correction
         self.max_staleness = max_staleness_of(run)
-        check_counts(cfg)
-        if run.group_size < 2:
-            raise ValueError(
-                f"run.group_size must be >= 2 (GRPO compares samples of a prompt), got {run.group_size}"
-            )
         set_threads(run.threads, run.workers + 1)
         torch.manual_seed(run.seed)
         random.seed(run.seed)
@@ -162,15 +153,6 @@ class Learner:
         self.dir = Path(run.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
 
-        model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
-        self.task = build_task(cfg.task)
-        self.policy = build_policy(cfg.precision, model_dir)
-        reason = self.policy.supported_by(cfg.engine.name)
-        if reason:  # the workers would refuse it at start: say so here, once
-            raise ValueError(
-                f"engine {cfg.engine.name} cannot run precision {self.policy.name!r}: {reason}"
-            )
-        self.correction = build_correction(cfg.correction)
         self.model = self.policy.prepare_learner(load_model(model_dir, dtype=torch.float32))
         self.tokenizer = load_tokenizer(model_dir)
         self.optimizer = torch.optim.AdamW(
@@ -184,6 +166,10 @@ class Learner:
             self.optimizer, lr_lambda(cfg.optim, run.steps)
         )
         self.step, self.version = 0, None
+        # Training time before this process (a resumed run), and the step it resumed at.
+        self.elapsed_before, self.resumed_from = 0.0, None
+        self.started = time.perf_counter()
+        self.zero_spread: list[float] = []  # recent steps' share of groups without reward spread
         self.calibration_batch = self._prompt_batch()
 
         addresses, secure = endpoints(cfg.sync, "bind"), curve(cfg.sync)
@@ -224,8 +210,10 @@ class Learner:
         if run.resume:
             self._restore()
         self.ledger = Ledger(self.dir, resumed_step=self.step if run.resume else None)
-        self.metrics = MetricsLog(self.dir, run.tensorboard)
-        OmegaConf.save(cfg, self.dir / "config.yaml")
+        self.metrics = MetricsLog(
+            self.dir, run.tensorboard, resumed_step=self.step if run.resume else None
+        )
+        OmegaConf.save(cfg, self.dir / CONFIG_FILE, resolve=True)
         log.info(
             "model %s (%.2fM parameters), precision %s (learner forward: %s), correction %s (%s), %s mode, "
             "max staleness %d, listening on %s",
@@ -271,7 +259,10 @@ class Learner:
                 metrics["total/failed_handshakes"] = self.watch.failures
                 samples_before = counts["counts"]["samples"]
                 metrics["time/wait_s"], metrics["time/step_total_s"] = waited, now - last
-                metrics["time/elapsed_s"] = now - self.started
+                metrics["time/elapsed_s"] = self.elapsed_before + now - self.started
+                if self.resumed_from is not None:  # the first step after a resume says so
+                    metrics["run/resumed_from_step"], self.resumed_from = self.resumed_from, None
+                self._warn_without_reward_spread(metrics)
                 last = now
                 self.metrics.write(self.step, metrics)
                 if self.step % run.checkpoint_every == 0 and self.step < run.steps:
@@ -375,6 +366,21 @@ class Learner:
         metrics |= self._fresh_mismatch(logp.detach(), batch)
         return metrics
 
+    def _warn_without_reward_spread(self, metrics: dict[str, Any]) -> None:
+        """A group whose samples all got the same reward has zero advantage and trains
+        nothing; when most groups are like that for a while, say so (once per window)."""
+        self.zero_spread.append(metrics["groups/frac_zero_advantage"])
+        window = self.zero_spread[-ZERO_SPREAD_WINDOW:]
+        if len(window) == ZERO_SPREAD_WINDOW and sum(window) / len(window) > ZERO_SPREAD_WARN:
+            log.warning(
+                "over the last %d steps %.0f%% of groups had no reward spread (every sample "
+                "scored the same): those groups train nothing. The task may be too hard or "
+                "too easy for this model, or the reward constant (check task.reward).",
+                ZERO_SPREAD_WINDOW,
+                100 * sum(window) / len(window),
+            )
+            self.zero_spread.clear()
+
     def _fresh_mismatch(self, learner_logp, batch) -> dict[str, float]:
         """The mismatch on tokens of the current version only: precision, without
         staleness (the correction's mismatch/ metrics mix both)."""
@@ -386,7 +392,10 @@ class Learner:
             "fresh/" + key.split("/", 1)[1]: value
             for key, value in measured.items()
             if key.startswith("mismatch/")
-        } | {"fresh/frac_tokens": (fresh.sum() / batch["mask"].sum()).item()}
+        } | {
+            "fresh/frac_tokens": (fresh.sum() / batch["mask"].sum()).item(),
+            "fresh/tokens": int(fresh.sum()),
+        }
 
     def _prompt_batch(self) -> dict[str, torch.Tensor]:
         """Calibration data before the first step: the task's first prompts."""
@@ -458,6 +467,7 @@ class Learner:
         state = {
             "step": self.step,
             "version": self.version,
+            "elapsed_s": self.elapsed_before + time.perf_counter() - self.started,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -491,6 +501,7 @@ class Learner:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         self.step, self.version = state["step"], state["version"]
+        self.elapsed_before, self.resumed_from = state.get("elapsed_s", 0.0), self.step
         latest = self.dir / LATEST_VERSION_FILE
         if latest.exists():
             self.version = max(self.version, int(latest.read_text()))
@@ -515,6 +526,8 @@ class Learner:
 def main(cfg: DictConfig) -> None:
     setup_logging("learner")
     try:
+        cfg, changes = restore_on_resume(cfg, list(HydraConfig.get().overrides.task))
+        log_resume(cfg, changes, "learner")
         learner = Learner(cfg)
     except (ValueError, FileNotFoundError) as err:
         log.error("%s", err)
