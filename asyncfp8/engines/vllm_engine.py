@@ -134,7 +134,9 @@ class VLLMEngine:
         **llm_kwargs,
     ):
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
-        refuse_unsupported(self.name, self.policy, ("fp8", "compressed-tensors"))
+        refuse_unsupported(
+            self.name, self.policy, ("fp8", "compressed-tensors"), check_model_dir(model_dir)
+        )
         config = self.policy.engine_config()
         self.on_cpu = not torch.cuda.is_available()
         self._int8_on_cpu = self.on_cpu and config.get("quantization") == "compressed-tensors"
