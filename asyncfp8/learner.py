@@ -15,7 +15,6 @@ out while the learner computes.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
 import os
@@ -53,6 +52,7 @@ from asyncfp8.process import (
     setup_logging,
 )
 from asyncfp8.sync import (
+    BackgroundPublisher,
     HandshakeWatch,
     Limits,
     Trajectory,
@@ -435,7 +435,10 @@ class Learner:
                 chunk_bytes=max(1, int(cfg.sync.chunk_mb * (1 << 20))),
                 curve=secure,
                 watch=self.watch,
+                transport=cfg.sync.transport,
+                zstd_level=cfg.sync.zstd_level,
             )
+            self.background = BackgroundPublisher(self.publisher, background=cfg.sync.background)
             self.inbox = Inbox(
                 addresses.trajectories,
                 book,
@@ -662,24 +665,27 @@ class Learner:
         latest.with_suffix(".tmp").write_text(str(self.version))
         os.replace(latest.with_suffix(".tmp"), latest)
         with torch.no_grad():
-            weights = self.policy.quantize_weights(
-                (name, p.detach().to(torch.bfloat16)) for name, p in self.model.named_parameters()
-            )
             extra = (
                 self.policy.calibrate(self.model, self.calibration_batch)
                 if self.policy.needs_calibration
                 else {}
             )
-            stats = self.publisher.publish(
+            # Snapshots this step's weights (as BF16) and returns; quantizing, encoding and
+            # sending happen on a thread while the next step trains.
+            waited = self.background.submit(
                 self.version,
-                itertools.chain(weights, extra.items()),
+                self.model.named_parameters(),
+                self.policy.quantize_weights,
+                extra=extra,
                 policy=self.policy.name,
                 engine_config=self.policy.engine_config(),
-                copy=False,  # every tensor is fresh (cast or quantized from the FP32 master)
             )
+        last = self.background.last  # the latest publish that finished
         return {
             "sync/version": self.version,
-            "sync/bytes": stats.wire_bytes,
+            "sync/bytes": last.wire_bytes if last else 0,
+            "sync/publish_s": last.seconds if last else 0.0,
+            "sync/publish_wait_s": waited,
             "sync/seconds": time.perf_counter() - started,
         }
 

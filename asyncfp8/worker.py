@@ -25,7 +25,6 @@ from omegaconf import DictConfig
 from asyncfp8.engines import EngineUnsupported, SamplingParams, build_engine
 from asyncfp8.models import resolve_model_dir
 from asyncfp8.precision import build_policy
-from asyncfp8.precision.fp8_kv import split_kv_scales
 from asyncfp8.process import (
     StopFlag,
     check_counts,
@@ -64,7 +63,11 @@ class Worker:
         addresses, secure = endpoints(cfg.sync, "connect"), curve(cfg.sync)
         self.watch = HandshakeWatch()  # logs a learner that fails to authenticate
         self.subscriber = VersionSubscriber(
-            addresses.versions, addresses.snapshots, curve=secure, watch=self.watch
+            addresses.versions,
+            addresses.snapshots,
+            curve=secure,
+            watch=self.watch,
+            transport=cfg.sync.transport,
         )
         self.sender = TrajectorySender(
             addresses.trajectories,
@@ -164,9 +167,8 @@ class Worker:
             version = self.subscriber.poll(timeout_ms=int(min(left, 0.2) * 1000))
             if version is not None:
                 started = time.perf_counter()
-                weights, extra = split_kv_scales(version.tensors)
                 try:
-                    self.engine.update_weights(version.number, weights, extra)
+                    self.engine.update_weights(version.number, version.weights, version.extra)
                 except ValueError as err:
                     raise SystemExit(
                         f"worker {self.id}: version {version.number} does not fit this worker's "
