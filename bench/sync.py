@@ -185,9 +185,7 @@ def run_precision(args, precision, context, memcpy, ceiling, model_bytes) -> lis
         previous = {n: t.clone() for n, t in quantized.items()}
         del quantized
         started = time.time()
-        stats = publisher.publish(
-            number, policy.quantize_weights(snapshot), policy=policy.name
-        )
+        stats = publisher.publish(number, policy.quantize_weights(snapshot), policy=policy.name)
         kind, (applied_number, applied_at, received_bytes, medium) = reports.get(timeout=600)
         assert kind == "applied" and applied_number == number, (kind, applied_number)
         seconds = applied_at - started
@@ -241,9 +239,7 @@ def summary(rows: list[dict], full_bf16: int) -> dict:
         if deltas:
             entry["delta_wire_bytes"] = statistics.median(r["wire_bytes"] for r in deltas)
             entry["delta_times_smaller_than_full_bf16"] = full_bf16 / entry["delta_wire_bytes"]
-            entry["delta_encode_gb_per_s"] = statistics.median(
-                r["encode_gb_per_s"] for r in deltas
-            )
+            entry["delta_encode_gb_per_s"] = statistics.median(r["encode_gb_per_s"] for r in deltas)
             entry["delta_end_to_end_seconds"] = statistics.median(
                 r["end_to_end_seconds"] for r in deltas
             )
