@@ -91,8 +91,13 @@ def test_a_corrupted_segment_is_refused_and_the_worker_falls_back_to_zeromq(cont
         segment = publisher.shm.maps[publisher.shm.latest]
         offset = publisher.shm.layout["layer3.weight"]["offset"] + 100
         segment[offset] ^= 0x40  # someone else wrote into the learner's segment
-        with caplog.at_level(logging.WARNING, logger="asyncfp8.sync"):
-            assert subscriber.poll(timeout_ms=500) is None
+        # The learner's snapshot thread waits on this lock: no snapshot of the spoiled
+        # segment goes out before it is repaired below.
+        with caplog.at_level(logging.WARNING, logger="asyncfp8.sync"), publisher._lock:
+            deadline = time.monotonic() + 10
+            while subscriber.fallback_reason is None and time.monotonic() < deadline:
+                assert subscriber.poll(timeout_ms=50) is None
+            segment[offset] ^= 0x40
         assert subscriber.version == 0  # version 1 was not applied, not even in part
         assert {k: bits(v) for k, v in subscriber.tensors.items()} == {
             k: bits(v) for k, v in model(0, 0).items()
@@ -100,7 +105,6 @@ def test_a_corrupted_segment_is_refused_and_the_worker_falls_back_to_zeromq(cont
         assert subscriber.transport == "tcp" and "corrupted segment" in subscriber.fallback_reason
         assert "layer3.weight: checksum mismatch" in caplog.text
         assert "receiving versions over ZeroMQ" in caplog.text
-        segment[offset] ^= 0x40
         wait_for(subscriber, 1)  # by snapshot over ZeroMQ
         publisher.publish(2, model(0, 2).items())
         wait_for(subscriber, 2)  # and live, as deltas

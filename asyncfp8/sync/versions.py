@@ -42,6 +42,7 @@ from .codec import (
     parse_header,
     tag_sections,
 )
+from .delta import copy_bits
 from .limits import Limits, RejectedMessage, RejectionLog
 from .security import Curve, HandshakeWatch, secure_client, secure_server
 from .shm import (
@@ -266,7 +267,7 @@ class VersionPublisher:
         for _, name, tensor in tagged:
             old = self.state.get(name)
             if old is not None and old.dtype == tensor.dtype and old.shape == tensor.shape:
-                old.copy_(tensor)
+                copy_bits(old, tensor)
             else:
                 self.state[name] = tensor.detach().clone()
 
