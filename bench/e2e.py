@@ -52,6 +52,7 @@ def measure(name: str, overrides: list[str], args, root: Path) -> dict:
         "-m",
         "asyncfp8.launch",
         f"model={args.model}",
+        f"precision={args.precision}",
         f"run.steps={args.steps}",
         "run.workers=2",
         f"run.dir={run_dir}",
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--groups", type=int, default=8, help="run.groups_per_step (default)")
     parser.add_argument("--group-size", type=int, default=8, help="run.group_size (default)")
+    parser.add_argument("--precision", default="bf16")
     parser.add_argument("--out", default=None)
     parser.add_argument(
         "--publish-compare",
@@ -126,6 +128,7 @@ def main() -> None:
         {
             "benchmark": "e2e-publish" if args.publish_compare else "e2e",
             "model": args.model,
+            "precision": args.precision,
             "steps": args.steps,
             "skip": args.skip,
             "workers": 2,

@@ -327,3 +327,50 @@ def test_a_failed_background_publish_is_raised_on_the_callers_thread(context):
     finally:
         subscriber.close()
         publisher.close()
+
+
+def test_fuzzed_notices_through_a_real_socket_are_all_rejected_then_a_good_one_applies(context):
+    import random
+
+    from asyncfp8.sync.shm import SHM_TOPIC, SegmentWriter
+
+    from .test_sync import mutations
+
+    rng = random.Random(7)
+    writer = SegmentWriter("fuzz", chunk_bytes=1 << 20)
+    writer.begin(0)
+    for name, tensor in model(0, 0).items():
+        writer.put("weights", name, tensor)
+    good = [writer.commit("bf16", {}), b""]
+    rogue = context.socket(zmq.PUB)
+    rogue.bind(LOOPBACK)
+    snapshots = context.socket(zmq.ROUTER)
+    snapshots.bind(LOOPBACK)
+    subscriber = VersionSubscriber(
+        rogue.getsockopt_string(zmq.LAST_ENDPOINT),
+        snapshots.getsockopt_string(zmq.LAST_ENDPOINT),
+        context=context,
+        transport="shm",
+    )
+    time.sleep(0.3)
+    try:
+        delivered = 0
+        for _ in range(200):
+            bad = mutations(good, rng)
+            delivered += bad[0][:1] == SHM_TOPIC  # what the subscription lets through
+            rogue.send_multipart(bad)
+        rogue.send_multipart(good)
+        version, deadline = None, time.monotonic() + 20
+        while version is None and time.monotonic() < deadline:
+            version = subscriber.poll(timeout_ms=20)
+        assert version is not None and version.transport == "shm"
+        assert {k: bits(v) for k, v in version.weights.items()} == {
+            k: bits(v) for k, v in model(0, 0).items()
+        }
+        assert delivered > 150 and subscriber.rejected == delivered
+        assert subscriber.transport == "shm"  # bad notices are rejected, not a reason to fall back
+    finally:
+        subscriber.close()
+        rogue.close(linger=0)
+        snapshots.close(linger=0)
+        writer.close()
