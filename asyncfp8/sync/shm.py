@@ -101,6 +101,7 @@ class SegmentWriter:
         self.version, self.written, self.pending, self.held = version, {}, [], []
         self.target = None
         self.since_notice, self.chunk = 0, 0
+        self.bytes_moved = 0  # tensor bytes written into the segment, plus the notices
         if self.layout is not None:
             self._open_target()
 
@@ -217,7 +218,9 @@ class SegmentWriter:
         }
         self.pending, self.since_notice = [], 0
         self.chunk += 1
-        return seal_notice(notice)
+        frame = seal_notice(notice)
+        self.bytes_moved += len(frame) + sum(entry["bytes"] for entry in notice["tensors"])
+        return frame
 
     def _full_notice(self, policy: str, engine_config: dict[str, Any]) -> dict[str, Any]:
         return self._base_notice() | {

@@ -97,6 +97,12 @@ class PublishStats:
     chunks: int  # messages sent: chunks and shared-memory notices
     seconds: float
     media: tuple[str, ...] = ()  # where it went: "tcp" (chunks), "shm" (segment + notices)
+    shm_bytes: int = 0  # bytes written into the shared segment, notices included
+
+    @property
+    def bytes(self) -> int:
+        """Everything the version moved, on either medium."""
+        return self.wire_bytes + self.shm_bytes
 
 
 class VersionPublisher:
@@ -241,7 +247,8 @@ class VersionPublisher:
                 raise
             self.version, self.policy, self.engine_config = version, policy, engine_config
         media = ("tcp",) * to_tcp + ("shm",) * to_shm
-        return PublishStats(version, wire, sent, time.perf_counter() - started, media)
+        shm_bytes = self.shm.bytes_moved if to_shm else 0
+        return PublishStats(version, wire, sent, time.perf_counter() - started, media, shm_bytes)
 
     def _into_segment(self, version: int, tagged: Tagged, to_shm: bool) -> Iterator:
         """The tensors (their sections noted for snapshots), each written into the shared
