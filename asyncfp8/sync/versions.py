@@ -205,7 +205,7 @@ class VersionPublisher:
                 self.state = {name: t.clone() for name, t in self.state.items()}
                 self._state_in_shm = False
             if to_shm and self.shm is None:
-                self.shm = SegmentWriter(self.stream, self.chunk_bytes)
+                to_shm = self._make_writer()
             tagged = self._into_segment(version, tag_sections(weights, extra), to_shm)
             wire, sent = 0, 0
             try:
@@ -249,6 +249,16 @@ class VersionPublisher:
         media = ("tcp",) * to_tcp + ("shm",) * to_shm
         shm_bytes = self.shm.bytes_moved if to_shm else 0
         return PublishStats(version, wire, sent, time.perf_counter() - started, media, shm_bytes)
+
+    def _make_writer(self) -> bool:
+        """The shared segments' writer, made when a local worker first wants it; False
+        (logged, and no more offers) where this host cannot provide them."""
+        try:
+            self.shm = SegmentWriter(self.stream, self.chunk_bytes)
+        except (OSError, AttributeError) as err:  # no memfd / abstract sockets (not Linux)
+            log.warning("cannot offer shared memory to local workers (%s): ZeroMQ only", err)
+            self.offers_shm = False
+        return self.shm is not None
 
     def _into_segment(self, version: int, tagged: Tagged, to_shm: bool) -> Iterator:
         """The tensors (their sections noted for snapshots), each written into the shared
@@ -321,10 +331,8 @@ class VersionPublisher:
     def _shm_snapshot(self) -> list[bytes]:
         """The latest version as one shared-memory notice (writing it into a segment
         first if it went out on the ZeroMQ path only)."""
-        if not self.offers_shm:
+        if not self.offers_shm or (self.shm is None and not self._make_writer()):
             return [NO_SHM_REPLY]
-        if self.shm is None:
-            self.shm = SegmentWriter(self.stream, self.chunk_bytes)
         if self.shm.latest_notice is None or self.shm.latest_notice["version"] != self.version:
             self.shm.begin(self.version)
             for name, tensor in list(self.state.items()):
