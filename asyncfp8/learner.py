@@ -15,7 +15,7 @@ work is leased out while the learner computes.
 
 from __future__ import annotations
 
-import itertools
+import functools
 import logging
 import math
 import os
@@ -43,7 +43,7 @@ from asyncfp8.ledger import Ledger
 from asyncfp8.losses import corrected_policy_loss, group_advantages
 from asyncfp8.metrics import MetricsLog
 from asyncfp8.models import load_model, load_tokenizer, resolve_model_dir
-from asyncfp8.precision import version_tensors
+from asyncfp8.precision import calibrate_version, version_weights
 from asyncfp8.process import (
     StopFlag,
     curve,
@@ -53,6 +53,7 @@ from asyncfp8.process import (
 )
 from asyncfp8.runconfig import CONFIG_FILE, log_resume, restore_on_resume
 from asyncfp8.sync import (
+    BackgroundPublisher,
     HandshakeWatch,
     Limits,
     Trajectory,
@@ -190,7 +191,10 @@ class Learner:
                 chunk_bytes=max(1, int(cfg.sync.chunk_mb * (1 << 20))),
                 curve=secure,
                 watch=self.watch,
+                transport=cfg.sync.transport,
+                zstd_level=cfg.sync.zstd_level,
             )
+            self.background = BackgroundPublisher(self.publisher, background=cfg.sync.background)
             self.inbox = Inbox(
                 addresses.trajectories,
                 book,
@@ -441,17 +445,24 @@ class Learner:
         latest.with_suffix(".tmp").write_text(str(self.version))
         os.replace(latest.with_suffix(".tmp"), latest)
         with torch.no_grad():
-            tensors = version_tensors(self.model, self.policy, self.calibration_batch)
-            stats = self.publisher.publish(
+            extra = calibrate_version(self.model, self.policy, self.calibration_batch)
+            # Snapshots this step's master weights and returns; quantizing (by the policy,
+            # from those FP32 values), encoding and sending happen on a thread while the
+            # next step trains.
+            waited = self.background.submit(
                 self.version,
-                itertools.chain(tensors.weights, tensors.extra.items()),
+                self.model.named_parameters(),
+                functools.partial(version_weights, self.policy),
+                extra=extra,
                 policy=self.policy.spec,
                 engine_config=self.policy.engine_config(),
-                copy=False,  # version_tensors never aliases the master weights
             )
+        last = self.background.last  # the latest publish that finished
         return {
             "sync/version": self.version,
-            "sync/bytes": stats.wire_bytes,
+            "sync/bytes": last.bytes if last else 0,
+            "sync/publish_s": last.seconds if last else 0.0,
+            "sync/publish_wait_s": waited,
             "sync/seconds": time.perf_counter() - started,
         }
 

@@ -28,7 +28,6 @@ import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra comp
 from asyncfp8.checks import check_config
 from asyncfp8.engines import EngineUnsupported, SamplingParams, build_engine
 from asyncfp8.models import resolve_model_dir
-from asyncfp8.precision.fp8_kv import split_kv_scales
 from asyncfp8.precision.policy import plain
 from asyncfp8.process import (
     StopFlag,
@@ -74,7 +73,11 @@ class Worker:
         addresses, secure = endpoints(cfg.sync, "connect"), curve(cfg.sync)
         self.watch = HandshakeWatch()  # logs a learner that fails to authenticate
         self.subscriber = VersionSubscriber(
-            addresses.versions, addresses.snapshots, curve=secure, watch=self.watch
+            addresses.versions,
+            addresses.snapshots,
+            curve=secure,
+            watch=self.watch,
+            transport=cfg.sync.transport,
         )
         self.sender = TrajectorySender(
             addresses.trajectories,
@@ -175,9 +178,8 @@ class Worker:
             if version is not None:
                 self._check_header(version)
                 started = time.perf_counter()
-                weights, extra = split_kv_scales(version.tensors)
                 try:
-                    self.engine.update_weights(version.number, weights, extra)
+                    self.engine.update_weights(version.number, version.weights, version.extra)
                 except ValueError as err:
                     raise WorkerMisconfigured(
                         f"worker {self.id}: version {version.number} does not fit this worker's "

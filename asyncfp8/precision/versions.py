@@ -25,9 +25,10 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _weights(
+def version_weights(
     policy: PrecisionPolicy, named: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's engine-side tensors for `named` master tensors, one at a time."""
     for name, master in named:
         master = master.detach()
         for out_name, out in policy.quantize_weights([(name, master)]):
@@ -36,20 +37,31 @@ def _weights(
             yield out_name, out.clone() if _shares_storage(out, master) else out
 
 
+def calibrate_version(
+    model: torch.nn.Module,
+    policy: PrecisionPolicy,
+    calibration_batch: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The extra tensors (KV scales) of a version of `model`: none for a policy that
+    does not calibrate."""
+    if not policy.needs_calibration:
+        return {}
+    if calibration_batch is None:
+        raise ValueError(
+            f"precision {policy.name!r} calibrates every version (KV scales): pass a "
+            "calibration batch (input_ids, attention_mask)"
+        )
+    with torch.no_grad():
+        return policy.calibrate(model, calibration_batch)
+
+
 def version_tensors(
     model: torch.nn.Module,
     policy: PrecisionPolicy,
     calibration_batch: Mapping[str, torch.Tensor] | None = None,
 ) -> VersionTensors:
     """The tensors of a version of `model` (its parameters, in their master dtype, are
-    what the policy receives and casts itself)."""
-    extra: dict[str, torch.Tensor] = {}
-    if policy.needs_calibration:
-        if calibration_batch is None:
-            raise ValueError(
-                f"precision {policy.name!r} calibrates every version (KV scales): pass a "
-                "calibration batch (input_ids, attention_mask)"
-            )
-        with torch.no_grad():
-            extra = policy.calibrate(model, calibration_batch)
-    return VersionTensors(_weights(policy, model.named_parameters()), extra)
+    what the policy receives and casts itself). The learner, which publishes from a
+    snapshot of its weights on a background thread, calls the two halves itself."""
+    extra = calibrate_version(model, policy, calibration_batch)
+    return VersionTensors(version_weights(policy, model.named_parameters()), extra)
