@@ -1,0 +1,1 @@
+"""Speculative decoding pieces that do not depend on the engine's decode loop."""
