@@ -29,7 +29,7 @@ def test_switches_on_after_patience_checks_at_or_below_threshold_and_off_above()
         ({"threshold": 0}, "threshold"),
         ({"threshold": -4}, "threshold"),
         ({"ks": ()}, "empty"),
-        ({"ks": (0, 2)}, "draft lengths"),
+        ({"ks": (-1, 2)}, "draft lengths"),
         ({"ks": (2, 2)}, "distinct"),
         ({"patience": 0}, "patience"),
         ({"buckets": (4, 2)}, "buckets"),
@@ -111,3 +111,15 @@ def test_seeded_and_checkpointed_choices_are_reproducible():
     assert play(a, [3, 9], 100, seed=7) == play(resumed, [3, 9], 100, seed=7)
     with pytest.raises(ValueError, match="other buckets"):
         SpeculationController(buckets=(8,)).load_state_dict(state)
+
+
+def test_a_zero_draft_length_lets_a_bucket_learn_to_skip_speculation():
+    """k = 0 is a plain step: where every draft length is slower, the bandit picks it."""
+    control = SpeculationController(buckets=(32,), ks=(0, 2, 4), seed=0)
+    rng = random.Random(0)
+    for _ in range(300):
+        k = control.choose_k(16)
+        speed = {0: 100.0, 2: 80.0, 4: 70.0}[k] * rng.uniform(0.9, 1.1)
+        control.report(16, k, tokens=int(speed), seconds=1.0)
+    assert max(control.pulls[32], key=control.pulls[32].get) == 0
+    assert control.metrics()["spec/best_k/batch<=32"] == 0

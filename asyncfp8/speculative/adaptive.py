@@ -11,7 +11,8 @@ measured tokens/s: each arm's value is the mean of its last `window` measurement
 target moves and the drafter improves, so old measurements go stale), untried arms are
 tried first, and epsilon decays per bucket with the pulls made there. Epsilon-greedy
 rather than UCB because tokens/s has a machine-dependent scale that UCB's exploration
-bonus would need to know.
+bonus would need to know. A k of 0 may be among the arms: a plain decode step, so that a
+bucket where speculation loses (a slow drafter, a busy accelerator) learns to skip it.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ class SpeculationController:
             raise ValueError(f"patience must be >= 1 check, got {patience}")
         ks = [int(k) for k in ks]
         if not ks:
-            raise ValueError("the set of draft lengths ks is empty: give at least one k >= 1")
-        if min(ks) < 1 or len(set(ks)) != len(ks):
-            raise ValueError(f"draft lengths must be distinct and >= 1, got {ks}")
+            raise ValueError("the set of draft lengths ks is empty: give at least one k")
+        if min(ks) < 0 or len(set(ks)) != len(ks):
+            raise ValueError(f"draft lengths must be distinct and >= 0, got {ks}")
         buckets = [int(b) for b in buckets]
         if not buckets or buckets[0] < 1 or any(a >= b for a, b in pairwise(buckets)):
             raise ValueError(f"buckets must be strictly increasing batch sizes >= 1, got {buckets}")
