@@ -169,6 +169,17 @@ def test_draft_needs_a_started_cache_and_k_at_least_1(target):
     drafter.extend(cache, hidden, tokens)
     with pytest.raises(ValueError, match="k must be"):
         drafter.draft(cache, 0, SamplingParams())
+    # A slot that takes a new prompt: emptied, it must be extended again before drafting.
+    cache.truncate(torch.tensor([3, 0]))
+    with pytest.raises(ValueError, match="extend"):
+        drafter.draft(cache, 2, SamplingParams())
+    with pytest.raises(ValueError, match="shorten"):
+        cache.truncate(torch.tensor([4, 0]))
+    fresh = drafter.new_cache(1)
+    drafter.extend(fresh, hidden[1:], tokens[1:])
+    drafter.extend(cache, hidden, tokens, torch.tensor([[False] * 3, [True] * 3]))
+    assert cache.lengths.tolist() == [3, 3]
+    assert torch.allclose(cache.last[1], fresh.last[0], atol=ATOL)
 
 
 def test_checkpoint_round_trip_and_refusal_of_another_models(target):

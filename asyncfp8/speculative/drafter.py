@@ -95,11 +95,13 @@ class DrafterCache:
         self.v = torch.cat([self.v, pad], 2)
 
     def truncate(self, lengths: torch.Tensor) -> None:
-        """Rolls rows back to `lengths` entries (no longer than they are). `last` is not
-        recomputed: extend the rows again before drafting from them."""
+        """Rolls rows back to `lengths` entries (no longer than they are); 0 empties a
+        row, e.g. a slot that takes a new prompt. `last` is not recomputed: extend the
+        rows again before drafting from them (`draft` refuses an emptied row until then)."""
         if bool((lengths > self.lengths).any()):
             raise ValueError("truncate can only shorten rows")
         self.lengths = lengths.to(self.lengths).clone()
+        self.started &= self.lengths > 0
 
 
 class Drafter(nn.Module):
