@@ -29,6 +29,15 @@ SEQUENCES = 30_000
 VOCAB = 8
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Small tensors on 2 shared cores: a second OpenMP thread costs far more than it gives.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def markov(seed: int, sharpness: float) -> torch.Tensor:
     """Transition logits [VOCAB, VOCAB]: row a holds the logits of the token after a."""
     g = torch.Generator().manual_seed(seed)
