@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from asyncfp8.engines import EngineUnsupported
 from asyncfp8.engines.base import SamplingParams
+from asyncfp8.engines.decode import StaticDecoder
 from asyncfp8.engines.kernels import KernelUnavailable
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.models import load_model, load_tokenizer
@@ -125,8 +126,22 @@ def growing_decode(engine, prompts, forced):
     return torch.stack(out)
 
 
-def static_decode(engine, prompts, forced):
+def static_decode(engine, prompts, forced, fixed_length=None):
+    """Logits [steps + 1, B, V] of the engine's decoder; `fixed_length` True: every step
+    attends over the whole cache under the mask, as a captured graph does (the CPU's
+    default reads only the positions written so far)."""
+    if fixed_length is not None:
+        width, steps = max(len(p) for p in prompts), forced.shape[1]
+        max_tokens = -(-(width + steps) // engine.cache_block) * engine.cache_block
+        engine._decoder = StaticDecoder(
+            engine.model,
+            len(prompts),
+            max_tokens,
+            engine._kv_cache_scales(),
+            fixed_length=fixed_length,
+        )
     decoder, logits = engine.start(prompts, forced.shape[1] + 1)
+    assert fixed_length is None or decoder is engine._decoder
     forced = forced.to(engine.device)
     out = [logits.clone()]
     for step in range(forced.shape[1]):
@@ -174,13 +189,17 @@ def test_static_cache_decode_gives_the_growing_cache_logits(precision, dtype, ti
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     forced = torch.randint(3, 250, (len(prompts), 9), generator=torch.Generator().manual_seed(0))
     expected = growing_decode(engine, prompts, forced)
-    for cache_block in (16, 1):  # with and without unattended slots at the end
+    # A fixed-length step with and without unattended slots at the cache's end, and one
+    # that reads only the positions written (the CPU's eager default).
+    for cache_block, fixed_length in ((16, True), (1, True), (16, None)):
         engine.cache_block = cache_block
-        got = static_decode(engine, prompts, forced)
+        got = static_decode(engine, prompts, forced, fixed_length)
         assert got.shape == expected.shape == (10, 4, engine.model.config.vocab_size)
         assert got.dtype == dtype
         error = (got - expected).abs().max().item()
-        print(f"{precision} {dtype} cache_block {cache_block}: max |static - growing| {error:.2e}")
+        print(
+            f"{precision} {dtype} {cache_block} {fixed_length}: max |static - growing| {error:.2e}"
+        )
         assert error <= 1e-5
         assert torch.equal(got[0, 0], got[0, 2])  # one prefill for a repeated prompt
 
@@ -201,8 +220,14 @@ def test_fp8_kv_decode_reads_the_e4m3_cache_through_the_attention_kernel(
     engine = engine_with_version(tiny_model_dir, "fp8+fp8_kv", cache_block=32)
     engine.generate(PROMPTS[:2], SamplingParams(n=2, max_new_tokens=3, seed=0, ignore_eos=True))
     layers = engine.model.config.num_hidden_layers
-    # Two decode steps (the third token is not fed back), every layer, e4m3 and 0-dim scales.
-    assert calls == [(torch.float8_e4m3fn, 0, (4, 32))] * (2 * layers)
+    width = max(len(engine.tokenizer(p)["input_ids"]) for p in PROMPTS[:2])
+    # Two decode steps (the third token is not fed back), every layer, e4m3 and 0-dim
+    # scales, over the positions written so far (eager, on the CPU).
+    assert (
+        calls
+        == [(torch.float8_e4m3fn, 0, (4, width + 1))] * layers
+        + [(torch.float8_e4m3fn, 0, (4, width + 2))] * layers
+    )
 
 
 def test_finish_checks_every_k_steps_change_no_output(tiny_model_dir):

@@ -1,8 +1,9 @@
 """The built-in engine's decode loop, in separately callable units.
 
 - `StaticDecoder`: the state of one batch of `batch` sequences of up to `max_tokens`
-  positions — a preallocated KV cache (`StaticKVCache`, BF16 or e4m3), a fixed-length
-  attention mask and the decode step's inputs, all static in shape and address.
+  positions — a preallocated KV cache (`StaticKVCache`, BF16 or e4m3), an attention mask
+  over all of them and the decode step's inputs, all static in shape and address (on the
+  CPU, where nothing is captured, a step reads only the positions written so far).
   `prefill` runs each distinct prompt once and gives every sequence its prompt's keys and
   values; `step` runs one decode step over the whole batch, on CUDA as a captured CUDA
   graph replayed every step (the graph reads the weights and the KV scales where the
@@ -136,7 +137,10 @@ class StaticDecoder:
 
     `kv_scales`: per layer (k_scale, v_scale) 0-dim fp32 tensors for an e4m3 cache, None
     for a cache in the model dtype. `graph`: capture the decode step as a CUDA graph
-    (CUDA only), at the first `step`."""
+    (CUDA only), at the first `step`. `fixed_length` (default: as `graph`): every step
+    attends over all `max_tokens` positions under the mask, the one shape a graph
+    replays; without it a step reads only the positions written so far (launched one
+    by one, a step gains nothing from a fixed shape)."""
 
     def __init__(
         self,
@@ -145,6 +149,7 @@ class StaticDecoder:
         max_tokens: int,
         kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         graph: bool = False,
+        fixed_length: bool | None = None,
     ):
         config = model.config
         self.model = model
@@ -175,6 +180,9 @@ class StaticDecoder:
         if graph and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.device}")
         self.use_graph = graph
+        self.fixed_length = graph if fixed_length is None else fixed_length
+        if graph and not self.fixed_length:
+            raise ValueError("a captured decode step needs fixed_length=True")
         #: the host's copy of `slot`, so that a full cache is refused without a sync
         self.next_slot = 0
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -239,18 +247,21 @@ class StaticDecoder:
         self.next_slot += 1
         self.tokens.copy_(tokens)
         if not self.use_graph:
-            return self._step()
+            return self._step(None if self.fixed_length else self.next_slot)
         if self._graph is None:
             self._capture()
         self._graph.replay()
         return self._graph_logits
 
-    def _step(self) -> torch.Tensor:
+    def _step(self, visible: int | None = None) -> torch.Tensor:
+        """The decode step, over all positions or (eager) the first `visible`."""
         self.kv_valid.index_fill_(1, self.slot, True)
-        self.cache.write_at(self.slot)
+        self.cache.write_at(self.slot, visible)
         self.cache.kv_len = self.slot + 1
         logits = self._forward(
-            self.tokens[:, None], self.kv_valid[:, None, None, :], self.positions[:, None]
+            self.tokens[:, None],
+            self.kv_valid[:, None, None, :visible],
+            self.positions[:, None],
         )
         self.slot.add_(1)
         self.positions.add_(1)

@@ -55,7 +55,7 @@ class StaticKVCache:
         self.keys = [torch.zeros(shape, dtype=storage, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=storage, device=device) for _ in range(layers)]
         self.scales = scales
-        self.batch, self.max_tokens = batch, max_tokens
+        self.max_tokens = max_tokens
         self.positions: torch.Tensor | None = None
         self.visible: int | None = None
         #: positions below it may be attended (decode): lets attention skip the empty tail
@@ -103,6 +103,3 @@ class StaticKVCache:
         for buffer in (*self.keys, *self.values):
             data = buffer.view(torch.uint8) if self.fp8 else buffer
             data.copy_(data.index_select(0, rows))
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in (*self.keys, *self.values))

@@ -60,8 +60,9 @@ class TorchEngine:
     cache_block: KV caches are sized in multiples of this many positions, so that
     generations of similar length share one cache and one captured decode graph.
     cuda_graph: on CUDA, replay the decode step as a captured CUDA graph.
-    model, tokenizer: an already built model (moved to `device`, quantized in place) and
-    its tokenizer instead of loading `model_dir` (benchmarks build random-init models).
+    model, tokenizer: an already built model (moved to `device`, quantized in place; `dtype`
+    is then its own) and its tokenizer instead of loading `model_dir` (benchmarks build
+    random-init models on the GPU).
     """
 
     name = "torch"
