@@ -481,15 +481,20 @@ def test_the_quantized_learner_forward_is_the_engines_forward(policy_name, tiny_
     version = version_tensors(learner, policy, batch)  # calibrates: the KV scales both read
     engine = TorchEngine(str(tiny_model_dir), in_fp32(get_policy(policy_name)), dtype=torch.float32)
     engine.update_weights(0, dict(version.weights), version.extra)
-    if engine.fp8_kv:
-        cache = engine._cache()
     ids = batch["input_ids"][:4, -12:]
+    prompt = 6
     with torch.no_grad():
-        engine_logp = torch.log_softmax(
-            engine.model(ids, past_key_values=cache if engine.fp8_kv else None).logits, -1
-        )
-        learner_logp = torch.log_softmax(learner(ids).logits, -1)
-        master_logp = torch.log_softmax(load_model(tiny_model_dir)(ids).logits, -1)
+        # The engine's own path: prefill of the first 6 tokens, then decode steps fed the
+        # rest (teacher forcing), each giving the next token's logits; with fp8_kv the
+        # steps read the e4m3 cache.
+        decoder, logits = engine.start(ids[:, :prompt].tolist(), ids.shape[1] - prompt + 1)
+        steps = [logits.clone()]
+        for position in range(prompt, ids.shape[1]):
+            steps.append(decoder.step(ids[:, position]).clone())
+        engine_logp = torch.log_softmax(torch.stack(steps, 1), -1)
+        positions = slice(prompt - 1, ids.shape[1])
+        learner_logp = torch.log_softmax(learner(ids).logits[:, positions], -1)
+        master_logp = torch.log_softmax(load_model(tiny_model_dir)(ids).logits[:, positions], -1)
     gap = (learner_logp - engine_logp).abs().max().item()
     master_gap = (master_logp - engine_logp).abs().max().item()
     print(

@@ -537,3 +537,16 @@ def test_gpu_generation_at_batch_1_and_64_is_seeded(precision, tiny_model_dir):
         assert len(first) == n and all(len(s.token_ids) == len(s.logprobs) > 0 for s in first)
         assert [s.token_ids for s in first] == [s.token_ids for s in again]
         assert all(math.isfinite(p) and p <= 0 for s in first for p in s.logprobs)
+
+
+def test_the_engine_model_called_without_a_decoder_is_a_causal_lm(tiny_model_dir):
+    """Outside a decoder (no static cache, no mask) the engine's model scores a sequence
+    as the transformers model does: causal attention, not attention over every token."""
+    policy = get_policy("bf16")
+    policy.engine_dtype = torch.float32
+    engine = TorchEngine(str(tiny_model_dir), policy, dtype=torch.float32)
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = engine.model(ids).logits
+        want = load_model(tiny_model_dir)(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

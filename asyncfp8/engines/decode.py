@@ -88,7 +88,11 @@ def grouped_attention(
     if group > 1:  # prefill: once per generation, the prompt's keys repeated per query head
         key = key.repeat_interleave(group, dim=1)
         value = value.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    # No mask: a plain causal forward (the model called outside a decoder, e.g. to score).
+    causal = mask is None and tokens > 1 and tokens == key.shape[2]
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scale, is_causal=causal
+    )
     return out.transpose(1, 2)
 
 
