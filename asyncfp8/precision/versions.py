@@ -40,9 +40,12 @@ def version_tensors(
     model: torch.nn.Module,
     policy: PrecisionPolicy,
     calibration_batch: Mapping[str, torch.Tensor] | None = None,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> VersionTensors:
     """The tensors of a version of `model` (its parameters, in their master dtype, are
-    what the policy receives and casts itself)."""
+    what the policy receives and casts itself). `weights` replaces
+    `model.named_parameters()` as the master tensors sent: a sharded model's parameters,
+    gathered whole (calibration still runs `model`). Extra tensors come back on the CPU."""
     extra: dict[str, torch.Tensor] = {}
     if policy.needs_calibration:
         if calibration_batch is None:
@@ -51,5 +54,9 @@ def version_tensors(
                 "calibration batch (input_ids, attention_mask)"
             )
         with torch.no_grad():
-            extra = policy.calibrate(model, calibration_batch)
-    return VersionTensors(_weights(policy, model.named_parameters()), extra)
+            extra = {
+                name: tensor.cpu()
+                for name, tensor in policy.calibrate(model, calibration_batch).items()
+            }
+    named = model.named_parameters() if weights is None else weights
+    return VersionTensors(_weights(policy, named), extra)
