@@ -165,9 +165,11 @@ def shard(
         model.to(dtype=dtype)
         policy = MixedPrecisionPolicy()
     else:
-        policy = MixedPrecisionPolicy(
-            param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32
-        )
+        # Lower-precision compute: gradients are still reduced (and kept) in FP32.
+        # FP32 compute: no casting at all, reduced in the masters' own dtype.
+        policy = MixedPrecisionPolicy()
+        if dtype != torch.float32:
+            policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

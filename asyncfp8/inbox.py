@@ -287,5 +287,6 @@ class Inbox:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         self.receiver.close()

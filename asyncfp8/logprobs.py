@@ -44,8 +44,10 @@ def _chunk_logprobs(
     targets: torch.Tensor,
     temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log π(target) and the entropy of π, per row of `hidden` [K, H], in FP32."""
-    logits = F.linear(hidden, weight, bias).float()
+    """log π(target) and the entropy of π, per row of `hidden` [K, H], in FP32 (or the
+    model's dtype when it is wider)."""
+    logits = F.linear(hidden, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature > 0:
         logits = logits / temperature
     log_norm = logits.logsumexp(-1)
@@ -94,7 +96,7 @@ class LogprobHead(nn.Linear):
                 [torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])], -1
             )
         else:
-            values = rows.new_zeros((0, 2), dtype=torch.float32)
+            values = rows.new_zeros((0, 2), dtype=torch.promote_types(rows.dtype, torch.float32))
         # A new tensor, not a view: the sharded model's backward hook sits on this output.
         where = request.mask.nonzero(as_tuple=True)
         return values.new_zeros((*request.mask.shape, 2)).index_put(where, values)
