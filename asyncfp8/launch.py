@@ -13,8 +13,6 @@ Each process logs to `<run.dir>/<name>.log`; the learner's metrics go to
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import signal
 import socket
@@ -32,6 +30,7 @@ import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra comp
 from asyncfp8.metrics import METRICS_FILE
 from asyncfp8.models import resolve_model_dir
 from asyncfp8.precision import PrecisionPolicy, build_policy
+from asyncfp8.process import die_with_parent
 from asyncfp8.report import plot_runs, summarize
 
 PORTS = ("version", "snapshot", "trajectory")
@@ -49,15 +48,15 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM if the launcher dies (even by SIGKILL): no orphans."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: no such guard
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class Process:
-    def __init__(self, name: str, module: str, overrides: list[str], run_dir: Path):
+    def __init__(self, name: str, module: str, overrides: list[str], run_dir: Path, ranks: int = 1):
         self.name, self.module, self.overrides = name, module, overrides
+        # Several ranks: torchrun on this host starts them (and stops them all when one fails).
+        self.runner = (
+            ["torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m"]
+            if ranks > 1
+            else []
+        )
         self.log_path = run_dir / f"{name}.log"
         self.popen: subprocess.Popen | None = None
         self.restarts = 0
@@ -65,12 +64,12 @@ class Process:
     def start(self) -> None:
         log = self.log_path.open("a")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", self.module, *self.overrides],
+            [sys.executable, "-m", *self.runner, self.module, *self.overrides],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C reaches the launcher only; it stops them in order
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,  # no orphans if the launcher dies
         )
         log.close()
 
@@ -101,6 +100,7 @@ class Progress:
         self.path, self.offset = run_dir / METRICS_FILE, 0
         self.bar = tqdm(total=steps, initial=start, desc="steps", unit="step", dynamic_ncols=True)
         self.last: dict = {}
+        self.held_out = float("nan")  # the latest held-out greedy pass@1 (not every step has one)
 
     def update(self) -> None:
         if not self.path.exists():
@@ -114,11 +114,14 @@ class Progress:
             record = json.loads(line)
             self.bar.update(max(0, record["step"] - self.bar.n))
             self.last = record
+            if record.get("eval/pass1_greedy") is not None:
+                self.held_out = record["eval/pass1_greedy"]
         if self.last:
             r = self.last
             self.bar.set_postfix(
                 v=r.get("version"),
                 reward=f"{r.get('reward/mean', float('nan')):.3f}",
+                held_out=f"{self.held_out:.3f}",
                 kl=f"{r.get('mismatch/kl_k3', float('nan')):.1e}",
                 stale=f"{r.get('staleness/mean', float('nan')):.2f}",
                 tok_s=f"{r.get('throughput/tokens_per_s', 0):.0f}",
@@ -152,13 +155,14 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
         "sync.host=127.0.0.1",
         *(f"sync.{name}_port={port}" for name, port in zip(PORTS, ports, strict=True)),
     ]
-    learner = Process("learner", "asyncfp8.learner", common, run_dir)
+    learner = Process("learner", "asyncfp8.learner", common, run_dir, ranks=run.learner_procs)
     workers = [
         Process(f"worker-{i}", "asyncfp8.worker", [*common, f"run.worker_id={i}"], run_dir)
         for i in range(run.workers)
     ]
     print(
-        f"[launch] learner + {run.workers} workers ({cfg.engine.name} engine, {policy.spec}, "
+        f"[launch] learner ({run.learner_procs} rank{'s' if run.learner_procs > 1 else ''}) + "
+        f"{run.workers} workers ({cfg.engine.name} engine, {policy.spec}, "
         f"correction {cfg.correction.name}, {run.mode}); logs and metrics in {run_dir}",
         flush=True,
     )

@@ -37,6 +37,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     records = per_step(run_dir)
     if not records:
         raise ValueError(f"{run_dir}: no metrics (metrics.jsonl is missing or empty)")
+    # Held-out evaluations (the one before the first step is recorded as step 0).
+    evaluations = [r for r in records if r.get("eval/pass1_greedy") is not None]
+    records = [r for r in records if r["step"] >= 1] or records
     n = max(1, round(len(records) * TAIL))
     last = records[-1]
     elapsed = last.get("time/elapsed_s") or float("nan")
@@ -55,7 +58,21 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "weight_min_mean": _mean(records, "correction/weight_min"),
         "frac_clipped_mean": _mean(records, "correction/frac_clipped"),
         "stale_groups": last.get("total/stale_groups", 0),
+        # pass@1 on held-out prompts: before training (or the first evaluation) and the last
+        "eval_steps": [r["step"] for r in evaluations],
+        "eval_pass1_greedy_start": _first(evaluations, "eval/pass1_greedy"),
+        "eval_pass1_greedy_end": _last(evaluations, "eval/pass1_greedy"),
+        "eval_pass1_sampled_start": _first(evaluations, "eval/pass1_sampled"),
+        "eval_pass1_sampled_end": _last(evaluations, "eval/pass1_sampled"),
     }
+
+
+def _first(records: list[dict], key: str) -> float:
+    return records[0][key] if records else float("nan")
+
+
+def _last(records: list[dict], key: str) -> float:
+    return records[-1][key] if records else float("nan")
 
 
 def label(run_dir: str | Path) -> str:

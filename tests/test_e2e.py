@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncfp8.chaos.audit import audit
 from asyncfp8.chaos.cluster import SMALL_RUN, Cluster
 from asyncfp8.launch import free_ports
 from asyncfp8.ledger import read_ledger
@@ -52,7 +53,10 @@ def launch(tmp_path, model_dir, *overrides, timeout=400):
 
 
 def check_run(run_dir, steps, max_staleness):
-    done = per_step(run_dir)
+    records = per_step(run_dir)
+    # Step 0 is the held-out evaluation before training (when evaluation is on).
+    assert [r["step"] for r in records if r["step"] == 0] in ([], [0])
+    done = [r for r in records if r["step"] >= 1]
     assert [r["step"] for r in done] == list(range(1, steps + 1))
     versions = [r["sync/version"] for r in done]
     assert versions == sorted(set(versions))  # one new version per step, increasing
@@ -85,6 +89,34 @@ def test_launcher_runs_an_asynchronous_run_and_reports(tmp_path, tiny_model_dir)
     }
     assert trained_by and {f"worker/{w}/tokens_per_s" for w in trained_by} <= set(last)
     assert last["total/rejected_messages"] == 0 and last["sync/bytes"] > 0
+
+
+def test_launcher_with_a_two_rank_learner_and_dynamic_sampling(tmp_path, tiny_model_dir):
+    run_dir, _ = launch(
+        tmp_path,
+        tiny_model_dir,
+        "run.steps=6",
+        "run.workers=2",
+        "run.learner_procs=2",
+        "run.group_size=2",  # groups of 2 often agree: dynamic sampling has work to do
+        "run.dynamic_sampling=true",
+        "eval.every=3",
+        "eval.prompts=16",
+    )
+    done = check_run(run_dir, 6, max_staleness=1)
+    assert "2 rank(s)" in (run_dir / "learner.log").read_text()
+    # Every trained group had a reward spread; the skipped ones were counted and recorded.
+    assert all(r["groups/frac_zero_advantage"] == 0 for r in done)
+    skipped = sum(len(r["skipped"]) for r in read_ledger(run_dir))
+    assert done[-1]["total/skipped_groups"] == skipped > 0
+    result = audit(run_dir, group_size=2, max_staleness=1)
+    assert result.lost == 0 and result.skipped_groups == skipped
+    # Held-out pass@1 before training, at step 3 and after the last step.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_steps"] == [0, 3, 6]
+    for key in ("greedy", "sampled"):
+        for end in ("start", "end"):
+            assert 0 <= summary[f"eval_pass1_{key}_{end}"] <= 1
 
 
 def test_sync_mode_trains_only_on_the_current_version(tmp_path, tiny_model_dir):
@@ -143,6 +175,29 @@ def test_resume_after_the_learner_is_killed(cluster):
     new_versions = [r["sync/version"] for r in after if r["step"] > resumed_at]
     assert min(new_versions) > highest >= max(r["sync/version"] for r in before)
     assert new_versions == sorted(new_versions)
+
+
+def test_a_two_rank_learner_killed_resumes_on_one_rank(cluster):
+    c = cluster(
+        "run.steps=30", "run.checkpoint_every=3", "run.lease_timeout=8", "sync.resend_after=2"
+    )
+    learner = c.learner(procs=2)
+    c.worker(0)
+    c.wait_for_step(5)
+    Cluster.kill(learner)  # every rank, at once (SIGKILL to torchrun's process group)
+    highest = int((c.run_dir / "latest_version").read_text())
+    resumed = c.learner("run.resume=true")  # one process now
+    assert resumed.wait(timeout=240) == 0, c.log("learner")
+    log = c.log("learner", tail=0)
+    assert "saved by 2 rank(s), resumed on 1" in log
+    after = [r for r in per_step(c.run_dir) if r["step"] >= 1]
+    assert after[-1]["step"] == 30
+    resumed_at = int(log.split("resumed from")[1].split("step ")[1].split(",")[0])
+    new_versions = [r["sync/version"] for r in after if r["step"] > resumed_at]
+    assert min(new_versions) > highest and new_versions == sorted(new_versions)
+    # The data position, lease book and received groups came back with the checkpoint:
+    # nothing trained twice, nothing lost, the staleness bound kept.
+    assert audit(c.run_dir, group_size=4, max_staleness=1).lost == 0
 
 
 def test_a_killed_worker_is_replaced_and_the_run_finishes(cluster):
