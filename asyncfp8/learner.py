@@ -353,13 +353,13 @@ class Learner:
                     path,
                     self.dir,
                 )
-            self._close()
+            self.close()
             return 128 + (self.stop.signal or 15)
         self.checkpoint()
         if main:
             self.inbox.finish(linger=15)
             log.info("finished %d steps; last version %d", self.step, self.version)
-        self._close()
+        self.close()
         return 0
 
     def _next_step(self) -> tuple[Share, list[Group] | None]:
@@ -383,7 +383,7 @@ class Learner:
         except SystemExit:
             distributed.scatter([(STOP, None)] * self.ranks.world)
             raise
-        return distributed.scatter(self._shares(groups)), groups
+        return distributed.scatter(self.shares(groups)), groups
 
     def _wait_for_groups(self) -> list[Group]:
         run = self.cfg.run
@@ -415,7 +415,7 @@ class Learner:
                 sorted(counts["workers"]) or "none yet",
             )
 
-    def _shares(self, groups: list[Group]) -> list[Share]:
+    def shares(self, groups: list[Group]) -> list[Share]:
         """GRPO advantages over the whole batch, then every rank's part of every mini-batch,
         cut into micro-batches (asyncfp8.batches)."""
         optim = self.cfg.optim
@@ -774,7 +774,7 @@ class Learner:
             self.ranks.world,
         )
 
-    def _close(self) -> None:
+    def close(self) -> None:
         if self.ranks.main:
             self.inbox.close()
             self.publisher.close()

@@ -24,8 +24,18 @@ TAIL = 0.2  # "final" numbers are means over the last 20% of steps
 
 
 def per_step(run_dir: str | Path) -> list[dict[str, Any]]:
-    """One record per step; a step written twice (re-run after a resume) keeps the last."""
-    return sorted({r["step"]: r for r in read_metrics(run_dir)}.values(), key=lambda r: r["step"])
+    """One record per training step (1, 2, ...); a step written twice (re-run after a
+    resume) keeps the last. The held-out evaluation before the first step, recorded as
+    step 0, is in `evaluations`."""
+    records = {r["step"]: r for r in read_metrics(run_dir) if r["step"] >= 1}
+    return sorted(records.values(), key=lambda r: r["step"])
+
+
+def evaluations(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records with held-out pass@1 (`eval/pass1_greedy`, `eval/pass1_sampled`), by
+    step, the one before training (step 0) included."""
+    records = {r["step"]: r for r in read_metrics(run_dir) if "eval/pass1_greedy" in r}
+    return sorted(records.values(), key=lambda r: r["step"])
 
 
 def _mean(records: list[dict], key: str) -> float:
@@ -37,9 +47,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     records = per_step(run_dir)
     if not records:
         raise ValueError(f"{run_dir}: no metrics (metrics.jsonl is missing or empty)")
-    # Held-out evaluations (the one before the first step is recorded as step 0).
-    evaluations = [r for r in records if r.get("eval/pass1_greedy") is not None]
-    records = [r for r in records if r["step"] >= 1] or records
+    evaluated = evaluations(run_dir)
     n = max(1, round(len(records) * TAIL))
     last = records[-1]
     elapsed = last.get("time/elapsed_s") or float("nan")
@@ -59,11 +67,11 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "frac_clipped_mean": _mean(records, "correction/frac_clipped"),
         "stale_groups": last.get("total/stale_groups", 0),
         # pass@1 on held-out prompts: before training (or the first evaluation) and the last
-        "eval_steps": [r["step"] for r in evaluations],
-        "eval_pass1_greedy_start": _first(evaluations, "eval/pass1_greedy"),
-        "eval_pass1_greedy_end": _last(evaluations, "eval/pass1_greedy"),
-        "eval_pass1_sampled_start": _first(evaluations, "eval/pass1_sampled"),
-        "eval_pass1_sampled_end": _last(evaluations, "eval/pass1_sampled"),
+        "eval_steps": [r["step"] for r in evaluated],
+        "eval_pass1_greedy_start": _first(evaluated, "eval/pass1_greedy"),
+        "eval_pass1_greedy_end": _last(evaluated, "eval/pass1_greedy"),
+        "eval_pass1_sampled_start": _first(evaluated, "eval/pass1_sampled"),
+        "eval_pass1_sampled_end": _last(evaluated, "eval/pass1_sampled"),
     }
 
 

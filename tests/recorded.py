@@ -115,20 +115,7 @@ def train(learner, groups: list[Group]) -> dict:
     from asyncfp8 import distributed
 
     main = learner.ranks.main
-    share = distributed.scatter(learner._shares(groups) if main else None)
+    share = distributed.scatter(learner.shares(groups) if main else None)
     metrics = learner.train_step(share, groups if main else None)
     learner.step += 1
     return metrics
-
-
-def close(learner) -> None:
-    """What `Learner._close` does, for a learner whose loop never ran."""
-    from asyncfp8 import distributed
-
-    if learner.ranks.main:
-        learner.inbox.close()
-        learner.publisher.close()
-        learner.watch.close()
-        learner.ledger.close()
-        learner.metrics.close()
-    distributed.close()

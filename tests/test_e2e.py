@@ -16,7 +16,7 @@ from asyncfp8.chaos.audit import audit
 from asyncfp8.chaos.cluster import SMALL_RUN, Cluster
 from asyncfp8.launch import free_ports
 from asyncfp8.ledger import read_ledger
-from asyncfp8.report import per_step
+from asyncfp8.report import evaluations, per_step
 
 
 @pytest.fixture
@@ -53,11 +53,11 @@ def launch(tmp_path, model_dir, *overrides, timeout=400):
 
 
 def check_run(run_dir, steps, max_staleness):
-    records = per_step(run_dir)
-    # Step 0 is the held-out evaluation before training (when evaluation is on).
-    assert [r["step"] for r in records if r["step"] == 0] in ([], [0])
-    done = [r for r in records if r["step"] >= 1]
+    done = per_step(run_dir)
     assert [r["step"] for r in done] == list(range(1, steps + 1))
+    # Held-out pass@1 before the first step (recorded as step 0) and after the last.
+    evaluated = [r["step"] for r in evaluations(run_dir)]
+    assert evaluated[0] == 0 and evaluated[-1] == steps
     versions = [r["sync/version"] for r in done]
     assert versions == sorted(set(versions))  # one new version per step, increasing
     for r in done:
@@ -190,7 +190,7 @@ def test_a_two_rank_learner_killed_resumes_on_one_rank(cluster):
     assert resumed.wait(timeout=240) == 0, c.log("learner")
     log = c.log("learner", tail=0)
     assert "saved by 2 rank(s), resumed on 1" in log
-    after = [r for r in per_step(c.run_dir) if r["step"] >= 1]
+    after = per_step(c.run_dir)
     assert after[-1]["step"] == 30
     resumed_at = int(log.split("resumed from")[1].split("step ")[1].split(",")[0])
     new_versions = [r["sync/version"] for r in after if r["step"] > resumed_at]

@@ -22,7 +22,7 @@ from asyncfp8.leases import LeaseBook
 from asyncfp8.logprobs import completion_logprobs, install_logprob_head
 from asyncfp8.models import load_model
 from asyncfp8.sync import Trajectory
-from tests.recorded import close, learner_config, record_groups, save_groups, train
+from tests.recorded import learner_config, record_groups, save_groups, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -154,7 +154,7 @@ def make_learner(tmp_path, tiny_model_dir):
 
     yield make
     for learner in made:
-        close(learner)
+        learner.close()
 
 
 def gradients(learner):
@@ -186,7 +186,7 @@ def test_micro_batched_gradients_equal_the_whole_batch_gradient(
     whole = gradients(learner)
     assert all(g.dtype == dtype for g in whole.values())
     learner.cfg.optim.micro_batch_tokens = 30  # about 2 samples per micro-batch
-    assert len(learner._shares(recorded[0])[0].mini_batches[0]) >= 6
+    assert len(learner.shares(recorded[0])[0].mini_batches[0]) >= 6
     train(learner, recorded[0])
     micro = gradients(learner)
     assert any(g.abs().max() > 1e-2 for g in whole.values())

@@ -65,6 +65,7 @@ def test_summary_carries_held_out_pass_at_1_before_and_after_training(tmp_path):
     (tmp_path / "a" / "metrics.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in [baseline, *records])
     )
+    assert [r["step"] for r in per_step(tmp_path / "a")] == list(range(1, 11))  # training steps
     summary = summarize(tmp_path / "a")
     assert summary["eval_steps"] == [0, 5, 10]
     assert (summary["eval_pass1_greedy_start"], summary["eval_pass1_greedy_end"]) == (0.25, 0.5)

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from asyncfp8 import distributed
 from asyncfp8.learner import Learner
-from tests.recorded import close, learner_config, load_groups, train
+from tests.recorded import learner_config, load_groups, train
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     full = distributed.full_state_dict(learner.model)
     if learner.ranks.main:
         torch.save({"parameters": full, "metrics": metrics}, out)
-    close(learner)
+    learner.close()
 
 
 if __name__ == "__main__":
