@@ -188,19 +188,23 @@ def scale_gradients(model: nn.Module, factor: float) -> None:
                 param.grad.mul_(factor)
 
 
-def sum_over_ranks(values: list[float]) -> list[float]:
-    """Element-wise sums over every rank (float64, on the CPU: gloo even beside NCCL)."""
-    tensor = torch.tensor(values, dtype=torch.float64)
+def sum_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each value summed over every rank (float64, on the CPU: gloo even beside NCCL).
+    Every rank passes the same keys."""
+    keys = sorted(values)
+    tensor = torch.tensor([values[key] for key in keys], dtype=torch.float64)
     if dist.get_world_size() > 1:
         dist.all_reduce(tensor)
-    return tensor.tolist()
+    return dict(zip(keys, tensor.tolist(), strict=True))
 
 
-def max_over_ranks(values: list[float]) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64)
+def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each value's maximum over every rank (same keys on every rank)."""
+    keys = sorted(values)
+    tensor = torch.tensor([values[key] for key in keys], dtype=torch.float64)
     if dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
+    return dict(zip(keys, tensor.tolist(), strict=True))
 
 
 def broadcast(obj: Any = None) -> Any:

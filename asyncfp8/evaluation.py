@@ -92,16 +92,16 @@ class HeldOut:
             if cuda_state is not None:
                 torch.cuda.set_rng_state(cuda_state)
         weight = 1.0 if counted else 0.0
-        greedy_sum, sampled_sum, prompts, samples = distributed.sum_over_ranks(
-            [
-                weight * sum(greedy),
-                weight * sum(sampled),
-                weight * len(greedy),
-                weight * len(sampled),
-            ]
+        sums = distributed.sum_over_ranks(
+            {
+                "greedy": weight * sum(greedy),
+                "sampled": weight * sum(sampled),
+                "prompts": weight * len(greedy),
+                "samples": weight * len(sampled),
+            }
         )
         return {
-            "eval/pass1_greedy": greedy_sum / prompts,
-            "eval/pass1_sampled": sampled_sum / samples,
-            "eval/prompts": int(prompts),
+            "eval/pass1_greedy": sums["greedy"] / sums["prompts"],
+            "eval/pass1_sampled": sums["sampled"] / sums["samples"],
+            "eval/prompts": int(sums["prompts"]),
         }

@@ -454,7 +454,7 @@ class Learner:
         # micro-batch's own forward; with several, a recompute before the first.
         proximal = None
         if self.cfg.correction.mode == "decoupled" and optim.mini_batches * optim.ppo_epochs > 1:
-            with torch.no_grad():
+            with torch.no_grad(), distributed.memory_advice("the recompute", self._memory()):
                 proximal = [[self._logprobs(self.model, b)[0] for b in mini] for mini in batches]
         seen: dict[int, torch.Tensor] = {}  # per sample: the log-probs the correction saw
         totals: dict[str, float] = defaultdict(float)
@@ -462,18 +462,19 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = defaultdict(float)
             for j, micro in enumerate(mini):
-                with distributed.memory_advice("a train step", self._memory_settings(micro)):
+                with distributed.memory_advice("a train step", self._memory(micro)):
                     learner_logp = self._micro_batch(
                         micro, proximal[m][j] if proximal else None, sums
                     )
                 if epoch == 0:
                     for row, index in enumerate(micro["index"]):
                         seen[index] = learner_logp[row][micro["mask"][row]].cpu()
-            keys = sorted(sums)
-            sums = dict(zip(keys, distributed.sum_over_ranks([sums[k] for k in keys]), strict=True))
+            # The loss is a mean over the whole mini-batch: its sums over micro-batches
+            # and ranks, divided by the whole count.
+            sums = distributed.sum_over_ranks(sums)
             distributed.scale_gradients(self.model, 1.0 / max(sums["denominator"], 1.0))
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), optim.grad_clip)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            grad_norm = grad_norm.full_tensor()  # a sharded model's norm is a DTensor
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(f"step {self.step}: gradient norm is {grad_norm.item()}")
             self.optimizer.step()
@@ -596,10 +597,11 @@ class Learner:
             model, batch, self.cfg.run.temperature, self.cfg.optim.logprob_chunk_tokens
         )
 
-    def _memory_settings(self, micro: dict) -> dict[str, Any]:
+    def _memory(self, micro: dict | None = None) -> dict[str, Any]:
+        """What bounds a step's memory, for an out-of-memory message."""
         optim = self.cfg.optim
-        return {
-            "micro-batch": "{} × {} tokens".format(*micro["input_ids"].shape),
+        shape = {"micro-batch": "{} × {} tokens".format(*micro["input_ids"].shape)} if micro else {}
+        return shape | {
             "optim.micro_batch_tokens": optim.micro_batch_tokens,
             "optim.activation_checkpointing": optim.activation_checkpointing,
             "optim.logprob_chunk_tokens": optim.logprob_chunk_tokens,

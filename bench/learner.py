@@ -209,18 +209,10 @@ def child(spec: dict) -> None:
         if cuda
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     )
-    peak, before, seconds = distributed.max_over_ranks([peak, before, seconds])
+    measured = distributed.max_over_ranks({"peak": peak, "before": before, "seconds": seconds})
+    measured["parameters"] = sum(p.numel() for p in learner.model.parameters())
     if learner.ranks.main:
-        Path(spec["out"]).write_text(
-            json.dumps(
-                {
-                    "seconds": seconds,
-                    "peak": peak,
-                    "before": before,
-                    "parameters": sum(p.numel() for p in learner.model.parameters()),
-                }
-            )
-        )
+        Path(spec["out"]).write_text(json.dumps(measured))
     learner.close()
 
 
