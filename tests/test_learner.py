@@ -259,6 +259,24 @@ def test_two_ranks_train_like_one(tmp_path, tiny_model_dir, recorded):
         assert a["mismatch/kl_k3"] == pytest.approx(b["mismatch/kl_k3"], rel=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_learner_in_bfloat16_trains_like_the_cpu_one(make_learner, recorded):
+    """On a GPU the learner computes in BF16 on FP32 masters: its first step's metrics and
+    weights stay within BF16 rounding of the FP32 CPU learner's."""
+    settings = ("optim.lr=1e-3", "optim.mini_batches=2", "optim.micro_batch_tokens=40")
+    # The GPU learner first: its process group (gloo and NCCL) serves the CPU one too.
+    gpu, cpu = make_learner(*settings, "run.device=cuda"), make_learner(*settings)
+    assert gpu.ranks.device.type == "cuda" and gpu.dtype == torch.bfloat16
+    on_cpu, on_gpu = train(cpu, recorded[0]), train(gpu, recorded[0])
+    assert on_gpu["optim/grad_norm"] == pytest.approx(on_cpu["optim/grad_norm"], rel=0.05)
+    assert on_gpu["mismatch/kl_k3"] < 0.05
+    gpu_weights = distributed.full_state_dict(gpu.model)
+    for name, value in distributed.full_state_dict(cpu.model).items():
+        assert gpu_weights[name].dtype == torch.float32  # the masters stay FP32
+        torch.testing.assert_close(gpu_weights[name], value, atol=2e-3, rtol=0, msg=name)
+
+
 # --- dynamic sampling -----------------------------------------------------------------------
 
 
