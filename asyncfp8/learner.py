@@ -793,7 +793,8 @@ def _all_rewards_equal(group: Group) -> bool:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    setup_logging("learner")
+    rank = os.environ.get("RANK", "0")  # set by torchrun
+    setup_logging("learner" if rank == "0" else f"learner-rank{rank}")
     try:
         learner = Learner(cfg)
     except (ValueError, FileNotFoundError, MemoryError) as err:
