@@ -734,7 +734,8 @@ class Learner:
             if final.exists():  # reached again after a resume from an older checkpoint
                 shutil.rmtree(final)
             os.replace(staging, final)
-            for old in sorted(folder.glob("step_*"))[: -self.cfg.run.keep_checkpoints]:
+            saved = sorted(p for p in folder.glob("step_*") if p.is_dir())
+            for old in saved[: -self.cfg.run.keep_checkpoints]:
                 shutil.rmtree(old)
             for leftover in folder.glob(".step_*.tmp"):  # of a learner killed mid-checkpoint
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -743,6 +744,12 @@ class Learner:
     def _restore(self) -> None:
         """Every rank reads the newest checkpoint (run.dir must be on storage they all see)."""
         saved = sorted((self.dir / CHECKPOINT_DIR).glob(f"step_*/{LEARNER_STATE}"))
+        if not saved and any((self.dir / CHECKPOINT_DIR).glob("step_*.pt")):
+            raise SystemExit(
+                f"learner: {self.dir / CHECKPOINT_DIR} holds only single-file checkpoints "
+                "(step_N.pt) of an asyncfp8 from before the sharded learner; this one cannot "
+                "resume them: start a new run.dir"
+            )
         if not saved:
             raise SystemExit(
                 f"learner: run.resume=true but {self.dir / CHECKPOINT_DIR} holds no checkpoint; "

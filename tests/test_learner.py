@@ -277,6 +277,37 @@ def test_a_gpu_learner_in_bfloat16_trains_like_the_cpu_one(make_learner, recorde
         torch.testing.assert_close(gpu_weights[name], value, atol=2e-3, rtol=0, msg=name)
 
 
+def test_a_version_of_a_tied_model_sends_the_shared_weight_once(tmp_path, tiny_model_dir):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.tie_word_embeddings = True
+    tied = tmp_path / "tied"
+    AutoModelForCausalLM.from_config(config).save_pretrained(tied)
+    for name in Path(tiny_model_dir).iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens")):
+            (tied / name.name).write_bytes(name.read_bytes())
+    learner = Learner(learner_config(tied, tmp_path / "run"))
+    try:
+        # The gathered state dict names the shared weight twice; a version sends it once.
+        assert "lm_head.weight" in distributed.full_state_dict(learner.model)
+        sent = {}
+
+        def capture(version, tensors, **_):
+            sent.update(tensors)
+            return type("Stats", (), {"wire_bytes": 0})
+
+        learner.publisher.publish = capture
+        learner.publish()
+        reference = dict(load_model(tied).named_parameters())
+        assert set(sent) == set(reference) and "lm_head.weight" not in sent
+        for name, value in sent.items():
+            assert value.device.type == "cpu"
+            torch.testing.assert_close(value, reference[name].detach().to(torch.bfloat16))
+    finally:
+        learner.close()
+
+
 # --- dynamic sampling -----------------------------------------------------------------------
 
 
