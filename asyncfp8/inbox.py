@@ -250,6 +250,7 @@ class Inbox:
                     (g.lease, g.prompt, [dataclasses.asdict(t) for t in g.trajectories])
                     for g in self.skipped
                 ],
+                "counts": dict(self.counts),  # run totals continue across a resume
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -268,6 +269,7 @@ class Inbox:
                 Group(lease, prompt, [Trajectory(**t) for t in part])
                 for lease, prompt, part in state.get("skipped", [])
             ]
+            self.counts |= state.get("counts", {})
 
     def snapshot_counts(self) -> dict[str, Any]:
         with self.lock:

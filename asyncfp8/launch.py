@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import hydra
@@ -27,13 +28,17 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
+from asyncfp8.checks import check_config
+from asyncfp8.learner import CHECKPOINT_DIR, LEARNER_STATE, ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
 from asyncfp8.metrics import METRICS_FILE
 from asyncfp8.models import resolve_model_dir
-from asyncfp8.precision import PrecisionPolicy, build_policy
+from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.process import die_with_parent
 from asyncfp8.report import plot_runs, summarize
+from asyncfp8.runconfig import restore_on_resume
 
 PORTS = ("version", "snapshot", "trajectory")
+CONFIG_ERROR = 2  # the exit code of a process that refused its configuration
 STOP_GRACE = 60.0  # s the learner gets to checkpoint after SIGTERM before SIGKILL
 
 
@@ -100,7 +105,9 @@ class Progress:
         self.path, self.offset = run_dir / METRICS_FILE, 0
         self.bar = tqdm(total=steps, initial=start, desc="steps", unit="step", dynamic_ncols=True)
         self.last: dict = {}
-        self.held_out = float("nan")  # the latest held-out greedy pass@1 (not every step has one)
+        # Recent steps' share of groups without reward spread.
+        self.zero_spread: deque[float] = deque(maxlen=ZERO_SPREAD_WINDOW)
+        self.eval: float | None = None  # the latest held-out pass@1 (greedy)
 
     def update(self) -> None:
         if not self.path.exists():
@@ -114,17 +121,29 @@ class Progress:
             record = json.loads(line)
             self.bar.update(max(0, record["step"] - self.bar.n))
             self.last = record
+            if (
+                "groups/frac_zero_advantage" in record
+            ):  # a training step (not the step-0 evaluation)
+                self.zero_spread.append(record["groups/frac_zero_advantage"])
             if record.get("eval/pass1_greedy") is not None:
-                self.held_out = record["eval/pass1_greedy"]
+                self.eval = record["eval/pass1_greedy"]
         if self.last:
             r = self.last
+            extra = {}
+            if self.eval is not None:
+                extra["eval"] = f"{self.eval:.3f}"
+            if (
+                len(self.zero_spread) == ZERO_SPREAD_WINDOW
+                and sum(self.zero_spread) / ZERO_SPREAD_WINDOW > ZERO_SPREAD_WARN
+            ):
+                extra["warn"] = "most groups without reward spread"
             self.bar.set_postfix(
                 v=r.get("version"),
                 reward=f"{r.get('reward/mean', float('nan')):.3f}",
-                held_out=f"{self.held_out:.3f}",
                 kl=f"{r.get('mismatch/kl_k3', float('nan')):.1e}",
                 stale=f"{r.get('staleness/mean', float('nan')):.2f}",
                 tok_s=f"{r.get('throughput/tokens_per_s', 0):.0f}",
+                **extra,
                 refresh=False,
             )
 
@@ -134,23 +153,45 @@ class Progress:
 
 def check_start(cfg: DictConfig) -> PrecisionPolicy:
     """What can be checked before any process starts: the model (built or found once
-    here, so that N+1 processes do not wait on its lock) and the precision as every
-    process will build it (a user's class imported here too), against the engine."""
+    here, so that N+1 processes do not wait on its lock), the whole config as every
+    process will check it (a user's policy class and reward imported here too), and, on
+    resume, that there is a checkpoint to continue from."""
     model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
-    policy = build_policy(cfg.precision, model_dir)
-    reason = policy.supported_by(cfg.engine.name)
-    if reason:
-        raise ValueError(f"engine {cfg.engine.name} cannot run precision {policy.name!r}: {reason}")
-    return policy
+    checked = check_config(cfg, model_dir, "launcher")
+    if cfg.run.resume and not any(
+        (Path(cfg.run.dir) / CHECKPOINT_DIR).glob(f"step_*/{LEARNER_STATE}")
+    ):
+        raise ValueError(
+            f"run.resume=true but {Path(cfg.run.dir) / CHECKPOINT_DIR} holds no checkpoint: the "
+            "run stopped before its first one; start it again without run.resume"
+        )
+    return checked.policy
+
+
+def chosen_ports(cfg: DictConfig, overrides: list[str]) -> list[int]:
+    """The ports given on the command line (sync.version_port=... etc.), free ones for the rest."""
+    free = iter(free_ports(len(PORTS)))
+    given = {o.split("=", 1)[0] for o in overrides}
+    return [
+        cfg.sync[f"{name}_port"] if f"sync.{name}_port" in given else next(free) for name in PORTS
+    ]
+
+
+def resume_hint(run_dir: Path) -> str:
+    """How to continue, when there is something to continue from."""
+    if any((run_dir / CHECKPOINT_DIR).glob(f"step_*/{LEARNER_STATE}")):
+        return f"[launch] continue with: run.resume=true run.dir={run_dir}"
+    return "[launch] no checkpoint was written: nothing to resume"
 
 
 def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> int:
     run = cfg.run
     run_dir = Path(run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    ports = free_ports(3)
+    ports = chosen_ports(cfg, overrides)
+    own = ("run.dir=", "run.worker_id=", "sync.host=", *(f"sync.{p}_port=" for p in PORTS))
     common = [
-        *overrides,
+        *(o for o in overrides if not o.startswith(own)),
         f"run.dir={run_dir}",
         "sync.host=127.0.0.1",
         *(f"sync.{name}_port={port}" for name, port in zip(PORTS, ports, strict=True)),
@@ -171,48 +212,32 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
     for worker in workers:
         worker.start()
     progress = Progress(run_dir, run.steps)
-    code = None
     try:
-        while code is None:
-            time.sleep(0.5)
-            progress.update()
-            code = learner.poll()
-            for worker in workers:
-                exit_code = worker.poll()
-                if exit_code in (None, 0):
-                    continue
-                if worker.restarts >= run.worker_restarts:
-                    progress.bar.write(
-                        f"[launch] {worker.name} exited with {exit_code} and has used its "
-                        f"{run.worker_restarts} restarts:\n{worker.tail()}"
-                    )
-                    raise RuntimeError(f"{worker.name} keeps failing")
-                worker.restarts += 1
-                progress.bar.write(
-                    f"[launch] {worker.name} exited with {exit_code}; restart "
-                    f"{worker.restarts}/{run.worker_restarts}. Its log ends:\n{worker.tail(5)}"
-                )
-                worker.start()
-    except (KeyboardInterrupt, RuntimeError) as err:
-        progress.bar.write(
-            "[launch] stopping: the learner checkpoints, the workers exit"
-            if isinstance(err, KeyboardInterrupt)
-            else f"[launch] stopping: {err}"
-        )
+        failed = watch(learner, workers, progress, run.worker_restarts)
+    except KeyboardInterrupt:
+        progress.bar.write("[launch] stopping: the learner checkpoints, the workers exit")
         stop_all(learner, workers)
         progress.close()
-        print(f"[launch] stopped; continue with: run.resume=true run.dir={run_dir}")
-        return 130 if isinstance(err, KeyboardInterrupt) else 1
+        print(resume_hint(run_dir))
+        return 130
     progress.update()
     progress.close()
+    if failed is not None:
+        process, code = failed
+        stop_all(learner, workers)
+        print(
+            f"[launch] {process.name} exited with {code} "
+            f"({'a configuration error: restarting cannot help' if code == CONFIG_ERROR else 'failed'}); "
+            f"stopped the other processes. {process.name}.log ends:\n{process.tail(20)}"
+        )
+        if code != CONFIG_ERROR:
+            print(resume_hint(run_dir))
+        return code if code > 0 else 1
     for worker in workers:  # the learner told them the run is over
         if worker.wait(30) is None:
-            print(f"[launch] {worker.name} did not exit after the run ended; stopping it")
+            print(f"[launch] {worker.name} had not exited 30 s after the run ended; stopping it")
             worker.signal(signal.SIGTERM)
     stop_all(learner, workers)
-    if code != 0:
-        print(f"[launch] the learner exited with {code}. Its log ends:\n{learner.tail(25)}")
-        return code
     summary = summarize(run_dir)
     summary["wall_s"] = time.perf_counter() - started
     plot = plot_runs([run_dir], run_dir / "plots.png")
@@ -221,12 +246,54 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
         f"[launch] done in {summary['wall_s']:.0f} s: {summary['steps']} steps, "
         f"{summary['samples']} samples ({summary['samples_per_s']:.1f}/s); "
         f"reward {summary['reward_start']:.3f} (first 20% of steps) -> "
-        f"{summary['reward_end']:.3f} (last 20%); mismatch KL k3 {summary['kl_k3_mean']:.2e} "
-        f"(fresh tokens {summary['fresh_kl_k3_mean']:.2e}); mean staleness "
+        f"{summary['reward_end']:.3f} (last 20%); mismatch KL k3 {summary['kl_k3_mean']:.2e}"
+        f"{fresh_kl_text(summary)}; mean staleness "
         f"{summary['staleness_mean']:.2f}, dropped {summary['stale_groups']} stale groups.\n"
         f"[launch] plots: {plot}; summary: {run_dir / 'summary.json'}"
     )
+    for warning in summary.get("warnings", []):
+        print(f"[launch] warning: {warning}")
     return 0
+
+
+def watch(
+    learner: Process, workers: list[Process], progress: Progress, restarts: int
+) -> tuple[Process, int] | None:
+    """Runs until the learner exits: None when it finished, else the first process whose
+    failure ends the run (the learner, a worker with a configuration error, a worker
+    that used up its restarts) and its exit code. Checked twice a second, so a failure
+    is reported within a second of the process's exit."""
+    while True:
+        time.sleep(0.5)
+        progress.update()
+        code = learner.poll()
+        if code is not None:
+            return None if code == 0 else (learner, code)
+        for worker in workers:
+            code = worker.poll()
+            if code in (None, 0):
+                continue
+            if code == CONFIG_ERROR or worker.restarts >= restarts:
+                return worker, code
+            worker.restarts += 1
+            progress.bar.write(
+                f"[launch] {worker.name} exited with {code}; restart "
+                f"{worker.restarts}/{restarts}. Its log ends:\n{worker.tail(5)}"
+            )
+            worker.start()
+
+
+def fresh_kl_text(summary: dict) -> str:
+    """The precision-only KL with its support, or why it is left out."""
+    if summary.get("fresh_kl_k3_mean") is None:
+        return (
+            f" (precision-only KL left out: current-version tokens in only "
+            f"{summary.get('fresh_kl_steps', 0)} steps)"
+        )
+    return (
+        f" (precision-only, current-version tokens: {summary['fresh_kl_k3_mean']:.2e} over "
+        f"{summary['fresh_kl_steps']} steps, {summary['fresh_kl_tokens']} tokens)"
+    )
 
 
 def stop_all(learner: Process, workers: list[Process]) -> None:
@@ -244,13 +311,19 @@ def stop_all(learner: Process, workers: list[Process]) -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    own = ("run.dir=", "run.worker_id=", "sync.host=", *(f"sync.{p}_port=" for p in PORTS))
-    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(own)]
+    overrides = list(HydraConfig.get().overrides.task)
     try:
+        cfg, changes = restore_on_resume(cfg, overrides)
+        if cfg.run.resume:
+            print(
+                f"[launch] resuming {cfg.run.dir} with its saved settings"
+                + ("; changed: " + "; ".join(changes) if changes else ""),
+                flush=True,
+            )
         policy = check_start(cfg)
     except (ValueError, FileNotFoundError) as err:
         print(f"[launch] {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(CONFIG_ERROR)
     sys.exit(launch(cfg, overrides, policy))
 
 

@@ -21,6 +21,7 @@ owns the sockets, the ledger and the metrics; every rank runs every forward.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -39,12 +40,13 @@ import hydra
 import numpy as np
 import torch
 import zmq
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
 from asyncfp8 import distributed
 from asyncfp8.batches import batch_tensors, check_split, plan_step
-from asyncfp8.correction import build_correction
+from asyncfp8.checks import check_config, max_staleness_of
 from asyncfp8.correction.metrics import mismatch_metrics
 from asyncfp8.correction.registry import make_batch
 from asyncfp8.evaluation import HeldOut
@@ -54,7 +56,6 @@ from asyncfp8.leases import LeaseBook
 from asyncfp8.ledger import Ledger
 from asyncfp8.logprobs import completion_logprobs, install_logprob_head, without_logits
 from asyncfp8.losses import (
-    KL_ESTIMATORS,
     aggregate_parts,
     group_advantages,
     kl_penalty,
@@ -62,22 +63,22 @@ from asyncfp8.losses import (
 )
 from asyncfp8.metrics import MetricsLog
 from asyncfp8.models import load_model, load_tokenizer, resolve_model_dir
-from asyncfp8.precision import build_policy, version_tensors
+from asyncfp8.precision import calibrate_version, version_weights
 from asyncfp8.process import (
     StopFlag,
-    check_counts,
     curve,
     endpoints,
     set_threads,
     setup_logging,
 )
+from asyncfp8.runconfig import CONFIG_FILE, log_resume, restore_on_resume
 from asyncfp8.sync import (
+    BackgroundPublisher,
     HandshakeWatch,
     Limits,
     Trajectory,
     VersionPublisher,
 )
-from asyncfp8.tasks import build_task
 
 log = logging.getLogger("asyncfp8.learner")
 CHECKPOINT_DIR = "checkpoints"
@@ -88,6 +89,8 @@ LEARNER_STATE = "learner.pt"  # in a checkpoint directory, beside the sharded mo
 # resumed learner numbers its versions after this one.
 LATEST_VERSION_FILE = "latest_version"
 STOP = "stop"  # what rank 0 hands the others instead of a share when the run stops
+# Warn when more than this share of groups had no reward spread over this many steps.
+ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW = 0.5, 20
 
 
 class Preempted(Exception):
@@ -118,56 +121,15 @@ def lr_lambda(optim: DictConfig, steps: int):
     return factor
 
 
-def max_staleness_of(run: DictConfig) -> int:
-    if run.mode not in ("async", "sync"):
-        raise ValueError(f"run.mode must be async or sync, got {run.mode!r}")
-    if run.mode == "sync":
-        return 0
-    if run.max_staleness is None or run.max_staleness < 0:
-        raise ValueError(f"run.max_staleness must be >= 0, got {run.max_staleness!r}")
-    return int(run.max_staleness)
-
-
-def check_training(cfg: DictConfig) -> None:
-    """The train step's and evaluation's settings, refused at start rather than mid-run."""
-    optim = cfg.optim
-    positive = {
-        "optim.mini_batches": optim.mini_batches,
-        "optim.ppo_epochs": optim.ppo_epochs,
-        "optim.logprob_chunk_tokens": optim.logprob_chunk_tokens,
-        "run.learner_procs": cfg.run.learner_procs,
-        "eval.prompts": cfg.eval.prompts,
-        "eval.samples": cfg.eval.samples,
-    }
-    if optim.micro_batch_tokens is not None:
-        positive["optim.micro_batch_tokens"] = optim.micro_batch_tokens
-    for key, value in positive.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{key} must be a positive integer, got {value!r}")
-    if not isinstance(cfg.eval.every, int) or cfg.eval.every < 0:
-        raise ValueError(f"eval.every must be an integer >= 0 (0: off), got {cfg.eval.every!r}")
-    for key in ("kl_coef", "entropy_coef"):
-        if not optim[key] >= 0:
-            raise ValueError(f"optim.{key} must be >= 0, got {optim[key]!r}")
-    if optim.kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(
-            f"optim.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {optim.kl_estimator!r}"
-        )
-    if optim.clip_ratio_c is not None and not optim.clip_ratio_c > 1:
-        raise ValueError(f"optim.clip_ratio_c must be > 1 or null (off), got {optim.clip_ratio_c}")
-
-
 class Learner:
     def __init__(self, cfg: DictConfig):
         self.cfg, run, optim = cfg, cfg.run, cfg.optim
         self.stop = StopFlag()
+        # The whole config, before a socket is bound or the model loaded.
+        model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
+        checked = check_config(cfg, model_dir, "learner")
+        self.task, self.policy, self.correction = checked.task, checked.policy, checked.correction
         self.max_staleness = max_staleness_of(run)
-        check_counts(cfg)
-        check_training(cfg)
-        if run.group_size < 2:
-            raise ValueError(
-                f"run.group_size must be >= 2 (GRPO compares samples of a prompt), got {run.group_size}"
-            )
         self.ranks = distributed.start(run.device, run.dist_timeout)
         check_split(run.groups_per_step * run.group_size, optim.mini_batches, self.ranks.world)
         set_threads(run.threads, run.workers + self.ranks.world)
@@ -177,15 +139,6 @@ class Learner:
         self.dir = Path(run.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
 
-        model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
-        self.task = build_task(cfg.task)
-        self.policy = build_policy(cfg.precision, model_dir)
-        reason = self.policy.supported_by(cfg.engine.name)
-        if reason:  # the workers would refuse it at start: say so here, once
-            raise ValueError(
-                f"engine {cfg.engine.name} cannot run precision {self.policy.name!r}: {reason}"
-            )
-        self.correction = build_correction(cfg.correction)
         self.dtype = distributed.compute_dtype(run.compute_dtype, self.ranks.device)
         self.model = self._load(model_dir, frozen=False)
         # KL-to-reference: a frozen copy of the starting policy, sharded like it.
@@ -202,6 +155,10 @@ class Learner:
             self.optimizer, lr_lambda(optim, run.steps)
         )
         self.step, self.version = 0, None
+        # Training time before this process (a resumed run), and the step it resumed at.
+        self.elapsed_before, self.resumed_from = 0.0, None
+        self.started = time.perf_counter()
+        self.zero_spread: list[float] = []  # recent steps' share of groups without reward spread
         self.calibration_batch = self._prompt_batch()
         self.heldout = None
         if cfg.eval.every:
@@ -222,8 +179,10 @@ class Learner:
             self._restore()
         if self.ranks.main:
             self.ledger = Ledger(self.dir, resumed_step=self.step if run.resume else None)
-            self.metrics = MetricsLog(self.dir, run.tensorboard)
-            OmegaConf.save(cfg, self.dir / "config.yaml")
+            self.metrics = MetricsLog(
+                self.dir, run.tensorboard, resumed_step=self.step if run.resume else None
+            )
+            OmegaConf.save(cfg, self.dir / CONFIG_FILE, resolve=True)
             log.info(
                 "model %s (%.2fM parameters), precision %s (learner forward: %s), correction %s "
                 "(%s), %s mode, max staleness %d, %d rank(s) on %s computing in %s, listening on %s",
@@ -275,7 +234,10 @@ class Learner:
                 chunk_bytes=max(1, int(cfg.sync.chunk_mb * (1 << 20))),
                 curve=secure,
                 watch=self.watch,
+                transport=cfg.sync.transport,
+                zstd_level=cfg.sync.zstd_level,
             )
+            self.background = BackgroundPublisher(self.publisher, background=cfg.sync.background)
             self.inbox = Inbox(
                 addresses.trajectories,
                 book,
@@ -337,7 +299,13 @@ class Learner:
                     metrics["total/failed_handshakes"] = self.watch.failures
                     samples_before = counts["counts"]["samples"]
                     metrics["time/wait_s"], metrics["time/step_total_s"] = waited, now - last
-                    metrics["time/elapsed_s"] = now - self.started
+                    metrics["time/elapsed_s"] = self.elapsed_before + now - self.started
+                    if self.resumed_from is not None:  # the first step after a resume says so
+                        metrics["run/resumed_from_step"], self.resumed_from = (
+                            self.resumed_from,
+                            None,
+                        )
+                    self._warn_without_reward_spread(metrics)
                     last = now
                     self.metrics.write(self.step, metrics)
                 if self.step % run.checkpoint_every == 0 and self.step < run.steps:
@@ -573,6 +541,21 @@ class Learner:
             metrics["loss/kl_ref"] = totals["kl"] / kept
         return metrics | self._fresh_mismatch(learner_logp, batch)
 
+    def _warn_without_reward_spread(self, metrics: dict[str, Any]) -> None:
+        """A group whose samples all got the same reward has zero advantage and trains
+        nothing; when most groups are like that for a while, say so (once per window)."""
+        self.zero_spread.append(metrics["groups/frac_zero_advantage"])
+        window = self.zero_spread[-ZERO_SPREAD_WINDOW:]
+        if len(window) == ZERO_SPREAD_WINDOW and sum(window) / len(window) > ZERO_SPREAD_WARN:
+            log.warning(
+                "over the last %d steps %.0f%% of groups had no reward spread (every sample "
+                "scored the same): those groups train nothing. The task may be too hard or "
+                "too easy for this model, or the reward constant (check task.reward).",
+                ZERO_SPREAD_WINDOW,
+                100 * sum(window) / len(window),
+            )
+            self.zero_spread.clear()
+
     def _fresh_mismatch(self, learner_logp, batch) -> dict[str, float]:
         """The mismatch on tokens of the current version only: precision, without
         staleness (the correction's mismatch/ metrics mix both)."""
@@ -584,7 +567,10 @@ class Learner:
             "fresh/" + key.split("/", 1)[1]: value
             for key, value in measured.items()
             if key.startswith("mismatch/")
-        } | {"fresh/frac_tokens": (fresh.sum() / batch["mask"].sum()).item()}
+        } | {
+            "fresh/frac_tokens": (fresh.sum() / batch["mask"].sum()).item(),
+            "fresh/tokens": int(fresh.sum()),
+        }
 
     def _tensors(self, rows: list[tuple[int, Trajectory, float]]) -> dict[str, Any]:
         batch = batch_tensors([t for _, t, _ in rows], self.tokenizer.pad_token_id)
@@ -679,24 +665,30 @@ class Learner:
             latest.with_suffix(".tmp").write_text(str(self.version))
             os.replace(latest.with_suffix(".tmp"), latest)
         with torch.no_grad():
-            full = distributed.full_state_dict(self.model)  # rank 0's CPU; tied weights once:
-            masters = ((name, full[name]) for name, _ in self.model.named_parameters())
+            # Every rank takes part in the gather and in calibration (collectives).
+            full = distributed.full_state_dict(self.model)  # on rank 0's CPU, in FP32
             with without_logits(self.model):
-                tensors = version_tensors(
-                    self.model, self.policy, self.calibration_batch, weights=masters
-                )
+                extra = calibrate_version(self.model, self.policy, self.calibration_batch)
             if not self.ranks.main:
                 return {}
-            stats = self.publisher.publish(
+            # By parameter name, so that tied weights are sent once. The snapshot is taken
+            # and this returns; quantizing (by the policy, from the FP32 masters),
+            # encoding and sending happen on a thread while the next step trains.
+            masters = ((name, full[name]) for name, _ in self.model.named_parameters())
+            waited = self.background.submit(
                 self.version,
-                itertools.chain(tensors.weights, tensors.extra.items()),
+                masters,
+                functools.partial(version_weights, self.policy),
+                extra=extra,
                 policy=self.policy.spec,
                 engine_config=self.policy.engine_config(),
-                copy=False,  # version_tensors never aliases the master weights
             )
+        last = self.background.last  # the latest publish that finished
         return {
             "sync/version": self.version,
-            "sync/bytes": stats.wire_bytes,
+            "sync/bytes": last.bytes if last else 0,
+            "sync/publish_s": last.seconds if last else 0.0,
+            "sync/publish_wait_s": waited,
             "sync/seconds": time.perf_counter() - started,
         }
 
@@ -723,6 +715,7 @@ class Learner:
                 "scheduler": self.scheduler.state_dict(),
                 "inbox": self.inbox.state_dict(),
                 "optimizer_saved": has_optimizer,
+                "elapsed_s": self.elapsed_before + time.perf_counter() - self.started,
                 "world_size": self.ranks.world,
                 "rng": {
                     "torch": torch.get_rng_state(),
@@ -765,6 +758,7 @@ class Learner:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         self.step, self.version = state["step"], state["version"]
+        self.elapsed_before, self.resumed_from = state.get("elapsed_s", 0.0), self.step
         latest = self.dir / LATEST_VERSION_FILE
         if latest.exists():
             self.version = max(self.version, int(latest.read_text()))
@@ -803,6 +797,8 @@ def main(cfg: DictConfig) -> None:
     rank = os.environ.get("RANK", "0")  # set by torchrun
     setup_logging("learner" if rank == "0" else f"learner-rank{rank}")
     try:
+        cfg, changes = restore_on_resume(cfg, list(HydraConfig.get().overrides.task))
+        log_resume(cfg, changes, "learner")
         learner = Learner(cfg)
     except (ValueError, FileNotFoundError, MemoryError) as err:
         log.error("%s", err)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,22 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsLog:
-    def __init__(self, run_dir: str | Path, tensorboard: bool | str = "auto"):
+    """`resumed_step`: a resumed learner cuts the records past its checkpoint (those steps
+    are trained again), as the ledger does, so that every step is in the file once."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool | str = "auto",
+        resumed_step: int | None = None,
+    ):
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resumed_step is not None and self.path.exists():
+            kept = [r for r in read_jsonl(self.path) if r["step"] <= resumed_step]
+            temporary = self.path.with_suffix(".tmp")
+            temporary.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(temporary, self.path)
         self._file = self.path.open("a", buffering=1)  # line-buffered: readers see whole lines
         self._tensorboard = None
         if tensorboard:

@@ -17,27 +17,27 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 import hydra
 import zmq
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
+from asyncfp8.checks import check_config
 from asyncfp8.engines import EngineUnsupported, SamplingParams, build_engine
 from asyncfp8.models import resolve_model_dir
-from asyncfp8.precision import build_policy
-from asyncfp8.precision.fp8_kv import split_kv_scales
 from asyncfp8.precision.policy import plain
 from asyncfp8.process import (
     StopFlag,
-    check_counts,
     curve,
     endpoints,
     set_threads,
     setup_logging,
 )
+from asyncfp8.runconfig import CONFIG_FILE, restore_on_resume
 from asyncfp8.sync import HandshakeWatch, Trajectory, TrajectorySender, VersionSubscriber
-from asyncfp8.tasks import build_task
 
 REQUEST_AGAIN_AFTER = 5.0  # s without an answer to a lease request: ask again
 SNAPSHOT_AFTER = 2.0  # s waiting for a leased version before asking for a snapshot
@@ -47,10 +47,14 @@ class LearnerGone(RuntimeError):
     pass
 
 
+class WorkerMisconfigured(RuntimeError):
+    """The learner's versions do not fit this worker (another model or precision):
+    restarting it cannot help, so it exits with the configuration-error code, 2."""
+
+
 class Worker:
     def __init__(self, cfg: DictConfig):
         self.cfg, run = cfg, cfg.run
-        check_counts(cfg)
         self.id = (
             str(run.worker_id)
             if run.worker_id is not None
@@ -60,8 +64,8 @@ class Worker:
         self.stop = StopFlag()
         threads = set_threads(run.threads, run.workers + 1)
         model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
-        self.task = build_task(cfg.task)
-        self.policy = build_policy(cfg.precision, model_dir)
+        checked = check_config(cfg, model_dir, "worker")  # before the engine loads anything
+        self.task, self.policy = checked.task, checked.policy
         self.engine = build_engine(cfg.engine, str(model_dir), self.policy)
         # What every version's header must say: a learner with another precision (or
         # other parameters of it) makes tensors this engine was not built for.
@@ -69,7 +73,11 @@ class Worker:
         addresses, secure = endpoints(cfg.sync, "connect"), curve(cfg.sync)
         self.watch = HandshakeWatch()  # logs a learner that fails to authenticate
         self.subscriber = VersionSubscriber(
-            addresses.versions, addresses.snapshots, curve=secure, watch=self.watch
+            addresses.versions,
+            addresses.snapshots,
+            curve=secure,
+            watch=self.watch,
+            transport=cfg.sync.transport,
         )
         self.sender = TrajectorySender(
             addresses.trajectories,
@@ -170,11 +178,10 @@ class Worker:
             if version is not None:
                 self._check_header(version)
                 started = time.perf_counter()
-                weights, extra = split_kv_scales(version.tensors)
                 try:
-                    self.engine.update_weights(version.number, weights, extra)
+                    self.engine.update_weights(version.number, version.weights, version.extra)
                 except ValueError as err:
-                    raise SystemExit(
+                    raise WorkerMisconfigured(
                         f"worker {self.id}: version {version.number} does not fit this worker's "
                         f"engine: {err}. Do the learner and the worker use the same model= and "
                         "precision=?"
@@ -188,7 +195,7 @@ class Worker:
     def _check_header(self, version) -> None:
         policy, engine_config = self.expected_header
         if (version.policy, plain(version.engine_config)) != (policy, engine_config):
-            raise SystemExit(
+            raise WorkerMisconfigured(
                 f"worker {self.id}: version {version.number} is for precision {version.policy!r} "
                 f"(engine config {version.engine_config}), but this worker's {self.engine.name} "
                 f"engine runs {policy!r} ({engine_config}). Start the learner and the workers "
@@ -280,6 +287,9 @@ class Worker:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
+        if cfg.run.resume and (Path(cfg.run.dir) / CONFIG_FILE).is_file():
+            # Started with a resuming learner on this host (the launcher): the saved run.
+            cfg, _ = restore_on_resume(cfg, list(HydraConfig.get().overrides.task))
         worker = Worker(cfg)
     except (ValueError, FileNotFoundError, EngineUnsupported) as err:
         print(f"worker: {err}", file=sys.stderr)
@@ -293,6 +303,10 @@ def main(cfg: DictConfig) -> None:
         worker.log.error("%s", err)
         worker.close()
         sys.exit(3)
+    except WorkerMisconfigured as err:
+        worker.log.error("%s", err)
+        worker.close()
+        sys.exit(2)
 
 
 if __name__ == "__main__":

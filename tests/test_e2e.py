@@ -16,6 +16,7 @@ from asyncfp8.chaos.audit import audit
 from asyncfp8.chaos.cluster import SMALL_RUN, Cluster
 from asyncfp8.launch import free_ports
 from asyncfp8.ledger import read_ledger
+from asyncfp8.metrics import read_metrics
 from asyncfp8.report import evaluations, per_step
 
 
@@ -175,6 +176,12 @@ def test_resume_after_the_learner_is_killed(cluster):
     new_versions = [r["sync/version"] for r in after if r["step"] > resumed_at]
     assert min(new_versions) > highest >= max(r["sync/version"] for r in before)
     assert new_versions == sorted(new_versions)
+    # metrics.jsonl was cut back to the checkpoint: every step is in it once, and the
+    # totals continue (the samples count covers the run before the kill too).
+    raw = [r for r in read_metrics(c.run_dir) if r["step"] >= 1]  # step 0: held-out baseline
+    assert [r["step"] for r in raw] == list(range(1, 41))
+    assert [r["step"] for r in raw if "run/resumed_from_step" in r] == [resumed_at + 1]
+    assert raw[-1]["total/samples"] >= 40 * 16
 
 
 def test_a_two_rank_learner_killed_resumes_on_one_rank(cluster):

@@ -123,8 +123,11 @@ def test_a_nan_in_a_streamed_model_names_the_tensor():
 
 
 def test_unknown_and_nonsensical_policies():
+    # Other tests register policies of their own (the example's fp8_edges_bf16) in the
+    # same process, so the built-ins are matched with room for them in between.
     with pytest.raises(
-        ValueError, match=r"unknown precision policy 'fp4'; registered: bf16, fp8, fp8_kv, int8"
+        ValueError,
+        match=r"unknown precision policy 'fp4'; registered: bf16, fp8, (\w+, )*fp8_kv, int8",
     ):
         get_policy("fp4")
     with pytest.raises(ValueError, match="fp8 and int8 both quantize the weights"):
@@ -388,3 +391,108 @@ def test_profile_cli_and_smoothing_preserves_the_float_model(tiny_model_dir, tmp
         )
     with pytest.raises(FileNotFoundError, match="make one with"):
         get_policy("int8", profile=str(tmp_path / "missing.safetensors"))
+
+
+# --- block sizes --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", [(64, 64), (32, 128), (128, 128)])
+def test_fp8_blocks_of_any_accepted_size_stay_within_the_128_block_error_bound(block):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(352, 200, bias=True)
+    x = torch.randn(5, 7, 352)
+    container = torch.nn.Sequential()
+    container.add_module("proj", copy.deepcopy(linear))
+    policy = get_policy("fp8", block_size=list(block))
+    real = apply_policy(copy.deepcopy(container), policy, real=True).proj
+    fake = apply_policy(copy.deepcopy(container), policy, real=False).proj
+    assert isinstance(real, FP8BlockLinear) and real.block == block
+    assert real.scale_inv.shape == (-(-200 // block[0]), -(-352 // block[1]))
+    with torch.no_grad():
+        exact, got_real, got_fake = linear(x), real(x), fake(x)
+    torch.testing.assert_close(got_real, got_fake, rtol=1e-4, atol=1e-4)
+    # The bound the 128x128 format meets (smaller blocks: finer scales, no larger error).
+    assert relative_frobenius(got_real, exact.double()) < 0.06
+
+
+def test_fp8_block_sizes_that_no_gemm_runs_are_refused():
+    for bad in ([64, 60], [8, 8], [128], [128, 128, 1]):
+        with pytest.raises(ValueError, match="fp8: block_size"):
+            get_policy("fp8", block_size=bad)
+
+
+# --- the learner's quantized forward (precision.learner_forward=quantized) ---------------------
+
+
+@pytest.mark.parametrize("policy_name", ["fp8", "int8"])
+def test_fake_quant_learner_layer_is_the_engine_layer_with_straight_through_gradients(
+    policy_name,
+):
+    from asyncfp8.precision.modules import FakeQuantLinear, use_fake_quant
+
+    torch.manual_seed(0)
+    container = torch.nn.Sequential()
+    container.add_module("proj", torch.nn.Linear(352, 200, bias=True))
+    with torch.no_grad():  # the engine keeps biases in BF16: make this one BF16-exact
+        container.proj.bias.copy_(container.proj.bias.bfloat16())
+    x = torch.randn(5, 7, 352, requires_grad=True)
+    policy = get_policy(policy_name)
+    engine_layer = apply_policy(copy.deepcopy(container), policy, real=False).proj
+    learner = use_fake_quant(copy.deepcopy(container), policy)
+    layer = learner.proj
+    assert isinstance(layer, FakeQuantLinear)
+    assert [n for n, _ in learner.named_parameters()] == ["proj.weight", "proj.bias"]
+    out = layer(x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, engine_layer(x), rtol=1e-5, atol=1e-5)
+    # Straight through: the gradients are those of a float layer at the quantized point.
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    with torch.no_grad():
+        x_hat = policy.fake_quantize_input("proj.weight", x)
+        w_hat = policy.fake_quantize_weight("proj.weight", layer.weight)
+    flat_grad, flat_x = grad.reshape(-1, 200).double(), x_hat.reshape(-1, 352).double()
+    torch.testing.assert_close(
+        layer.weight.grad.double(), flat_grad.t() @ flat_x, rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(
+        x.grad.double(), (flat_grad @ w_hat.double()).reshape(x.shape), rtol=1e-5, atol=1e-6
+    )
+    torch.testing.assert_close(layer.bias.grad, grad.sum((0, 1)))
+
+
+@pytest.mark.parametrize("policy_name", ["fp8", "int8", "fp8+fp8_kv"])
+def test_the_quantized_learner_forward_is_the_engines_forward(policy_name, tiny_model_dir):
+    """With learner_forward=quantized the learner computes what an engine running the same
+    policy in FP32 computes: what is left between learner and engine is kernel arithmetic."""
+    from asyncfp8.engines.torch_engine import TorchEngine
+    from asyncfp8.models import load_model
+    from asyncfp8.precision import version_tensors
+
+    def in_fp32(policy):  # an engine in FP32 throughout: no BF16 rounding on either side
+        for part in [policy, *getattr(policy, "parts", [])]:
+            part.engine_dtype = torch.float32
+        return policy
+
+    policy = in_fp32(get_policy(policy_name))
+    policy.learner_forward = "quantized"
+    learner = policy.prepare_learner(load_model(tiny_model_dir))
+    batch = calibration_batch(tiny_model_dir, 8)
+    version = version_tensors(learner, policy, batch)  # calibrates: the KV scales both read
+    engine = TorchEngine(str(tiny_model_dir), in_fp32(get_policy(policy_name)), dtype=torch.float32)
+    engine.update_weights(0, dict(version.weights), version.extra)
+    if engine.fp8_kv:
+        cache = engine._cache()
+    ids = batch["input_ids"][:4, -12:]
+    with torch.no_grad():
+        engine_logp = torch.log_softmax(
+            engine.model(ids, past_key_values=cache if engine.fp8_kv else None).logits, -1
+        )
+        learner_logp = torch.log_softmax(learner(ids).logits, -1)
+        master_logp = torch.log_softmax(load_model(tiny_model_dir)(ids).logits, -1)
+    gap = (learner_logp - engine_logp).abs().max().item()
+    master_gap = (master_logp - engine_logp).abs().max().item()
+    print(
+        f"{policy_name}: max |dlogp| vs the FP32 engine: quantized {gap:.2e}, master {master_gap:.2e}"
+    )
+    assert gap < 1e-4 < master_gap

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from asyncfp8.report import per_step, plot_runs, smooth, summarize
+from asyncfp8.report import per_step, plot_runs, smooth, summarize, trailing_mean
 
 
 def test_smooth_is_a_trailing_mean_that_skips_nan():
@@ -44,9 +44,39 @@ def test_summary_uses_the_first_and_last_fifth_and_the_last_record_of_a_step(tmp
     assert summary["reward_start"] == 0.0
     assert summary["reward_end"] == pytest.approx((0.9 + 1.0) / 2)
     assert summary["samples_per_s"] == pytest.approx(640 / 5.0)
-    assert np.isnan(summary["fresh_kl_k3_mean"])  # no step had current-version tokens
+    assert summary["fresh_kl_k3_mean"] is None  # no step had current-version tokens
+    assert summary["fresh_kl_steps"] == 0
     with pytest.raises(ValueError, match="no metrics"):
         summarize(tmp_path)
+
+
+def test_the_precision_only_kl_is_reported_with_its_support_or_left_out(tmp_path):
+    def run(name, fresh_steps):
+        write_run(tmp_path / name, [0.5] * 40)
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+        for r in records[:fresh_steps]:
+            r |= {"fresh/kl_k3": 2e-3, "fresh/tokens": 50}
+        (tmp_path / name / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in records)
+        )
+        return summarize(tmp_path / name)
+
+    few = run("few", 2)  # an asynchronous run: two steps had current-version tokens
+    assert few["fresh_kl_k3_mean"] is None and few["fresh_kl_steps"] == 2
+    assert any("rests on 2 steps" in w for w in few["warnings"])
+    enough = run("enough", 12)
+    assert enough["fresh_kl_k3_mean"] == pytest.approx(2e-3)
+    assert (enough["fresh_kl_steps"], enough["fresh_kl_tokens"]) == (12, 600)
+
+
+def test_a_run_without_reward_spread_is_warned_about(tmp_path):
+    write_run(tmp_path / "flat", [0.0] * 30)
+    records = [json.loads(line) for line in (tmp_path / "flat" / "metrics.jsonl").open()]
+    lines = [json.dumps(r | {"groups/frac_zero_advantage": 0.9}) for r in records]
+    (tmp_path / "flat" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    summary = summarize(tmp_path / "flat")
+    assert summary["frac_zero_advantage_mean"] == pytest.approx(0.9)
+    assert any("no reward spread" in w for w in summary["warnings"])
 
 
 def test_plot_of_two_runs(tmp_path):
@@ -73,3 +103,10 @@ def test_summary_carries_held_out_pass_at_1_before_and_after_training(tmp_path):
     assert summary["reward_start"] == 0.0 and summary["steps"] == 10  # step 0 trains nothing
     write_run(tmp_path / "b", [0.1] * 5)
     assert np.isnan(summarize(tmp_path / "b")["eval_pass1_greedy_end"])  # evaluation off
+
+
+def test_trailing_mean_starts_once_its_window_is_full():
+    values = np.arange(10, dtype=float)
+    got = trailing_mean(values, 4)
+    assert np.isnan(got[:3]).all()  # no "mean" of one to three points drawn
+    np.testing.assert_allclose(got[3:], [np.mean(values[i - 3 : i + 1]) for i in range(3, 10)])

@@ -1,6 +1,6 @@
 import string
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
@@ -12,6 +12,9 @@ ASCII = string.printable  # letters, digits, punctuation, whitespace
 @given(st.text(alphabet=ASCII, max_size=80))
 @settings(max_examples=200, deadline=None)
 def test_ascii_round_trips_one_token_per_character(text):
+    # The special tokens' own text maps to them, as in every HF tokenizer (hypothesis
+    # finds "<|pad|>": it tries the string constants of the code under test).
+    assume(PAD_TOKEN not in text and EOS_TOKEN not in text)
     tokenizer = build_byte_tokenizer()
     ids = tokenizer(text)["input_ids"]
     assert ids == list(text.encode())  # a byte's id is its value: independent reference

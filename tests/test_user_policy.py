@@ -180,6 +180,7 @@ def test_the_example_keeps_its_edge_layers_in_bf16_in_the_torch_engine(four_laye
     engine.update_weights(1, version)
 
 
+@pytest.mark.vllm
 def test_the_example_exports_ignored_layers_that_vllm_skips(four_layer_model_dir, tmp_path):
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
     from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
@@ -212,6 +213,7 @@ def _quant_methods(worker):
     }
 
 
+@pytest.mark.vllm
 def test_vllm_runs_a_user_policy_with_its_edge_layers_unquantized(
     four_layer_model_dir, vllm_module
 ):

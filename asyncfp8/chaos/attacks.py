@@ -13,7 +13,7 @@ import msgpack
 import zmq
 
 from asyncfp8.sync import Trajectory
-from asyncfp8.sync.codec import seal
+from asyncfp8.sync.codec import DIGEST_BYTES, seal
 from asyncfp8.sync.trajectories import FORMAT_VERSION, LEASE_FRAME
 from asyncfp8.sync.versions import SNAPSHOT_REQUEST
 
@@ -158,7 +158,8 @@ class Flood:
             while time.monotonic() < deadline:
                 if dealer.poll(500):
                     header = dealer.recv_multipart()[0]
-                    final = msgpack.unpackb(header[8:], raw=False).get("final")
+                    # topic byte, xxh3-64 digest, then the msgpack header
+                    final = msgpack.unpackb(header[1 + DIGEST_BYTES :], raw=False).get("final")
                     if final:
                         self.snapshots_received += 1
                         break
@@ -229,18 +230,21 @@ class CorruptingRelay:
         kind = self.rng.choice(["header", "payload", "truncated", "injected", "replayed"])
         self.counts[kind] += 1
         header, payload = frames
+        # The header's first byte is the topic the worker subscribes to: a message whose
+        # topic changed would not reach it at all, so faults go after it.
+        topic, rest = header[:1], header[1:]
         if kind == "header":
-            return [flip_byte(header, self.rng), payload]
+            return [topic + flip_byte(rest, self.rng), payload]
         if kind == "payload" and payload:
             return [header, flip_byte(payload, self.rng)]
-        if kind == "payload":  # nothing to flip: count it as a header fault instead
+        if kind == "payload":  # nothing to flip (a shared-memory notice): a header fault then
             self.counts["payload"] -= 1
             self.counts["header"] += 1
-            return [flip_byte(header, self.rng), payload]
+            return [topic + flip_byte(rest, self.rng), payload]
         if kind == "truncated":
-            return [header[: self.rng.randrange(len(header))], payload]
+            return [topic + rest[: self.rng.randrange(len(rest))], payload]
         if kind == "injected":
-            return [self.rng.randbytes(64), self.rng.randbytes(self.rng.randrange(1, 4096))]
+            return [topic + self.rng.randbytes(64), self.rng.randbytes(self.rng.randrange(1, 4096))]
         return self.rng.choice(self._history[:-1] or [frames])  # replayed
 
     def close(self) -> None:

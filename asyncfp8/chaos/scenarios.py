@@ -594,7 +594,9 @@ def slow_worker(
     work_dir: Path, model_dir: Path, pauses: int = 3, pause_s: float = 5.0, seed: int = 0
 ) -> FaultReport:
     """Freezes one worker (SIGSTOP, as a swapping or oversubscribed host would) for
-    `pause_s` at a time, `pauses` times; its leases expire while it is frozen."""
+    `pause_s` at a time until `pauses` freezes caught it holding a lease (a worker frozen
+    while it waits for capacity holds none, and on a fast machine that is common); those
+    leases expire while it is frozen. At most `3 * pauses` freezes are tried."""
     rng = random.Random(seed)
     lease_timeout = 2.0
     c = Cluster(
@@ -612,13 +614,17 @@ def slow_worker(
         slow = c.worker(1)
         c.wait_for_step(5)
         stalls = []
-        for _ in range(pauses):
+        caught = 0  # freezes during which one of the slow worker's leases expired
+        while caught < pauses and len(stalls) < 3 * pauses:
             time.sleep(rng.uniform(0.5, 1.5))
+            expiries = c.log("learner", tail=0).count("expired after")
             os.kill(slow.pid, signal.SIGSTOP)
             stopped = time.time()
             time.sleep(pause_s)
+            caught += c.log("learner", tail=0).count("expired after") > expiries
             os.kill(slow.pid, signal.SIGCONT)
             stalls.append(stopped)
+        report.injected = len(stalls)
         time.sleep(3)
         c.wait_for_step(c.last_step() + 3)
         report.check("the slow worker is still running", slow.poll() is None, slow.poll())

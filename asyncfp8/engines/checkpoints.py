@@ -19,10 +19,17 @@ from .base import EngineUnsupported
 TensorSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-def refuse_unsupported(engine: str, policy: PrecisionPolicy, formats: tuple[str, ...]) -> None:
-    """EngineUnsupported, at start, for a policy that says `engine` cannot run it or whose
-    weight format (`engine_config()["quantization"]`) is not among the `formats` the
-    adapter knows how to start and refit."""
+def refuse_unsupported(
+    engine: str, policy: PrecisionPolicy, formats: tuple[str, ...], source: Path
+) -> None:
+    """EngineUnsupported, at start, for a policy that says `engine` cannot run it (on the
+    model in `source`, which the policy is bound to here if it is not yet) or whose weight
+    format (`engine_config()["quantization"]`) is not among the `formats` the adapter
+    knows how to start and refit."""
+    if policy.model_config is None:
+        from transformers import AutoConfig
+
+        policy.bind_model(AutoConfig.from_pretrained(source, local_files_only=True))
     reason = policy.supported_by(engine)
     quantization = policy.engine_config().get("quantization")
     if not reason and quantization is not None and quantization not in formats:

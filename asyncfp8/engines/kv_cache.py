@@ -1,51 +1,105 @@
-"""An FP8 (e4m3) KV cache for transformers models, with per-layer scales.
+"""The built-in engine's KV cache: preallocated, static in shape and address.
 
-Keys and values are stored as round(x / scale) in float8_e4m3fn and read back as
-q · scale, so attention sees exactly what an engine with an FP8 KV cache sees. The
-scales are the version's recalibrated `k_scale` / `v_scale` (asyncfp8.precision.fp8_kv).
+One key and one value buffer per layer, [batch, kv_heads, max_tokens, head_dim], in the
+model dtype or in e4m3. Nothing is concatenated or reallocated while a batch decodes,
+so one captured decode-step graph serves every step of a generation (and every
+generation of the same shape).
+
+The e4m3 variant stores round(x / scale) in float8_e4m3fn (clamped to ±448), the
+version's recalibrated `k_scale` / `v_scale` (asyncfp8.precision.fp8_kv). The scales
+are 0-dim fp32 tensors the engine owns and overwrites in place when a version arrives:
+the cache and a captured graph read them, so a new version needs no new graph. Decode
+attention reads the e4m3 bytes as they are (`asyncfp8.engines.kernels
+.fp8_kv_decode_attention`); prefill reads them dequantized.
+
+Where a forward writes is set by the decoder before it runs (`write_at`): the transformers
+attention modules call `update(keys, values, layer_idx)` with no position.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
 
 from asyncfp8.precision.fp8 import FP8_MAX
 
-
-class FP8KVLayer(DynamicLayer):
-    def __init__(self, k_scale: float, v_scale: float):
-        super().__init__()
-        self.k_scale, self.v_scale = float(k_scale), float(v_scale)
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = torch.empty(
-            (*key_states.shape[:2], 0, key_states.shape[3]),
-            dtype=torch.float8_e4m3fn,
-            device=self.device,
-        )
-        self.values = torch.empty(
-            (*value_states.shape[:2], 0, value_states.shape[3]),
-            dtype=torch.float8_e4m3fn,
-            device=self.device,
-        )
-        self.is_initialized = True
-
-    @staticmethod
-    def _quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.keys = torch.cat([self.keys, self._quantize(key_states, self.k_scale)], dim=-2)
-        self.values = torch.cat([self.values, self._quantize(value_states, self.v_scale)], dim=-2)
-        return (self.keys.float() * self.k_scale).to(self.dtype), (
-            self.values.float() * self.v_scale
-        ).to(self.dtype)
+FP8 = torch.float8_e4m3fn
 
 
-def fp8_kv_cache(scales: list[tuple[float, float]]) -> Cache:
-    """A cache whose layer i stores e4m3 with (k_scale, v_scale) = scales[i]."""
-    return Cache(layers=[FP8KVLayer(k, v) for k, v in scales])
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x as an e4m3 cache stores it: round(x / scale), clamped to the e4m3 range."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+class StaticKVCache:
+    """Keys and values of `batch` sequences × `max_tokens` positions for every layer.
+
+    `scales`: one (k_scale, v_scale) pair of 0-dim fp32 tensors per layer for an e4m3
+    cache, None for a cache in `dtype`. Buffers start as zeros and stay finite (a NaN in
+    an unattended slot would still poison attention: 0 · NaN is NaN)."""
+
+    def __init__(
+        self,
+        layers: int,
+        batch: int,
+        kv_heads: int,
+        max_tokens: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ):
+        if scales is not None and len(scales) != layers:
+            raise ValueError(f"an e4m3 cache needs one (k, v) scale pair per layer: {layers}")
+        storage = FP8 if scales is not None else dtype
+        shape = (batch, kv_heads, max_tokens, head_dim)
+        self.keys = [torch.zeros(shape, dtype=storage, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=storage, device=device) for _ in range(layers)]
+        self.scales = scales
+        self.max_tokens = max_tokens
+        self.positions: torch.Tensor | None = None
+        self.visible: int | None = None
+        #: positions below it may be attended (decode): lets attention skip the empty tail
+        self.kv_len: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.scales is not None
+
+    def write_at(self, positions: torch.Tensor, visible: int | None = None) -> None:
+        """The next forward writes its tokens at `positions` (a long tensor on the cache's
+        device, one per token of the forward, the same for every row) and, with `visible`,
+        returns only the first `visible` positions to attention (prefill: the prompt's)."""
+        self.positions, self.visible = positions, visible
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_):
+        """Writes the new keys and values of rows 0..n-1 (n = key_states' batch) and
+        returns what attention reads: those rows' buffers (e4m3 ones for an FP8 cache)."""
+        rows = key_states.shape[0]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if self.fp8:
+            k_scale, v_scale = self.scales[layer_idx]
+            key_states, value_states = (
+                quantize_kv(key_states, k_scale),
+                quantize_kv(value_states, v_scale),
+            )
+        # Through byte views: index_copy_ has no e4m3 kernel on the CPU.
+        for buffer, states in ((keys, key_states), (values, value_states)):
+            buffer_bytes = buffer.view(torch.uint8) if self.fp8 else buffer
+            states_bytes = states.view(torch.uint8) if self.fp8 else states.to(buffer.dtype)
+            buffer_bytes[:rows].index_copy_(2, self.positions, states_bytes)
+        end = self.max_tokens if self.visible is None else self.visible
+        return keys[:rows, :, :end], values[:rows, :, :end]
+
+    def dequantize(
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """e4m3 keys and values of layer `layer_idx` (as `update` returned them) · scale."""
+        k_scale, v_scale = self.scales[layer_idx]
+        return (keys.float() * k_scale).to(dtype), (values.float() * v_scale).to(dtype)
+
+    def copy_rows(self, rows: torch.Tensor) -> None:
+        """Row i of every buffer becomes row rows[i]: the samples of a prompt prefilled once
+        take its keys and values."""
+        for buffer in (*self.keys, *self.values):
+            data = buffer.view(torch.uint8) if self.fp8 else buffer
+            data.copy_(data.index_select(0, rows))

@@ -58,7 +58,7 @@ class SGLangEngine:
         **engine_kwargs,
     ):
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
-        refuse_unsupported(self.name, self.policy, ("fp8",))
+        refuse_unsupported(self.name, self.policy, ("fp8",), check_model_dir(model_dir))
         config = self.policy.engine_config()
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true"):
             raise EngineUnsupported(

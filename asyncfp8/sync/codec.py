@@ -1,34 +1,40 @@
-"""Weight versions as ZeroMQ messages: a msgpack header and a safetensors payload.
+"""Weight versions as ZeroMQ messages: a header frame and a payload frame per chunk.
 
-A version is sent as one or more chunk messages `[header, payload]`. The payload is a
-safetensors file; the header (msgpack) names the version, the delta base, the
-precision policy and its engine config, and, for every tensor: name, dtype, shape,
-encoding (`full` or `patch`), the byte offset and length of its data in the payload,
-and two xxh3-64 checksums: of those payload bytes, and of the tensor once rebuilt.
+A version is typed and one-way: its tensors come in two sections, `weights` (what the
+precision policy made of the model) and `extra` (per-version tensors such as KV
+scales), and the header carries the policy name and the engine config it was made for.
 
-A `patch` is lossless: the flat indices where the tensor's bytes changed since the
-base version (gaps between them, in the narrowest unsigned type that fits) and the new
-values there. For quantized policies the patch is taken on what the engine receives
-(e4m3 / int8 bytes, scale blocks), never on BF16. Each tensor is sent in whichever
-form is smaller.
+A version travels as chunk messages `[header, payload]`. The header frame is a topic
+byte (`V`, which subscribers filter on) and a msgpack map sealed with its xxh3-64
+digest: format, version number, the publisher's stream id, the delta base, policy and
+engine config, chunk index, the payload's length, and for each tensor with data in the
+chunk: name, section, dtype, shape, encoding (`full` or `delta`), the xxh3-64 of the
+rebuilt tensor, and its parts (where in the payload, how long, xxh3-64 of those bytes).
+A `full` tensor's bytes travel as `data` parts that each say where in the tensor they
+start (`at`), so a large tensor spans chunks of a few MiB: a receiver writes each
+straight into the tensor it will hand out (`VersionAssembler.begin` names the buffer
+for `recv_into`), one copy per byte. A `delta` part is one compressed ULP delta against
+the receiver's previous version (`delta.py`); a tensor goes whole when that is smaller.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 import xxhash
 
+from .delta import apply_delta, encode_delta
 from .limits import Limits, RejectedMessage
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+VERSION_TOPIC = b"V"  # first byte of a chunk's header frame: what a SUB socket filters on
+SECTIONS = ("weights", "extra")
 DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
     "uint8": torch.uint8,
@@ -44,18 +50,9 @@ DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-# Integer views of the same width: patches compare and copy bits, never float values
-# (so -0.0 vs 0.0 and NaN payloads survive exactly).
-BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-GAP_TYPES = (
-    (1 << 8, torch.uint8),
-    (1 << 16, torch.uint16),
-    (1 << 32, torch.uint32),
-    (1 << 63, torch.int64),
-)
-
-
 DIGEST_BYTES = 8
+
+Storage = Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor]
 
 
 def seal(frame: bytes) -> bytes:
@@ -73,184 +70,107 @@ def unseal(frame: bytes | memoryview, what: str) -> bytes:
     return frame[DIGEST_BYTES:]
 
 
-def checksum(tensor: torch.Tensor) -> int:
-    return xxhash.xxh3_64_intdigest(raw_bytes(tensor))
-
-
-def raw_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().reshape(-1).contiguous()
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes (it must be contiguous), writable when the tensor is."""
+    flat = tensor.detach().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def as_bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).contiguous().view(BITS[tensor.element_size()])
-
-
-def make_patch(new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(gaps, values) turning `base` into `new`, or None if the shapes or dtypes differ."""
-    if base.shape != new.shape or base.dtype != new.dtype:
-        return None
-    changed = (as_bits(new) != as_bits(base)).nonzero().reshape(-1)
-    gaps = torch.diff(changed, prepend=changed.new_tensor([-1]))
-    gap_dtype = next(
-        dtype for bound, dtype in GAP_TYPES if gaps.numel() == 0 or int(gaps.max()) < bound
-    )
-    return gaps.to(gap_dtype), new.detach().reshape(-1)[changed].contiguous()
-
-
-def apply_patch(base: torch.Tensor, gaps: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    index = gaps.to(torch.int64).cumsum(0) - 1
-    if index.numel() and (int(index[-1]) >= base.numel() or int(gaps.to(torch.int64).min()) < 1):
-        raise RejectedMessage("patch indices fall outside the base tensor")
-    if values.numel() != index.numel() or values.dtype != base.dtype:
-        raise RejectedMessage("patch values do not match its indices or the base dtype")
-    out = base.detach().reshape(-1).clone()
-    out[index] = values
-    return out.view(base.shape)
+def checksum(tensor: torch.Tensor) -> int:
+    return xxhash.xxh3_64_intdigest(byte_view(tensor.contiguous()))
 
 
 @dataclass
 class Version:
-    """A decoded, verified version: what a worker hands to its engine."""
+    """A decoded, verified version: what a worker hands to its engine. A subscriber
+    reuses its buffers: the tensors hold until it has received two newer versions
+    (engines copy what they are given, so that is never a constraint for them)."""
 
     number: int
-    tensors: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor]
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
     base_version: int | None = None
     policy: str = ""
     engine_config: dict[str, Any] = field(default_factory=dict)
     wire_bytes: int = 0
+    transport: str = "tcp"  # how it arrived: "tcp" (any ZeroMQ transport) or "shm"
 
 
-# The payload is a standard safetensors file (the `safetensors` library reads it; a
-# test checks that). It is written and read here rather than by that library because
-# its torch API copies every byte twice per side (1.2 GB/s measured), where this
-# writes each tensor once into one buffer that ZeroMQ sends without a copy, and reads
-# tensors as zero-copy views of the received frame.
-ST_DTYPES = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.int16: "I16",
-    torch.uint16: "U16",
-    torch.int32: "I32",
-    torch.uint32: "U32",
-    torch.int64: "I64",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-ST_TORCH = {name: dtype for dtype, name in ST_DTYPES.items()}
+Tagged = Iterable[tuple[str, str, torch.Tensor]]  # (section, name, tensor)
 
 
-def pack_safetensors(
-    tensors: Mapping[str, torch.Tensor],
-) -> tuple[memoryview, dict[str, tuple[int, int]]]:
-    """(safetensors file as one buffer, {name: (byte offset, length) in it})."""
-    header, cursor = {}, 0
-    for name, tensor in tensors.items():
-        length = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": ST_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [cursor, cursor + length],
-        }
-        cursor += length
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-byte aligned
-    start = 8 + len(header_bytes)
-    buffer = torch.empty(start + cursor, dtype=torch.uint8)
-    buffer[:start] = torch.frombuffer(
-        bytearray(struct.pack("<Q", len(header_bytes)) + header_bytes), dtype=torch.uint8
-    )
-    offsets = {}
-    for name, tensor in tensors.items():
-        begin, end = header[name]["data_offsets"]
-        if end > begin:
-            buffer[start + begin : start + end] = (
-                tensor.detach().reshape(-1).contiguous().view(torch.uint8)
-            )
-        offsets[name] = (start + begin, end - begin)
-    return memoryview(buffer.numpy()), offsets
-
-
-def unpack_safetensors(payload: memoryview) -> dict[str, torch.Tensor]:
-    """Tensors viewing `payload` (no copy); RejectedMessage if it is not a sound file."""
-    try:
-        (header_len,) = struct.unpack("<Q", bytes(payload[:8]))
-        _check(header_len <= len(payload) - 8, "safetensors header longer than the payload")
-        header = json.loads(bytes(payload[8 : 8 + header_len]))
-    except (struct.error, ValueError, UnicodeDecodeError) as err:
-        raise RejectedMessage(f"payload is not a safetensors file: {err}") from None
-    _check(isinstance(header, dict), "safetensors header is not a map")
-    start, tensors = 8 + header_len, {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        _check(
-            isinstance(info, dict) and info.get("dtype") in ST_TORCH,
-            f"{name}: unknown safetensors dtype",
-        )
-        dtype, shape, offsets = ST_TORCH[info["dtype"]], info.get("shape"), info.get("data_offsets")
-        _check(
-            isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape),
-            f"{name}: bad shape",
-        )
-        _check(
-            isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(isinstance(o, int) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1] <= len(payload) - start,
-            f"{name}: data offsets out of range",
-        )
-        numel = math.prod(shape)
-        _check(
-            offsets[1] - offsets[0] == numel * dtype.itemsize,
-            f"{name}: data length does not match its shape",
-        )
-        if numel == 0:
-            tensors[name] = torch.empty(shape, dtype=dtype)
-            continue
-        raw = torch.frombuffer(
-            payload, dtype=torch.uint8, count=offsets[1] - offsets[0], offset=start + offsets[0]
-        )
-        tensors[name] = raw.view(dtype).reshape(shape)
-    return tensors
+def tag_sections(
+    weights: Iterable[tuple[str, torch.Tensor]], extra: Mapping[str, torch.Tensor] | None
+) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(section, name, tensor) for the weights, then the extra tensors."""
+    for name, tensor in weights:
+        yield "weights", name, tensor
+    for name, tensor in (extra or {}).items():
+        yield "extra", name, tensor
 
 
 def encode_chunks(
     version: int,
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    base: Mapping[str, torch.Tensor] | None = None,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    extra: Mapping[str, torch.Tensor] | None = None,
+    base: dict[str, torch.Tensor] | None = None,
     base_version: int | None = None,
     policy: str = "",
     engine_config: Mapping[str, Any] | None = None,
-    chunk_bytes: int = 64 << 20,
+    chunk_bytes: int = 4 << 20,
     update_base: bool = False,
     stream: str = "",
+    zstd_level: int = 1,
 ) -> Iterator[list[bytes]]:
     """One `[header, payload]` message per chunk of about `chunk_bytes`, streamed from
-    `named_tensors`. Tensors with an entry in `base` (the receiver's previous version)
-    go as patches when that is smaller. With `update_base`, `base[name]` is replaced by
-    the new tensor as soon as its patch is taken, so a sender keeps one copy of the
-    model, not two. `stream` names the sending process: a receiver never assembles one
-    version from chunks of two streams (a learner that died mid-publish and the one
-    that resumed it)."""
-    pending: dict[str, torch.Tensor] = {}
-    entries: list[dict[str, Any]] = []
-    size, chunk_index, total = 0, 0, 0
+    `weights` then `extra`. Tensors with an entry of the same dtype and shape in `base`
+    (the receiver's previous version) go as deltas when that is smaller. With
+    `update_base`, `base` holds this version afterwards: tensors it has are overwritten
+    in place, new ones are copied in, so a sender keeps one copy of the model. `stream`
+    names the sending process: a receiver never assembles one version from chunks of
+    two streams (a learner that died mid-publish and the one that resumed it)."""
+    return encode_tagged(
+        version,
+        tag_sections(weights, extra),
+        base=base,
+        base_version=base_version,
+        policy=policy,
+        engine_config=engine_config,
+        chunk_bytes=chunk_bytes,
+        update_base=update_base,
+        stream=stream,
+        zstd_level=zstd_level,
+    )
+
+
+def encode_tagged(
+    version: int,
+    tagged: Tagged,
+    base: dict[str, torch.Tensor] | None = None,
+    base_version: int | None = None,
+    policy: str = "",
+    engine_config: Mapping[str, Any] | None = None,
+    chunk_bytes: int = 4 << 20,
+    update_base: bool = False,
+    stream: str = "",
+    zstd_level: int = 1,
+) -> Iterator[list[bytes]]:
+    """`encode_chunks` over (section, name, tensor) triples."""
+    chunk_bytes = max(1, chunk_bytes)
+    pending: list[tuple[dict, memoryview]] = []  # (part, its bytes)
+    entries: dict[str, dict[str, Any]] = {}  # name -> its entry in this chunk
+    size, chunk_index, names = 0, 0, set()
 
     def message(final: bool) -> list[bytes]:
-        payload, offsets = pack_safetensors(pending)
-        for entry in entries:
-            for part in entry["parts"]:
-                offset, length = offsets[part["key"]]
-                digest = xxhash.xxh3_64_intdigest(payload[offset : offset + length])
-                part.update(offset=offset, length=length, checksum=digest)
-            if entry["encoding"] == "full":
-                entry["result_checksum"] = entry["parts"][0]["checksum"]  # the same bytes
+        payload = np.empty(size, dtype=np.uint8)
+        cursor = 0
+        for part, data in pending:
+            payload[cursor : cursor + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            part |= {
+                "offset": cursor,
+                "checksum": xxhash.xxh3_64_intdigest(payload[cursor : cursor + len(data)]),
+            }
+            cursor += len(data)
         header = {
             "format": FORMAT_VERSION,
             "kind": "version",
@@ -261,47 +181,79 @@ def encode_chunks(
             "engine_config": dict(engine_config or {}),
             "chunk": chunk_index,
             "final": final,
-            "tensors": entries,
-            "total_tensors": total if final else None,
+            "payload_bytes": size,
+            "tensors": list(entries.values()),
+            "total_tensors": len(names) if final else None,
         }
-        return [seal(msgpack.packb(header, use_bin_type=True)), payload]
+        return [VERSION_TOPIC + seal(msgpack.packb(header, use_bin_type=True)), payload]
 
-    for name, tensor in named_tensors:
+    def add(entry: dict[str, Any], part: dict[str, Any], data: memoryview) -> None:
+        nonlocal size
+        entries.setdefault(entry["name"], entry | {"parts": []})["parts"].append(part)
+        pending.append((part, data))
+        size += len(data)
+
+    for section, name, tensor in tagged:
         tensor = tensor.detach().contiguous()
         if tensor.dtype not in DTYPE_NAMES:
             raise ValueError(f"{name}: dtype {tensor.dtype} cannot be sent")
-        full_bytes = tensor.numel() * tensor.element_size()
-        patch = make_patch(tensor, base[name]) if base is not None and name in base else None
-        if update_base and base is not None:
-            base[name] = tensor
-        entry = {"name": name, "dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)}
-        if patch is not None and sum(p.numel() * p.element_size() for p in patch) < full_bytes:
-            gaps, values = patch
-            entry["result_checksum"] = checksum(tensor)
-            entry["encoding"] = "patch"
-            entry["parts"] = [
-                {"key": f"{name}::gaps", "role": "gaps"},
-                {"key": f"{name}::values", "role": "values"},
-            ]
-            pending[f"{name}::gaps"], pending[f"{name}::values"] = gaps, values
-            size += gaps.numel() * gaps.element_size() + values.numel() * values.element_size()
+        if name in names:
+            raise ValueError(f"{name}: sent twice in version {version}")
+        names.add(name)
+        entry = {
+            "name": name,
+            "section": section,
+            "dtype": DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "result_checksum": checksum(tensor),
+        }
+        old = None if base is None else base.get(name)
+        delta = None
+        if old is not None and old.dtype == tensor.dtype and old.shape == tensor.shape:
+            delta = encode_delta(tensor, old, zstd_level, update_base=update_base)
+        elif update_base and base is not None:
+            base[name] = tensor.clone()
+        if delta is not None:
+            part = {
+                "role": "delta",
+                "length": len(delta.blob),
+                "changes": delta.changes,
+                "escapes": delta.escapes,
+                "gap_bytes": delta.gap_bytes,
+                "raw_bytes": delta.raw_bytes,
+            }
+            add(entry | {"encoding": "delta"}, part, memoryview(delta.blob))
         else:
-            entry["encoding"] = "full"
-            entry["parts"] = [{"key": name, "role": "data"}]
-            pending[name] = tensor
-            size += full_bytes
-        entries.append(entry)
-        total += 1
+            data, at = byte_view(tensor), 0
+            while True:
+                if size >= chunk_bytes:
+                    yield message(final=False)
+                    pending, entries, size = [], {}, 0
+                    chunk_index += 1
+                length = min(len(data) - at, chunk_bytes - size)
+                add(
+                    entry | {"encoding": "full"},
+                    {"role": "data", "at": at, "length": length},
+                    data[at : at + length],
+                )
+                at += length
+                if at >= len(data):
+                    break
         if size >= chunk_bytes:
             yield message(final=False)
-            pending, entries, size = {}, [], 0
+            pending, entries, size = [], {}, 0
             chunk_index += 1
     yield message(final=True)
 
 
-def encode_version(version: int, named_tensors, **kwargs) -> list[list[bytes]]:
+def encode_version(
+    version: int,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    extra: Mapping[str, torch.Tensor] | None = None,
+    **kwargs,
+) -> list[list[bytes]]:
     """All chunk messages of a version (see `encode_chunks` for the arguments)."""
-    return list(encode_chunks(version, named_tensors, **kwargs))
+    return list(encode_chunks(version, weights, extra, **kwargs))
 
 
 def _check(condition: bool, reason: str) -> None:
@@ -309,13 +261,26 @@ def _check(condition: bool, reason: str) -> None:
         raise RejectedMessage(reason)
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+PART_FIELDS = {
+    "data": ("at", "offset", "length", "checksum"),
+    "delta": ("offset", "length", "checksum", "changes", "escapes", "gap_bytes", "raw_bytes"),
+}
+
+
 def parse_header(frame: bytes, limits: Limits) -> dict[str, Any]:
-    """The chunk header (digest-checked, then schema-checked); RejectedMessage says what is wrong."""
+    """The chunk header (topic and digest checked, then the schema); RejectedMessage
+    says what is wrong."""
     _check(
         len(frame) <= limits.max_header_bytes,
         f"header of {len(frame)} bytes exceeds {limits.max_header_bytes}",
     )
-    frame = unseal(frame, "header")
+    frame = bytes(frame)
+    _check(frame[:1] == VERSION_TOPIC, "not a version chunk (topic byte)")
+    frame = unseal(frame[1:], "header")
     try:
         header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as err:
@@ -334,6 +299,7 @@ def parse_header(frame: bytes, limits: Limits) -> dict[str, Any]:
         ("policy", str),
         ("engine_config", dict),
         ("stream", str),
+        ("payload_bytes", int),
     ):
         _check(
             isinstance(header.get(key), kind),
@@ -344,6 +310,10 @@ def parse_header(frame: bytes, limits: Limits) -> dict[str, Any]:
         "version or chunk out of range",
     )
     _check(
+        0 <= header["payload_bytes"] <= limits.max_message_bytes,
+        f"payload of {header['payload_bytes']} bytes out of range",
+    )
+    _check(
         header.get("base_version") is None or isinstance(header["base_version"], int),
         "bad base_version",
     )
@@ -352,68 +322,86 @@ def parse_header(frame: bytes, limits: Limits) -> dict[str, Any]:
         f"{len(header['tensors'])} tensors exceed {limits.max_tensors}",
     )
     if header["final"]:
-        _check(isinstance(header.get("total_tensors"), int), "final chunk without total_tensors")
+        _check(_is_count(header.get("total_tensors")), "final chunk without total_tensors")
     for entry in header["tensors"]:
         _check(
             isinstance(entry, dict) and isinstance(entry.get("name"), str),
             "tensor entry without a name",
         )
+        name = entry["name"]
         _check(
-            entry.get("dtype") in DTYPES, f"{entry['name']}: unknown dtype {entry.get('dtype')!r}"
+            entry.get("section") in SECTIONS,
+            f"{name}: unknown section {entry.get('section')!r} (expected one of {SECTIONS})",
         )
+        _check(entry.get("dtype") in DTYPES, f"{name}: unknown dtype {entry.get('dtype')!r}")
         shape = entry.get("shape")
         _check(
             isinstance(shape, list)
             and len(shape) <= limits.max_ndim
-            and all(isinstance(d, int) and d >= 0 for d in shape),
-            f"{entry['name']}: bad shape {shape!r}",
+            and all(_is_count(d) for d in shape),
+            f"{name}: bad shape {shape!r}",
         )
         _check(
-            entry.get("encoding") in ("full", "patch"),
-            f"{entry['name']}: unknown encoding {entry.get('encoding')!r}",
+            math.prod(shape) * DTYPES[entry["dtype"]].itemsize <= limits.max_tensor_bytes,
+            f"{name}: {shape} exceeds max_tensor_bytes",
         )
-        _check(isinstance(entry.get("result_checksum"), int), f"{entry['name']}: no checksum")
+        _check(
+            entry.get("encoding") in ("full", "delta"),
+            f"{name}: unknown encoding {entry.get('encoding')!r}",
+        )
+        _check(_is_count(entry.get("result_checksum")), f"{name}: no checksum")
         parts = entry.get("parts")
-        roles = ["data"] if entry["encoding"] == "full" else ["gaps", "values"]
+        role = "data" if entry["encoding"] == "full" else "delta"
         _check(
             isinstance(parts, list)
-            and [p.get("role") for p in parts if isinstance(p, dict)] == roles,
-            f"{entry['name']}: parts do not match the {entry['encoding']} encoding",
+            and len(parts) == 1
+            and isinstance(parts[0], dict)
+            and parts[0].get("role") == role,
+            f"{name}: parts do not match the {entry['encoding']} encoding",
         )
-        for part in parts:
-            for key in ("offset", "length", "checksum"):
-                _check(
-                    isinstance(part.get(key), int) and part[key] >= 0,
-                    f"{entry['name']}: part without a valid {key}",
-                )
+        part = parts[0]
+        for key in PART_FIELDS[role]:
+            _check(_is_count(part.get(key)), f"{name}: part without a valid {key}")
+        _check(
+            part["offset"] + part["length"] <= header["payload_bytes"],
+            f"{name}: data outside the payload",
+        )
     return header
 
 
 class VersionAssembler:
     """Collects the chunks of one version, verifies each, and rebuilds the tensors
-    against `base` (the receiver's current tensors); `feed` returns the finished
-    Version after the final chunk, else None. Nothing is returned unverified."""
+    against `base` (the receiver's current tensors) into buffers that `storage` hands
+    out (fresh ones by default; a subscriber passes its spare buffers, never the ones
+    of its current version). A chunk goes in two steps so that its payload can be
+    received in place: `begin(header)` says where the payload goes (a slice of a
+    tensor, or None: anywhere), `finish(payload)` checks and applies it and returns the
+    Version after the final chunk. `feed(frames)` does both. Nothing is returned
+    unverified, and a version is complete only when every tensor is."""
 
     def __init__(
         self,
         base: Mapping[str, torch.Tensor] | None = None,
         base_version: int | None = None,
         limits: Limits | None = None,
+        storage: Storage | None = None,
     ):
         self.base, self.base_version, self.limits = base or {}, base_version, limits or Limits()
+        self.storage = storage or (lambda name, dtype, shape: torch.empty(shape, dtype=dtype))
         self.version: int | None = None
         self.next_chunk = 0
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.wire_bytes = 0
         self.header: dict[str, Any] | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.entries: dict[str, dict[str, Any]] = {}  # name -> its first declaration
+        self.received: dict[str, int] = {}  # full tensors: bytes received so far
+        self.complete: set[str] = set()
+        self.wire_bytes = 0
+        self._chunk: dict[str, Any] | None = None
+        self._header_bytes = 0
 
-    def feed(self, frames: list[bytes]) -> Version | None:
-        _check(len(frames) == 2, f"expected 2 frames (header, payload), got {len(frames)}")
-        header_frame, payload = frames
-        _check(
-            len(header_frame) + len(payload) <= self.limits.max_message_bytes,
-            "message exceeds max_message_bytes",
-        )
+    def begin(self, header_frame: bytes) -> tuple[dict[str, Any], memoryview | None]:
+        """Checks a chunk's header; returns it and the buffer its payload belongs in when
+        that is one slice of one tensor (else None: the caller receives it anywhere)."""
         header = parse_header(header_frame, self.limits)
         if self.version is None:
             self.version, self.header = header["version"], header
@@ -427,63 +415,148 @@ class VersionAssembler:
             f"chunk {header['chunk']} arrived, {self.next_chunk} expected",
         )
         self.next_chunk += 1
-        view = memoryview(payload)
         for entry in header["tensors"]:
-            for part in entry["parts"]:
-                _check(
-                    part["offset"] + part["length"] <= len(view),
-                    f"{entry['name']}: data outside the payload",
-                )
-                data = view[part["offset"] : part["offset"] + part["length"]]
-                _check(
-                    xxhash.xxh3_64_intdigest(data) == part["checksum"],
-                    f"{entry['name']}: payload checksum mismatch",
-                )
-        stored = unpack_safetensors(view) if header["tensors"] else {}
+            self._declare(entry, header)
+        self._chunk, self._header_bytes = header, len(header_frame)
+        entries = header["tensors"]
+        if len(entries) == 1 and entries[0]["encoding"] == "full":
+            part = entries[0]["parts"][0]
+            if part["offset"] == 0 and part["length"] == header["payload_bytes"]:
+                view = byte_view(self.tensors[entries[0]["name"]])
+                return header, view[part["at"] : part["at"] + part["length"]]
+        return header, None
+
+    def finish(self, payload: memoryview | bytes) -> Version | None:
+        """Checks the chunk's payload (in the buffer `begin` named, or anywhere) and
+        rebuilds its tensors; the Version after the final chunk, else None."""
+        header, self._chunk = self._chunk, None
+        _check(header is not None, "payload without a header")
+        view = memoryview(payload).cast("B")
+        _check(
+            len(view) == header["payload_bytes"],
+            f"payload of {len(view)} bytes, the header says {header['payload_bytes']}",
+        )
+        _check(
+            self._header_bytes + len(view) <= self.limits.max_message_bytes,
+            "message exceeds max_message_bytes",
+        )
         for entry in header["tensors"]:
-            self.tensors[entry["name"]] = self._rebuild(entry, stored, header)
-        self.wire_bytes += len(header_frame) + len(payload)
+            part = entry["parts"][0]
+            data = view[part["offset"] : part["offset"] + part["length"]]
+            _check(
+                xxhash.xxh3_64_intdigest(data) == part["checksum"],
+                f"{entry['name']}: payload checksum mismatch",
+            )
+        for entry in header["tensors"]:
+            part = entry["parts"][0]
+            self._apply(entry, part, view[part["offset"] : part["offset"] + part["length"]])
+        self.wire_bytes += self._header_bytes + len(view)
         if not header["final"]:
             return None
         _check(
-            header["total_tensors"] == len(self.tensors),
-            "tensor count does not match total_tensors",
+            header["total_tensors"] == len(self.entries) == len(self.complete),
+            f"{len(self.complete)} of {len(self.entries)} tensors complete, "
+            f"total_tensors says {header['total_tensors']}",
         )
+        sections: dict[str, dict[str, torch.Tensor]] = {section: {} for section in SECTIONS}
+        for name, entry in self.entries.items():
+            sections[entry["section"]][name] = self.tensors[name]
         return Version(
             self.version,
-            self.tensors,
+            sections["weights"],
+            sections["extra"],
             header.get("base_version"),
             header["policy"],
             header["engine_config"],
             self.wire_bytes,
         )
 
-    def _rebuild(self, entry, stored, header) -> torch.Tensor:
-        name, dtype, shape = entry["name"], DTYPES[entry["dtype"]], tuple(entry["shape"])
-        parts = {p["role"]: stored.get(p["key"]) for p in entry["parts"]}
-        _check(all(t is not None for t in parts.values()), f"{name}: payload lacks its data")
-        if entry["encoding"] == "full":
-            tensor = parts["data"]
+    def feed(self, frames: list[bytes]) -> Version | None:
+        _check(len(frames) == 2, f"expected 2 frames (header, payload), got {len(frames)}")
+        _check(
+            len(frames[0]) + len(frames[1]) <= self.limits.max_message_bytes,
+            "message exceeds max_message_bytes",
+        )
+        _, destination = self.begin(frames[0])
+        if destination is not None and len(frames[1]) == len(destination):
+            destination[:] = memoryview(frames[1]).cast("B")
+            return self.finish(destination)
+        return self.finish(frames[1])
+
+    def _declare(self, entry: dict[str, Any], header: dict[str, Any]) -> None:
+        name = entry["name"]
+        first = self.entries.get(name)
+        if first is not None:
             _check(
-                tensor.dtype == dtype and tuple(tensor.shape) == shape,
-                f"{name}: payload dtype/shape differ from header",
+                entry["encoding"] == "full"
+                and name not in self.complete
+                and all(
+                    entry[key] == first[key]
+                    for key in ("section", "dtype", "shape", "encoding", "result_checksum")
+                ),
+                f"{name}: sent again, or continued with different fields",
             )
-        else:
+            return
+        _check(
+            len(self.entries) < self.limits.max_tensors * self.limits.max_chunks,
+            "too many tensors",
+        )
+        dtype, shape = DTYPES[entry["dtype"]], tuple(entry["shape"])
+        if entry["encoding"] == "delta":
             _check(
                 header.get("base_version") == self.base_version and name in self.base,
-                f"{name}: patch against version {header.get('base_version')}, but this receiver has {self.base_version}",
+                f"{name}: delta against version {header.get('base_version')}, "
+                f"but this receiver has {self.base_version}",
             )
             base = self.base[name]
             _check(
                 base.dtype == dtype and tuple(base.shape) == shape,
-                f"{name}: patch does not fit the base tensor",
+                f"{name}: delta does not fit the base tensor",
             )
-            tensor = apply_patch(base, parts["gaps"], parts["values"])
+        try:
+            tensor = self.storage(name, dtype, shape)
+        except RuntimeError as err:  # allocation failed
+            raise RejectedMessage(f"{name}: no room for {shape} {dtype}: {err}") from None
+        self.entries[name], self.tensors[name], self.received[name] = entry, tensor, 0
+
+    def _apply(self, entry: dict[str, Any], part: dict[str, Any], data: memoryview) -> None:
+        name = entry["name"]
+        tensor = self.tensors[name]
+        if entry["encoding"] == "delta":
+            apply_delta(
+                self.base[name],
+                data,
+                part["changes"],
+                part["escapes"],
+                part["gap_bytes"],
+                part["raw_bytes"],
+                out=tensor,
+            )
+        else:
+            target = byte_view(tensor)
             _check(
-                checksum(tensor) == entry["result_checksum"],
-                f"{name}: rebuilt tensor checksum mismatch",
+                part["at"] == self.received[name] and part["at"] + part["length"] <= len(target),
+                f"{name}: bytes {part['at']}..{part['at'] + part['length']} out of order or "
+                f"outside the tensor ({self.received[name]} of {len(target)} received)",
             )
-        return tensor
+            destination = target[part["at"] : part["at"] + part["length"]]
+            if not _same_memory(destination, data):
+                destination[:] = data
+            self.received[name] += part["length"]
+            if self.received[name] < len(target):
+                return
+        _check(
+            checksum(tensor) == entry["result_checksum"],
+            f"{name}: rebuilt tensor checksum mismatch",
+        )
+        self.complete.add(name)
+
+
+def _same_memory(a: memoryview, b: memoryview) -> bool:
+    if len(a) != len(b) or not len(a):
+        return len(a) == len(b) == 0
+    address = np.frombuffer(a, dtype=np.uint8).ctypes.data
+    return address == np.frombuffer(b, dtype=np.uint8).ctypes.data
 
 
 def decode_version(

@@ -19,6 +19,7 @@ class Limits:
     max_header_bytes: int = 16 << 20
     max_tensors: int = 1 << 16  # per message
     max_ndim: int = 8
+    max_tensor_bytes: int = 1 << 38  # a header cannot make a receiver allocate more per tensor
     max_chunks: int = 1 << 16  # per version
     max_tokens: int = 1 << 20  # per trajectory
 

@@ -1,76 +1,151 @@
 """Publishing policy versions (learner) and receiving them (workers).
 
 Why PUB plus a snapshot ROUTER: every worker needs every version, so the learner
-publishes each once on a PUB socket (fan-out without per-worker bookkeeping) as
-deltas against the previous version. PUB drops messages for a subscriber that is too
-slow or not yet connected; that is detected (a missing chunk, a delta whose base the
-worker lacks) and repaired by asking the ROUTER for the latest *full* snapshot, as does
-a worker that starts late or restarts. A worker applies a version only once all its
-chunks have arrived and every checksum holds: whole or not at all.
+publishes each once on a PUB socket (fan-out without per-worker bookkeeping). PUB drops
+messages for a subscriber that is too slow or not yet connected; that is detected (a
+missing chunk, a delta whose base the worker lacks) and repaired by asking the ROUTER
+for the latest whole version, as does a worker that starts late or restarts. A worker
+applies a version only once all of it has arrived and every checksum holds.
+
+Two media, picked per worker from its address (`transport="auto"`): a worker on the
+learner's host subscribes to the shared-memory notices (topic `S`, `shm.py`), any
+other to the chunks (topic `V`: deltas against the previous version, compressed, in
+frames of a few MiB received in place). The PUB socket is an XPUB, so the learner sees
+which topics anyone subscribes to and does only the work someone will receive: no
+delta encoding when every worker is local, no segment writes when none is.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 import zmq
 
 from ..failpoints import failpoint
-from .codec import Version, VersionAssembler, encode_chunks, parse_header
+from .codec import (
+    VERSION_TOPIC,
+    Tagged,
+    Version,
+    VersionAssembler,
+    encode_tagged,
+    parse_header,
+    tag_sections,
+)
+from .delta import copy_bits
 from .limits import Limits, RejectedMessage, RejectionLog
 from .security import Curve, HandshakeWatch, secure_client, secure_server
+from .shm import (
+    SHM_TOPIC,
+    Lapped,
+    SegmentReader,
+    SegmentWriter,
+    ShmAssembler,
+    ShmCorrupt,
+    ShmUnavailable,
+    parse_notice,
+)
 
 log = logging.getLogger("asyncfp8.sync")
 SNAPSHOT_REQUEST = msgpack.packb({"want": "latest"})
+SHM_SNAPSHOT_REQUEST = msgpack.packb({"want": "latest", "via": "shm"})
+NONE_REPLY = msgpack.packb({"kind": "none"})  # nothing published yet
+NO_SHM_REPLY = msgpack.packb({"kind": "no-shm"})  # this learner does not offer shared memory
 NONE_RETRY = 1.0  # s between snapshot requests while the learner has published nothing
+TRANSPORTS = ("auto", "shm", "tcp")
+SEND_BUFFER_BYTES = 2 << 30  # what the PUB socket may queue for one slow subscriber
+
+
+def check_transport(transport: str) -> str:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"sync.transport must be one of {TRANSPORTS}, got {transport!r}")
+    return transport
+
+
+def is_local(address: str) -> bool:
+    """Whether a ZeroMQ address points at this host (where shared memory can work)."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp":
+        return False
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(socket.gethostbyname(host))
+        if ip.is_loopback:
+            return True
+        own = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except (OSError, ValueError):
+        return False
+    return str(ip) in own
 
 
 @dataclass
 class PublishStats:
     version: int
-    wire_bytes: int
-    chunks: int
+    wire_bytes: int  # bytes of chunks sent on the ZeroMQ path (0 when nobody takes it)
+    chunks: int  # messages sent: chunks and shared-memory notices
     seconds: float
+    media: tuple[str, ...] = ()  # where it went: "tcp" (chunks), "shm" (segment + notices)
+    shm_bytes: int = 0  # bytes written into the shared segment, notices included
+
+    @property
+    def bytes(self) -> int:
+        """Everything the version moved, on either medium."""
+        return self.wire_bytes + self.shm_bytes
 
 
 class VersionPublisher:
-    """Learner side: `publish(version, named_tensors)` streams a version out; a
-    background thread answers snapshot requests with the latest full version."""
+    """Learner side: `publish(version, weights, extra)` sends a version out; a
+    background thread answers snapshot requests with the latest whole version."""
 
     def __init__(
         self,
         publish_address: str,
         snapshot_address: str,
-        chunk_bytes: int = 64 << 20,
+        chunk_bytes: int = 4 << 20,
         curve: Curve | None = None,
-        send_hwm: int = 64,
+        send_hwm: int | None = None,
         context: zmq.Context | None = None,
         watch: HandshakeWatch | None = None,
+        transport: str = "auto",
+        zstd_level: int = 1,
     ):
         self.context = context or zmq.Context.instance()
-        self.chunk_bytes = chunk_bytes
-        self.pub = self.context.socket(zmq.PUB)
+        self.chunk_bytes, self.zstd_level = max(1, chunk_bytes), zstd_level
+        self.offers_shm = check_transport(transport) != "tcp"
+        self.pub = self.context.socket(zmq.XPUB)
         secure_server(self.pub, curve)
-        self.pub.sndhwm = send_hwm  # past this, chunks for a slow worker are dropped; it resyncs
+        # Past this many queued messages, chunks for a slow worker are dropped; it resyncs.
+        self.pub.sndhwm = send_hwm or max(64, SEND_BUFFER_BYTES // self.chunk_bytes)
         self.pub.linger = 0
         self.pub.bind(publish_address)
         self.publish_address = self.pub.getsockopt_string(
             zmq.LAST_ENDPOINT
         )  # resolves "tcp://127.0.0.1:*"
-        self.state: dict[str, torch.Tensor] = {}
+        self.topics: set[bytes] = set()  # topics someone subscribes to (XPUB reports them)
+        self.state: dict[str, torch.Tensor] = {}  # the latest version: the base of deltas
+        self.sections: dict[str, str] = {}
+        self._state_in_shm = False  # state views the latest segment rather than own copies
         self.stream = uuid.uuid4().hex[:12]  # this publisher: chunks of two never mix
+        self.shm: SegmentWriter | None = None  # made when a local worker first subscribes
         self.version: int | None = None
         self.policy, self.engine_config = "", {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        # Cleared while a BackgroundPublisher has a publish in flight: close() waits for it.
+        self.in_flight = threading.Event()
+        self.in_flight.set()
         self._router = self.context.socket(zmq.ROUTER)
         secure_server(self._router, curve)
         self._router.linger = 0
@@ -86,102 +161,209 @@ class VersionPublisher:
         )
         self._thread.start()
 
+    def _subscriptions(self) -> None:
+        """Takes the XPUB's subscription messages (call with the lock held): the first
+        subscriber to a topic arrives as b"\\x01" + topic, the last to leave as b"\\x00"."""
+        while True:
+            try:
+                message = self.pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if message[:1] == b"\x01":
+                self.topics.add(message[1:])
+            elif message[:1] == b"\x00":
+                self.topics.discard(message[1:])
+
+    def _wanted(self, topic: bytes) -> bool:
+        return any(topic.startswith(prefix) for prefix in self.topics)
+
     def publish(
         self,
         version: int,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        weights: Iterable[tuple[str, torch.Tensor]],
+        extra: Mapping[str, torch.Tensor] | None = None,
         policy: str = "",
         engine_config: Mapping[str, Any] | None = None,
-        copy: bool = True,
     ) -> PublishStats:
-        """Streams version `version` out, as patches against the previous one where
-        smaller. The publisher keeps the tensors as the base of the next delta; `copy`
-        clones them first, which is needed when they alias weights the caller will
-        update in place (a BF16 model's parameters), and a wasted copy when they are
-        fresh (cast from FP32 master weights, or quantized)."""
+        """Sends version `version`: `weights` (streamed: one tensor at a time is enough)
+        and `extra` (e.g. KV scales) as separate sections, with the policy name and the
+        engine config it was made for. The publisher keeps its own copy of the version
+        (the base of the next delta, and what snapshots send): the tensors it is given
+        may be reused by the caller as soon as this returns."""
         started = time.perf_counter()
+        engine_config = dict(engine_config or {})
         with self._lock:
             if self.version is not None and version <= self.version:
                 raise ValueError(f"versions must increase: {version} after {self.version}")
+            self._subscriptions()
+            to_shm = self.offers_shm and self._wanted(SHM_TOPIC)
+            to_tcp = self._wanted(VERSION_TOPIC)
             base_version = self.version
             self.version = None  # until the whole version is out, no snapshot may mix two versions
-            wire, chunks = 0, 0
-            stream = (
-                ((name, tensor.detach().clone()) for name, tensor in named_tensors)
-                if copy
-                else named_tensors
-            )
-            for message in encode_chunks(
-                version,
-                stream,
-                base=self.state,
-                base_version=base_version,
-                policy=policy,
-                engine_config=engine_config,
-                chunk_bytes=self.chunk_bytes,
-                update_base=True,
-                stream=self.stream,
-            ):
-                if chunks:
+            if not to_shm and self._state_in_shm:
+                # The latest segment is read by workers: deltas must not update it in place.
+                self.state = {name: t.clone() for name, t in self.state.items()}
+                self._state_in_shm = False
+            if to_shm and self.shm is None:
+                to_shm = self._make_writer()
+            tagged = self._into_segment(version, tag_sections(weights, extra), to_shm)
+            wire, sent = 0, 0
+            try:
+                if to_tcp:
+                    for message in encode_tagged(
+                        version,
+                        tagged,
+                        base=self.state,
+                        base_version=base_version,
+                        policy=policy,
+                        engine_config=engine_config,
+                        chunk_bytes=self.chunk_bytes,
+                        update_base=not self._state_in_shm and not to_shm,
+                        stream=self.stream,
+                        zstd_level=self.zstd_level,
+                    ):
+                        if sent:
+                            failpoint("publish.between_chunks")
+                        self.pub.send_multipart(message, copy=False)
+                        wire += sum(len(frame) for frame in message)
+                        sent += 1
+                elif to_shm:
+                    for _ in tagged:
+                        pass
+                else:
+                    self._keep(tagged)
+                if to_shm:
+                    if sent:
+                        failpoint("publish.between_chunks")
+                    self.pub.send_multipart(
+                        [self.shm.commit(policy, engine_config), b""], copy=False
+                    )
+                    self.state, self._state_in_shm = self.shm.state(), True
+                    self.sections = {name: e["section"] for name, e in self.shm.layout.items()}
+                    sent += 1
+            except BaseException:
+                if self.shm is not None:
+                    self.shm.abort()
+                raise
+            self.version, self.policy, self.engine_config = version, policy, engine_config
+        media = ("tcp",) * to_tcp + ("shm",) * to_shm
+        shm_bytes = self.shm.bytes_moved if to_shm else 0
+        return PublishStats(version, wire, sent, time.perf_counter() - started, media, shm_bytes)
+
+    def _make_writer(self) -> bool:
+        """The shared segments' writer, made when a local worker first wants it; False
+        (logged, and no more offers) where this host cannot provide them."""
+        try:
+            self.shm = SegmentWriter(self.stream, self.chunk_bytes)
+        except (OSError, AttributeError) as err:  # no memfd / abstract sockets (not Linux)
+            log.warning("cannot offer shared memory to local workers (%s): ZeroMQ only", err)
+            self.offers_shm = False
+        return self.shm is not None
+
+    def _into_segment(self, version: int, tagged: Tagged, to_shm: bool) -> Iterator:
+        """The tensors (their sections noted for snapshots), each written into the shared
+        segment on its way past, with a notice per `chunk_bytes` written, when local
+        workers take shared memory."""
+        if to_shm:
+            self.shm.begin(version)
+        notices = 0
+        for section, name, tensor in tagged:
+            self.sections[name] = section
+            if not to_shm:
+                yield section, name, tensor
+                continue
+            for notice in self.shm.put(section, name, tensor):
+                if notices:
                     failpoint("publish.between_chunks")
-                self.pub.send_multipart(message, copy=False)
-                wire += sum(len(frame) for frame in message)
-                chunks += 1
-            self.version, self.policy, self.engine_config = (
-                version,
-                policy,
-                dict(engine_config or {}),
-            )
-        return PublishStats(version, wire, chunks, time.perf_counter() - started)
+                self.pub.send_multipart([notice, b""], copy=False)
+                notices += 1
+            yield section, name, tensor
+
+    def _keep(self, tagged: Tagged) -> None:
+        """Nobody subscribes: only the state moves on, for snapshots and later deltas."""
+        for _, name, tensor in tagged:
+            old = self.state.get(name)
+            if old is not None and old.dtype == tensor.dtype and old.shape == tensor.shape:
+                copy_bits(old, tensor)
+            else:
+                self.state[name] = tensor.detach().clone()
 
     def _serve_snapshots(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         while not self._closed.is_set():
             self.rejections.tick()
+            if self._lock.acquire(blocking=False):
+                try:
+                    self._subscriptions()
+                finally:
+                    self._lock.release()
             if not dict(poller.poll(100)):
                 continue
             try:
                 identity, *request = self._router.recv_multipart()
             except zmq.ZMQError:
                 break
-            if request != [SNAPSHOT_REQUEST]:
+            if request not in ([SNAPSHOT_REQUEST], [SHM_SNAPSHOT_REQUEST]):
                 size = sum(len(frame) for frame in request)
                 self.rejections(
                     "snapshot request",
-                    f"{len(request)} frames, {size} bytes; not the one valid request",
+                    f"{len(request)} frames, {size} bytes; not one of the valid requests",
                 )
                 continue
             with self._lock:
                 if self.version is None:
-                    self._router.send_multipart([identity, msgpack.packb({"kind": "none"})])
-                    continue
-                for message in encode_chunks(
-                    self.version,
-                    self.state.items(),
-                    policy=self.policy,
-                    engine_config=self.engine_config,
-                    chunk_bytes=self.chunk_bytes,
-                    stream=self.stream,
-                ):
-                    self._router.send_multipart([identity, *message], copy=False)
+                    self._router.send_multipart([identity, NONE_REPLY])
+                elif request == [SHM_SNAPSHOT_REQUEST]:
+                    self._router.send_multipart([identity, *self._shm_snapshot()])
+                else:
+                    for message in encode_tagged(
+                        self.version,
+                        ((self.sections[name], name, t) for name, t in self.state.items()),
+                        policy=self.policy,
+                        engine_config=self.engine_config,
+                        chunk_bytes=self.chunk_bytes,
+                        stream=self.stream,
+                    ):
+                        self._router.send_multipart([identity, *message], copy=False)
                 self.snapshots_served += 1
+
+    def _shm_snapshot(self) -> list[bytes]:
+        """The latest version as one shared-memory notice (writing it into a segment
+        first if it went out on the ZeroMQ path only)."""
+        if not self.offers_shm or (self.shm is None and not self._make_writer()):
+            return [NO_SHM_REPLY]
+        if self.shm.latest_notice is None or self.shm.latest_notice["version"] != self.version:
+            self.shm.begin(self.version)
+            for name, tensor in list(self.state.items()):
+                self.shm.put(self.sections[name], name, tensor)
+            self.shm.commit(self.policy, self.engine_config)
+            if self._state_in_shm:  # the views now point at a segment about to be reused
+                self.state = self.shm.state()
+        return [self.shm.snapshot_notice(), b""]
 
     @property
     def rejected(self) -> int:
         return self.rejections.total
 
     def close(self) -> None:
+        if not self.in_flight.wait(timeout=300):
+            log.warning("closing the publisher with a version still being published")
         self._closed.set()
         self._thread.join(timeout=5)
         self.rejections.flush()
         self.pub.close()
         self._router.close()
+        if self.shm is not None:
+            self.state = {}
+            self.shm.close()
 
 
 class VersionSubscriber:
     """Worker side: `poll()` returns the newest complete, verified Version (or None).
-    It keeps the current version's tensors, the base that deltas are applied to."""
+    It keeps the current version's tensors (the base deltas apply to) and the previous
+    version's as the buffers the next one is written into, so versions after the first
+    two allocate nothing."""
 
     def __init__(
         self,
@@ -192,40 +374,67 @@ class VersionSubscriber:
         context: zmq.Context | None = None,
         snapshot_timeout: float = 10.0,
         watch: HandshakeWatch | None = None,
+        transport: str = "auto",
     ):
         self.context = context or zmq.Context.instance()
         self.snapshot_timeout = snapshot_timeout
         self._requested_at = 0.0
         self.limits = limits or Limits()
+        transport = check_transport(transport)
+        self.shm = transport == "shm" or (transport == "auto" and is_local(publish_address))
+        self.publish_address = publish_address
         self.sub = self.context.socket(zmq.SUB)
         self.dealer = self.context.socket(zmq.DEALER)
-        for socket in (self.sub, self.dealer):
-            secure_client(socket, curve)
-            socket.maxmsgsize = self.limits.max_message_bytes
-            socket.linger = 0
+        for sock in (self.sub, self.dealer):
+            secure_client(sock, curve)
+            sock.maxmsgsize = self.limits.max_message_bytes
+            sock.linger = 0
         self.sub.rcvhwm = 0  # keep what arrives: the PUB side bounds the queue
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.SUBSCRIBE, SHM_TOPIC if self.shm else VERSION_TOPIC)
         if watch is not None:
             watch.watch(self.sub, "version")
             watch.watch(self.dealer, "snapshot")
         self.sub.connect(publish_address)
         self.dealer.connect(snapshot_address)
         self.version: int | None = None
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.current: Version | None = None
+        self.tensors: dict[str, torch.Tensor] = {}  # the current version, both sections
+        self._spare: dict[str, torch.Tensor] = {}  # the previous version's buffers
+        self._scratch = np.empty(0, dtype=np.uint8)
+        self.reader = SegmentReader()
+        self.fallback_reason: str | None = None
         self.rejections = RejectionLog(log)
         self.snapshot_requests = 0
-        self._live: VersionAssembler | None = None
+        self._live: VersionAssembler | ShmAssembler | None = None
         self._snapshot: VersionAssembler | None = None
         self._snapshot_pending = False
         self._missed_base: int | None = None  # the last version logged as a delta we lack
         self.request_snapshot()
 
+    @property
+    def transport(self) -> str:
+        return "shm" if self.shm else "tcp"
+
     def request_snapshot(self) -> None:
         if not self._snapshot_pending:
-            self.dealer.send(SNAPSHOT_REQUEST)
+            self.dealer.send(SHM_SNAPSHOT_REQUEST if self.shm else SNAPSHOT_REQUEST)
             self._snapshot_pending, self._snapshot = True, None
             self._requested_at = time.monotonic()
             self.snapshot_requests += 1
+
+    def fall_back(self, reason: str) -> None:
+        """Shared memory is unusable: ZeroMQ from now on (logged with the reason)."""
+        log.warning(
+            "shared memory unusable: %s; receiving versions over ZeroMQ from %s instead",
+            reason,
+            self.publish_address,
+        )
+        self.fallback_reason, self.shm, self._live = reason, False, None
+        self.reader.release()
+        self.sub.setsockopt(zmq.UNSUBSCRIBE, SHM_TOPIC)
+        self.sub.setsockopt(zmq.SUBSCRIBE, VERSION_TOPIC)
+        self._snapshot_pending = False
+        self.request_snapshot()
 
     @property
     def rejected(self) -> int:
@@ -249,106 +458,224 @@ class VersionSubscriber:
         ready = dict(poller.poll(timeout_ms))
         while ready:
             if self.sub in ready:
-                newest = self._take(self._on_live(self.sub.recv_multipart(copy=False))) or newest
+                newest = self._take(self._on_live()) or newest
             if self.dealer in ready:
-                newest = (
-                    self._take(self._on_snapshot(self.dealer.recv_multipart(copy=False))) or newest
-                )
+                newest = self._take(self._on_snapshot()) or newest
             ready = dict(poller.poll(0))
         return newest
 
     def _take(self, version: Version | None) -> Version | None:
         if version is None or (self.version is not None and version.number <= self.version):
             return None
-        self.version, self.tensors = version.number, version.tensors
+        self._spare = self.tensors
+        self.version, self.current = version.number, version
+        self.tensors = version.weights | version.extra
+        live = self._live
+        if live is not None and live.version is not None and live.version <= version.number:
+            self._live = None
         log.info(
-            "applied version %d (%d tensors, %d bytes on the wire)",
+            "applied version %d (%d tensors, %d bytes on the wire, %s)",
             version.number,
-            len(version.tensors),
+            len(self.tensors),
             version.wire_bytes,
+            version.transport,
         )
         return version
+
+    def _storage(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The buffer a live version's tensor is written into: the previous version's,
+        never the current one's (a delta's base, and whole-or-nothing)."""
+        spare = self._spare.get(name)
+        current = self.tensors.get(name)
+        if (
+            spare is not None
+            and spare.dtype == dtype
+            and tuple(spare.shape) == shape
+            and (current is None or spare.data_ptr() != current.data_ptr() or not spare.numel())
+        ):
+            return spare
+        return torch.empty(shape, dtype=dtype)
 
     def _reject(self, source: str, reason: str) -> None:
         self.rejections(f"{source} message", reason)
 
-    def _on_live(self, frames) -> Version | None:
-        frames = [f.buffer for f in frames]
-        try:
-            header = parse_header(bytes(frames[0]), self.limits) if len(frames) == 2 else None
-            if header is None:
-                raise RejectedMessage(f"expected 2 frames, got {len(frames)}")
-            if self.version is not None and header["version"] <= self.version:
-                return None  # already have it (e.g. from a snapshot)
-            new = (
-                self._live is None
-                or self._live.version != header["version"]
-                or self._live.header["stream"] != header["stream"]
+    def _rest(self, sock: zmq.Socket) -> int:
+        """Receives and drops what is left of the current message; how many frames."""
+        dropped = 0
+        while sock.rcvmore:
+            sock.recv(copy=False)
+            dropped += 1
+        return dropped
+
+    def _payload_into(self, sock: zmq.Socket, buffer: memoryview | None, size: int) -> memoryview:
+        """Receives the payload frame into `buffer` (or the scratch buffer), checking that
+        it is exactly `size` bytes and the last frame of the message."""
+        if not sock.rcvmore:
+            raise RejectedMessage("expected 2 frames (header, payload), got 1")
+        if buffer is None:
+            if self._scratch.size < size:
+                self._scratch = np.empty(size, dtype=np.uint8)
+            buffer = memoryview(self._scratch)[:size]
+        received = sock.recv_into(buffer) if size else len(sock.recv(copy=False))
+        extra = self._rest(sock)
+        if received != size or extra:
+            raise RejectedMessage(
+                f"payload of {received} bytes in {2 + extra} frames, the header says "
+                f"{size} bytes in 2"
             )
-            if new and self._live is not None:
-                log.info(
-                    "dropped incomplete version %d (%d chunks received): version %d started",
-                    self._live.version,
-                    self._live.next_chunk,
-                    header["version"],
-                )
-                self._live = None
-            patches = any(entry["encoding"] == "patch" for entry in header["tensors"])
-            if patches and header["base_version"] != self.version:
-                # A delta against a version this worker missed: not a bad message.
-                if self._missed_base != header["version"]:
-                    self._missed_base = header["version"]
-                    log.info(
-                        "version %d is a delta against version %s, this worker has %s: "
-                        "asking for a snapshot",
-                        header["version"],
-                        header["base_version"],
-                        self.version,
-                    )
-                self._live = None
-                self.request_snapshot()
-                return None
-            if new:
-                if header["chunk"] != 0:
-                    # Joined in the middle of a version (late start, or a dropped chunk 0):
-                    # not a bad message; the snapshot will bring us up to date.
-                    log.debug(
-                        "joined version %d at chunk %d; waiting for a snapshot",
-                        header["version"],
-                        header["chunk"],
-                    )
-                    self.request_snapshot()
-                    return None
-                self._live = VersionAssembler(self.tensors, self.version, self.limits)
-            version = self._live.feed(frames)
+        return buffer
+
+    def _on_live(self) -> Version | None:
+        first = self.sub.recv(copy=False).bytes
+        if first[:1] == SHM_TOPIC and not self.shm:
+            self._rest(self.sub)  # queued before this worker fell back to ZeroMQ
+            return None
+        try:
+            if first[:1] == SHM_TOPIC:
+                return self._on_notice(first, self.sub)
+            return self._on_chunk(first)
         except RejectedMessage as err:
+            self._rest(self.sub)
             self._live = None
             self._reject("version", str(err))
             self.request_snapshot()
             return None
+
+    def _on_chunk(self, first: bytes) -> Version | None:
+        header = parse_header(first, self.limits)
+        if self.version is not None and header["version"] <= self.version:
+            self._rest(self.sub)
+            return None  # already have it (e.g. from a snapshot)
+        live = self._live if isinstance(self._live, VersionAssembler) else None
+        new = (
+            live is None
+            or live.version != header["version"]
+            or live.header["stream"] != header["stream"]
+        )
+        if new and self._live is not None:
+            self._dropped_incomplete(self._live, header["version"])
+            self._live = None
+        deltas = any(entry["encoding"] == "delta" for entry in header["tensors"])
+        if deltas and header["base_version"] != self.version:
+            # A delta against a version this worker missed: not a bad message.
+            if self._missed_base != header["version"]:
+                self._missed_base = header["version"]
+                log.info(
+                    "version %d is a delta against version %s, this worker has %s: "
+                    "asking for a snapshot",
+                    header["version"],
+                    header["base_version"],
+                    self.version,
+                )
+            self._rest(self.sub)
+            self._live = None
+            self.request_snapshot()
+            return None
+        if new:
+            if header["chunk"] != 0:
+                # Joined in the middle of a version (late start, or a dropped chunk 0):
+                # not a bad message; the snapshot will bring us up to date.
+                log.debug(
+                    "joined version %d at chunk %d; waiting for a snapshot",
+                    header["version"],
+                    header["chunk"],
+                )
+                self._rest(self.sub)
+                self.request_snapshot()
+                return None
+            self._live = VersionAssembler(self.tensors, self.version, self.limits, self._storage)
+        header, destination = self._live.begin(first)
+        payload = self._payload_into(self.sub, destination, header["payload_bytes"])
+        version = self._live.finish(payload)
         if version is not None:
             self._live = None
         return version
 
-    def _on_snapshot(self, frames) -> Version | None:
-        frames = [f.buffer for f in frames]
-        if len(frames) == 1:
+    def _dropped_incomplete(self, assembler, started: int) -> None:
+        log.info(
+            "dropped incomplete version %d (%d chunks received): version %d started",
+            assembler.version,
+            assembler.next_chunk,
+            started,
+        )
+
+    def _on_notice(self, first: bytes, sock: zmq.Socket, snapshot: bool = False):
+        payload = self._payload_into(sock, None, 0)  # a notice's second frame is empty
+        notice = parse_notice(first, self.limits)
+        if self.version is not None and notice["version"] <= self.version:
+            return None
+        try:
+            self.reader.attach(notice["address"], notice["generation"], notice["segment_bytes"])
+        except ShmUnavailable as err:
+            self.fall_back(str(err))
+            return None
+        live = self._live if isinstance(self._live, ShmAssembler) else None
+        key = (notice["version"], notice["stream"], notice["generation"])
+        new = (
+            snapshot
+            or live is None
+            or (live.version, live.first["stream"], live.first["generation"]) != key
+        )
+        if new and live is not None:
+            self._dropped_incomplete(live, notice["version"])
+        if new:
+            self._live = None
+            if notice["chunk"] != 0:
+                log.debug("joined version %d at notice %d", notice["version"], notice["chunk"])
+                self.request_snapshot()
+                return None
+            # A snapshot is written into fresh buffers: a live version may be half in the spare ones.
+            storage = None if snapshot else self._storage
+            assembler = ShmAssembler(self.reader, storage)
+            if not snapshot:
+                self._live = assembler
+        else:
+            assembler = live
+        try:
+            version = assembler.feed(notice, len(first) + len(payload))
+        except Lapped:
+            self._live = None
+            log.info(
+                "version %d was rewritten in shared memory while this worker copied it (it is "
+                "two versions behind): taking the latest instead",
+                notice["version"],
+            )
+            self.request_snapshot()
+            return None
+        except ShmCorrupt as err:
+            self.fall_back(f"corrupted segment ({err})")
+            return None
+        if version is not None and not snapshot:
+            self._live = None
+        return version
+
+    def _on_snapshot(self) -> Version | None:
+        first = self.dealer.recv(copy=False).bytes
+        if not self.dealer.rcvmore:
             try:
-                reply = msgpack.unpackb(bytes(frames[0]))
+                reply = msgpack.unpackb(first)
             except Exception:
                 reply = None
             if reply == {"kind": "none"}:
-                self._snapshot_pending = (
-                    False  # nothing published yet: the live channel will bring v0
-                )
+                # Nothing published yet: the live channel will bring the first version.
+                self._snapshot_pending = False
+            elif reply == {"kind": "no-shm"} and self.shm:
+                self._snapshot_pending = False
+                self.fall_back("the learner does not offer shared memory (sync.transport=tcp)")
             else:
                 self._reject("snapshot", "malformed one-frame reply")
             return None
         try:
+            if first[:1] == SHM_TOPIC and self.shm:
+                self._snapshot_pending = False  # before: a lapped copy asks again
+                return self._on_notice(first, self.dealer, snapshot=True)
             if self._snapshot is None:
                 self._snapshot = VersionAssembler(limits=self.limits)
-            version = self._snapshot.feed(frames)
+            header, destination = self._snapshot.begin(first)
+            payload = self._payload_into(self.dealer, destination, header["payload_bytes"])
+            version = self._snapshot.finish(payload)
         except RejectedMessage as err:
+            self._rest(self.dealer)
             self._snapshot, self._snapshot_pending = None, False
             self._reject("snapshot", str(err))
             return None
@@ -360,3 +687,4 @@ class VersionSubscriber:
         self.rejections.flush()
         self.sub.close()
         self.dealer.close()
+        self.reader.release()

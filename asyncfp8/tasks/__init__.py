@@ -9,6 +9,8 @@ A reward function is `reward(completion: str, answer: str) -> float`.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -46,14 +48,49 @@ def get_task(name: str, **params: Any) -> Task:
         raise TypeError(f"task {name!r}: bad parameters {sorted(params)}: {err}") from None
 
 
+def build_reward(task_name: str, reward_cfg: Mapping[str, Any]) -> RewardFn:
+    """`reward(completion, answer)` from a `task.reward` node: `_target_` names a function,
+    the other keys are its keyword arguments. Refused here, naming the function, if it
+    cannot be called with (completion, answer) and those arguments."""
+    from hydra.utils import get_object
+
+    kwargs = dict(reward_cfg)
+    target = kwargs.pop("_target_", None)
+    if not target:
+        raise ValueError(
+            f"task {task_name!r}: task.reward needs a _target_ (package.module.function)"
+        )
+    try:
+        fn = get_object(target)
+    except Exception as err:
+        raise ValueError(
+            f"task {task_name!r}: cannot load reward {target!r} ({err}); is its module on "
+            "PYTHONPATH for the learner and every worker?"
+        ) from None
+    if not callable(fn):
+        raise ValueError(f"task {task_name!r}: reward {target!r} is {fn!r}, not a function")
+    try:
+        inspect.signature(fn).bind("completion", "answer", **kwargs)
+    except TypeError as err:
+        shown = "".join(f", {k}={v!r}" for k, v in kwargs.items())
+        raise ValueError(
+            f"task {task_name!r}: reward {target} cannot be called as "
+            f"{target.rsplit('.', 1)[-1]}(completion, answer{shown}): {err}"
+        ) from None
+    except ValueError:  # a builtin without a signature: the trial call in build_task decides
+        pass
+    return functools.partial(fn, **kwargs) if kwargs else fn
+
+
 def build_task(cfg: Mapping[str, Any]) -> Task:
     """A task from its config group entry: `name`, an optional `reward` node with a
     Hydra `_target_` (a function, extra keys become its keyword arguments), and the
-    task's own parameters."""
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
+    task's own parameters. The reward is tried once on the task's first prompt here, so
+    that a reward that fails does so at start, not at the first scoring in a worker."""
+    from omegaconf import DictConfig, OmegaConf
 
-    params = OmegaConf.to_container(OmegaConf.create(dict(cfg)), resolve=True)
+    plain = isinstance(cfg, DictConfig)
+    params = OmegaConf.to_container(cfg, resolve=True) if plain else dict(cfg)
     if "name" not in params:
         raise ValueError(
             f"task config needs a 'name' (one of {', '.join(registered_tasks())}); got keys {sorted(params)}"
@@ -61,13 +98,18 @@ def build_task(cfg: Mapping[str, Any]) -> Task:
     name = params.pop("name")
     reward_cfg = params.pop("reward", None)
     if reward_cfg is not None:
-        try:
-            params["reward"] = instantiate(reward_cfg, _partial_=True)
-        except Exception as err:
-            raise ValueError(
-                f"task {name!r}: cannot load reward {reward_cfg.get('_target_')!r}: {err}"
-            ) from None
-    return get_task(name, **params)
+        params["reward"] = build_reward(name, reward_cfg)
+    task = get_task(name, **params)
+    prompt = task.prompt(0)
+    completion = task.completion(prompt) if hasattr(task, "completion") else ""
+    try:
+        task.score(completion, prompt)
+    except Exception as err:
+        raise ValueError(
+            f"task {name!r}: the reward failed on a trial call with the first prompt's "
+            f"reference completion: {type(err).__name__}: {err}"
+        ) from None
+    return task
 
 
 register_task("arithmetic", ArithmeticTask)

@@ -35,6 +35,8 @@ from .common import (
 
 FP8 = torch.float8_e4m3fn
 QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The torch reference also takes float64 queries (and then computes in float64).
+REFERENCE_QUERY_DTYPES = (*QUERY_DTYPES, torch.float64)
 LOG2E = 1.4426950408889634
 
 if triton is not None:
@@ -195,9 +197,10 @@ def _scale_tensor(name: str, scale, device) -> torch.Tensor:
     return scale.reshape(())
 
 
-def _check(q, k_cache, v_cache, kv_valid, kv_len):
-    if q.dim() != 3 or q.dtype not in QUERY_DTYPES:
-        raise ValueError(f"q must be [B, Hq, D] fp32/bf16/fp16, got {q.dtype} {tuple(q.shape)}")
+def _check(q, k_cache, v_cache, kv_valid, kv_len, dtypes=QUERY_DTYPES):
+    if q.dim() != 3 or q.dtype not in dtypes:
+        names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"q must be [B, Hq, D] {names}, got {q.dtype} {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.dtype != FP8 or v_cache.dtype != FP8:
         raise ValueError(
             f"k_cache and v_cache must be float8_e4m3fn [B, Hkv, Tmax, D], got "
@@ -233,15 +236,16 @@ def fp8_kv_decode_attention_reference(
     kv_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch reference (any device): dequantizes the cache (e4m3 · scale, fp32),
-    scores = q·kᵀ · sm_scale, masked softmax over the valid positions in fp32, times v;
-    output in q's dtype. See `fp8_kv_decode_attention`."""
-    _check(q, k_cache, v_cache, kv_valid, kv_len)
+    scores = q·kᵀ · sm_scale, masked softmax over the valid positions in fp32 (float64
+    for float64 queries), times v; output in q's dtype. See `fp8_kv_decode_attention`."""
+    _check(q, k_cache, v_cache, kv_valid, kv_len, REFERENCE_QUERY_DTYPES)
     batch, q_heads, head_dim = q.shape
     kv_heads, t_max = k_cache.shape[1], k_cache.shape[2]
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    keys = k_cache.float() * _scale_tensor("k_scale", k_scale, q.device)
-    values = v_cache.float() * _scale_tensor("v_scale", v_scale, q.device)
-    queries = q.float().view(batch, kv_heads, q_heads // kv_heads, head_dim)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    keys = (k_cache.float() * _scale_tensor("k_scale", k_scale, q.device)).to(compute)
+    values = (v_cache.float() * _scale_tensor("v_scale", v_scale, q.device)).to(compute)
+    queries = q.to(compute).view(batch, kv_heads, q_heads // kv_heads, head_dim)
     scores = torch.matmul(queries, keys.transpose(-1, -2)) * sm_scale  # [B, Hkv, G, T]
     valid = kv_valid
     if kv_len is not None:
@@ -400,7 +404,8 @@ def fp8_kv_decode_attention(
 ) -> torch.Tensor:
     """Attention of ONE new query token per sequence over an e4m3 KV cache.
 
-    q: [B, Hq, D] fp32 / bf16 / fp16 (last dim contiguous, else copied).
+    q: [B, Hq, D] fp32 / bf16 / fp16, or float64 for the reference (last dim contiguous,
+    else copied).
     k_cache, v_cache: float8_e4m3fn [B, Hkv, Tmax, D], a preallocated static cache, the
     value at a position being round(x / scale); Hq a multiple of Hkv, query head h
     reading KV head h // (Hq / Hkv) (transformers' `repeat_kv` order).
@@ -413,11 +418,12 @@ def fp8_kv_decode_attention(
     neither read nor attended, so a long static cache costs only its filled part.
     Returns [B, Hq, D] in q's dtype; a sequence with no valid position gets zeros.
 
-    impl: "auto" (Triton on CUDA when installed, the torch reference otherwise),
-    "triton" or "reference".
+    impl: "auto" (Triton on CUDA when installed and q is not float64, the torch
+    reference otherwise), "triton" or "reference".
     """
     check_impl(impl, ("auto", "triton", "reference"))
-    if impl == "triton" or (impl == "auto" and q.is_cuda and triton_runs_on(q)):
+    triton_takes = q.is_cuda and q.dtype != torch.float64 and triton_runs_on(q)
+    if impl == "triton" or (impl == "auto" and triton_takes):
         return fp8_kv_decode_attention_triton(
             q, k_cache, v_cache, k_scale, v_scale, kv_valid, sm_scale, kv_len
         )

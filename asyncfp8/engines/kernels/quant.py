@@ -26,7 +26,8 @@ from .common import (
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-10
 GROUP = 128
-ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# float64 too: both paths round x to fp32 first, as the module quantizer does.
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 if triton is not None:
     import triton.language as tl
@@ -88,7 +89,7 @@ def _check_input(x: torch.Tensor, group: int) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
     if x.dtype not in ACTIVATION_DTYPES:
-        raise ValueError(f"x must be fp32, bf16 or fp16, got {x.dtype}")
+        raise ValueError(f"x must be fp32, bf16, fp16 or float64, got {x.dtype}")
     if not isinstance(group, int) or group < 1:
         raise ValueError(f"group must be a positive int, got {group!r}")
 
@@ -152,7 +153,7 @@ def quantize_activations_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic FP8 quantization of activations, per token per `group` columns.
 
-    x: [M, K] fp32 / bf16 / fp16, last dimension contiguous (else copied). K need not
+    x: [M, K] fp32 / bf16 / fp16 / float64, last dimension contiguous (else copied). K need not
     be a multiple of `group`: the last group is then partial, quantized as if padded
     with zeros (so a caller that pads x to whole groups first gets the same bytes).
     Returns (q float8_e4m3fn [M, K] row-major, scales fp32 [M, ceil(K / group)]) with

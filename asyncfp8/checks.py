@@ -1,0 +1,109 @@
+"""The whole config checked before any process binds a socket or loads a model: the
+launcher runs it before it starts anything, the learner and every worker at their start,
+so a bad setting is named within seconds instead of surfacing as a crash in one log.
+
+What it builds on the way (the precision policy, the correction, the task with its reward)
+is returned, so the caller does not build them twice."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from asyncfp8.batches import check_split
+from asyncfp8.correction import Correction, build_correction
+from asyncfp8.losses import KL_ESTIMATORS
+from asyncfp8.precision import PrecisionPolicy, build_policy
+from asyncfp8.process import check_counts, curve, endpoints
+from asyncfp8.tasks import Task, build_task
+
+TENSORBOARD_INSTALL = 'pip install -c constraints.txt -e ".[tensorboard]"'
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclass
+class Checked:
+    policy: PrecisionPolicy
+    correction: Correction
+    task: Task
+
+
+def max_staleness_of(run: Any) -> int:
+    """The staleness bound the run trains under (0 in sync mode)."""
+    if run.mode not in ("async", "sync"):
+        raise ValueError(f"run.mode must be async or sync, got {run.mode!r}")
+    if run.mode == "sync":
+        return 0
+    if run.max_staleness is None or run.max_staleness < 0:
+        raise ValueError(f"run.max_staleness must be >= 0, got {run.max_staleness!r}")
+    return int(run.max_staleness)
+
+
+def check_training(cfg: DictConfig) -> None:
+    """The train step's and evaluation's settings."""
+    optim = cfg.optim
+    positive = {
+        "optim.mini_batches": optim.mini_batches,
+        "optim.ppo_epochs": optim.ppo_epochs,
+        "optim.logprob_chunk_tokens": optim.logprob_chunk_tokens,
+        "run.learner_procs": cfg.run.learner_procs,
+        "eval.prompts": cfg.eval.prompts,
+        "eval.samples": cfg.eval.samples,
+    }
+    if optim.micro_batch_tokens is not None:
+        positive["optim.micro_batch_tokens"] = optim.micro_batch_tokens
+    for key, value in positive.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    if not isinstance(cfg.eval.every, int) or cfg.eval.every < 0:
+        raise ValueError(f"eval.every must be an integer >= 0 (0: off), got {cfg.eval.every!r}")
+    for key in ("kl_coef", "entropy_coef"):
+        if not optim[key] >= 0:
+            raise ValueError(f"optim.{key} must be >= 0, got {optim[key]!r}")
+    if optim.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(
+            f"optim.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {optim.kl_estimator!r}"
+        )
+    if optim.clip_ratio_c is not None and not optim.clip_ratio_c > 1:
+        raise ValueError(f"optim.clip_ratio_c must be > 1 or null (off), got {optim.clip_ratio_c}")
+
+
+def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
+    """ValueError naming the setting (and what to do) for the first problem found;
+    `role` is "launcher", "learner" or "worker"."""
+    run = cfg.run
+    check_counts(cfg)
+    max_staleness_of(run)
+    if run.group_size < 2:
+        raise ValueError(
+            f"run.group_size must be >= 2 (GRPO compares samples of a prompt), got {run.group_size}"
+        )
+    check_training(cfg)
+    if role == "launcher":  # the learner checks its split at the world size it started with
+        check_split(run.groups_per_step * run.group_size, cfg.optim.mini_batches, run.learner_procs)
+    if role == "launcher" and (not isinstance(run.workers, int) or run.workers < 1):
+        raise ValueError(
+            f"run.workers must be >= 1 for the launcher (it starts them), got {run.workers!r}"
+        )
+    if cfg.optim.schedule not in SCHEDULES:
+        raise ValueError(
+            f"optim.schedule must be one of {', '.join(SCHEDULES)}, got {cfg.optim.schedule!r}"
+        )
+    if run.tensorboard not in (True, False, "auto"):
+        raise ValueError(f"run.tensorboard must be true, false or auto, got {run.tensorboard!r}")
+    if run.tensorboard is True and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError(
+            f"run.tensorboard=true but TensorBoard is not installed: {TENSORBOARD_INSTALL} "
+            "(or run.tensorboard=auto: use it when it is there)"
+        )
+    endpoints(cfg.sync, "bind" if role == "learner" else "connect")
+    curve(cfg.sync)
+    policy = build_policy(cfg.precision, model_dir)
+    reason = policy.supported_by(cfg.engine.name)
+    if reason:
+        raise ValueError(f"engine {cfg.engine.name} cannot run precision {policy.name!r}: {reason}")
+    return Checked(policy, build_correction(cfg.correction), build_task(cfg.task))

@@ -1,0 +1,128 @@
+"""A resumed run continues the run that was stopped: its settings come from the config the
+learner saved in `<run.dir>/config.yaml`, not from today's defaults.
+
+The overrides given with `run.resume=true` are applied on top only where changing them
+does not change the experiment (how long it runs, how it is logged and checkpointed,
+how many workers, where processes listen); every applied change is logged. An override of
+the model, task, precision, engine, correction, optimizer or any other setting is refused
+with the keys named, unless `run.force_resume=true` says the change is meant.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("asyncfp8.config")
+CONFIG_FILE = "config.yaml"
+
+# Settings a resumed run may change: length, logging, checkpoints, processes, addresses.
+SAFE_ON_RESUME = (
+    "run.steps",
+    "run.checkpoint_every",
+    "run.keep_checkpoints",
+    "run.tensorboard",
+    "run.workers",
+    "run.worker_restarts",
+    "run.threads",
+    "run.worker_id",
+    "run.worker_wait_timeout",
+    "run.lease_timeout",
+    "run.learner_procs",
+    "run.dist_timeout",
+    "run.device",
+    # How a step's memory is bounded; the gradient is the same up to rounding.
+    "optim.micro_batch_tokens",
+    "optim.logprob_chunk_tokens",
+    "optim.activation_checkpointing",
+    "engine.device",
+    "eval.every",
+    "sync.",
+)
+# Not settings of the experiment at all: how to resume.
+RESUME_KEYS = ("run.resume", "run.dir", "run.force_resume")
+# Groups with one option each: a key the saved run lacks (added by a newer asyncfp8) takes
+# today's default; groups with several options (precision=, correction=, ...) are taken
+# from the saved run whole.
+SINGLE_OPTION_GROUPS = ("run", "sync", "optim", "eval")
+
+
+def _keys(overrides: list[str]) -> list[str]:
+    """The config keys (or groups) a list of Hydra override strings sets."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return [o.key_or_group for o in OverridesParser.create().parse_overrides(overrides)]
+
+
+def _safe(key: str) -> bool:
+    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_ON_RESUME)
+
+
+def _select(cfg: DictConfig, key: str) -> Any:
+    return OmegaConf.select(cfg, key, throw_on_missing=False)
+
+
+def saved_config(run_dir: Path) -> DictConfig:
+    """The config a run saved, or a ValueError saying why there is none to resume."""
+    path = run_dir / CONFIG_FILE
+    if not run_dir.is_dir():
+        nearby = sorted(p.name for p in run_dir.parent.glob("*") if (p / CONFIG_FILE).is_file())
+        raise ValueError(
+            f"run.resume=true but run.dir={run_dir} does not exist"
+            + (f"; runs in {run_dir.parent}: {', '.join(nearby[-5:])}" if nearby else "")
+        )
+    if not path.is_file():
+        raise ValueError(
+            f"run.resume=true but {run_dir} holds no {CONFIG_FILE}: it is not a run asyncfp8 "
+            "started (point run.dir at the run to continue)"
+        )
+    return OmegaConf.load(path)
+
+
+def restore_on_resume(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, list[str]]:
+    """(the config to run with, the changes applied on top of the saved run, as text).
+    Without `run.resume` the composed config is returned unchanged."""
+    if not cfg.run.resume:
+        return cfg, []
+    saved = saved_config(Path(cfg.run.dir))
+    restored = OmegaConf.to_container(saved, resolve=False)
+    composed = OmegaConf.to_container(cfg, resolve=False)
+    for group in SINGLE_OPTION_GROUPS:  # keys a newer asyncfp8 added take their defaults
+        if group in composed:
+            restored[group] = {**composed[group], **restored.get(group, {})}
+    for key, value in composed.items():
+        restored.setdefault(key, value)
+    result = OmegaConf.create(restored)
+
+    given = [k for k in _keys(overrides) if not k.startswith(RESUME_KEYS)]
+    refused = [k for k in given if not _safe(k) and _select(saved, k) != _select(cfg, k)]
+    if refused and not cfg.run.force_resume:
+        raise ValueError(
+            f"run.resume=true continues the run in {cfg.run.dir} with its saved settings; "
+            f"{', '.join(refused)} would change the experiment (saved: "
+            + ", ".join(f"{k}={_select(saved, k)}" for k in refused)
+            + "). Drop those overrides, start a new run.dir, or add run.force_resume=true."
+        )
+    changes = []
+    for key in given:
+        before, after = _select(saved, key), _select(cfg, key)
+        if before != after:
+            OmegaConf.update(result, key, after, merge=False, force_add=True)
+            changes.append(f"{key}: {before} -> {after}")
+    for key in RESUME_KEYS:
+        OmegaConf.update(result, key, _select(cfg, key), merge=False, force_add=True)
+    OmegaConf.set_struct(result, True)
+    return result, changes
+
+
+def log_resume(cfg: DictConfig, changes: list[str], who: str) -> None:
+    if cfg.run.resume:
+        log.info(
+            "%s: resuming %s with its saved settings%s",
+            who,
+            cfg.run.dir,
+            ("; changed: " + "; ".join(changes)) if changes else " (nothing changed)",
+        )

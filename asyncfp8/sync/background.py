@@ -1,0 +1,113 @@
+"""Publishing off the learner's critical path.
+
+`submit` copies the weights into buffers of this object (one copy, in the weights' own
+dtype unless told otherwise: a precision policy decides from the FP32 master values), then
+returns; a thread quantizes that
+snapshot, encodes it and sends it through the `VersionPublisher` while the learner
+trains the next step. So version N is made from exactly the weights of step N, and its
+extra tensors (KV scales), computed by the caller beforehand, from the same weights.
+The next `submit` waits only if the previous publish is still running, and says how
+long it waited (the learner records it as `sync/publish_wait_s`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .versions import PublishStats, VersionPublisher
+
+log = logging.getLogger("asyncfp8.sync")
+Quantize = Callable[[Iterable[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]]
+
+
+class PublishFailed(RuntimeError):
+    """A background publish raised; the next `submit` or `wait` re-raises it."""
+
+
+class BackgroundPublisher:
+    def __init__(self, publisher: VersionPublisher, background: bool = True):
+        self.publisher, self.background = publisher, background
+        self.last: PublishStats | None = None  # the latest publish that finished
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._failed_version: int | None = None
+
+    def submit(
+        self,
+        version: int,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        quantize: Quantize,
+        extra: Mapping[str, torch.Tensor] | None = None,
+        policy: str = "",
+        engine_config: Mapping[str, Any] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> float:
+        """Snapshots `weights` (as `dtype`; None: as they are) and publishes `quantize(snapshot)` plus
+        `extra` as version `version` in the background; returns the seconds spent
+        waiting for the previous publish to finish."""
+        waited = self.wait()
+        snapshot = self._snapshot(weights, dtype)
+        job = (version, snapshot, quantize, dict(extra or {}), policy, dict(engine_config or {}))
+        if not self.background:
+            self._run(*job)
+            self._raise()
+            return waited
+        self.publisher.in_flight.clear()
+        self._thread = threading.Thread(
+            target=self._run, args=job, name="asyncfp8-publish", daemon=True
+        )
+        self._thread.start()
+        return waited
+
+    def wait(self) -> float:
+        """Waits for the publish in flight (if any); the seconds waited. Re-raises its
+        error as PublishFailed."""
+        started = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+        return time.perf_counter() - started
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise PublishFailed(f"publishing version {self._failed_version} failed") from error
+
+    def _snapshot(
+        self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The weights copied into buffers kept across versions (pinned when they come
+        from a GPU, so the copy is a DMA and the next step may start at once)."""
+        snapshot = []
+        with torch.no_grad():
+            for name, tensor in weights:
+                buffer = self._buffers.get(name)
+                wanted = dtype or tensor.dtype
+                if buffer is None or buffer.shape != tensor.shape or buffer.dtype != wanted:
+                    buffer = torch.empty(tensor.shape, dtype=wanted, pin_memory=tensor.is_cuda)
+                    self._buffers[name] = buffer
+                buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+                snapshot.append((name, buffer))
+        if any(tensor.is_cuda for _, tensor in snapshot):
+            torch.cuda.synchronize()
+        return snapshot
+
+    def _run(self, version, snapshot, quantize, extra, policy, engine_config) -> None:
+        try:
+            with torch.no_grad():
+                self.last = self.publisher.publish(
+                    version, quantize(snapshot), extra, policy=policy, engine_config=engine_config
+                )
+        except BaseException as err:  # re-raised on the learner's thread by the next call
+            log.exception("publishing version %d failed", version)
+            self._error, self._failed_version = err, version
+        finally:
+            self.publisher.in_flight.set()

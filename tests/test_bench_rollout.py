@@ -1,0 +1,113 @@
+"""bench/rollout.py: `--device cuda` without a GPU says so and exits non-zero; the CPU
+table's rows and ratios; the GPU table's loop (build, quantize, time the engine's decode
+loop, the bandwidth floor) run on the CPU at a small shape. Durations are not asserted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_bench(*args, timeout=600):
+    return subprocess.run(
+        [sys.executable, str(REPO / "bench" / "rollout.py"), *args],
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        },
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_the_gpu_table_without_a_gpu_says_so_and_exits_non_zero(tmp_path):
+    out = tmp_path / "rollout.json"
+    result = run_bench("--device", "cuda", "--out", str(out), timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr[-2000:]
+    assert "found no CUDA GPU" in result.stderr and "Nothing was measured" in result.stderr
+    assert not out.exists()
+
+
+def import_bench():
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import rollout
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return rollout
+
+
+def test_the_cpu_table_runs_the_torch_engine(tiny_model_dir, monkeypatch):
+    # The engines really generate (and the bench checks how many tokens); the durations
+    # are replaced by made-up ones, so that the table, not this machine's speed, is tested.
+    rollout = import_bench()
+    real_timed = rollout.timed
+
+    def timed(engine, prompt, batch, new_tokens, repeats):
+        real_timed(engine, prompt, batch, new_tokens, 1)
+        return 1e-3 * batch * new_tokens * (2 if engine.policy.name == "int8" else 1)
+
+    monkeypatch.setattr(rollout, "timed", timed)
+    args = Namespace(model=str(tiny_model_dir), engines="torch", precisions=["bf16", "int8"])
+    args.new_tokens, args.long, args.repeats = 4, 40, 1
+    table = rollout.cpu_table(args)
+    rows = table["rows"]
+    assert [(r["precision"], r["context"], r["batch"]) for r in rows] == [
+        (p, c, b) for p in ("bf16", "int8") for c in ("short", "long") for b in (1, 64)
+    ]
+    for row in rows:
+        # batch × 3 decode tokens over (4 - 1) ms per sequence (twice that for int8)
+        expected = 1000 if row["precision"] == "bf16" else 500
+        assert row["tokens_per_s"] == pytest.approx(expected)
+        assert row["ratio_to_bf16"] == pytest.approx(expected / 1000)
+        assert row["long_context"] == (row["context"] == "long")
+    assert table["long_prompt"] == 40 and table["new_tokens"] == 4
+
+
+def test_the_gpu_table_loop_on_the_cpu_at_a_small_shape(monkeypatch):
+    rollout = import_bench()
+    small = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2}
+    small |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
+    monkeypatch.setitem(rollout.__dict__, "QWEN_1_5B", {**rollout.QWEN_1_5B, **small})
+    args = Namespace(new_tokens=4, short=8, long=40, precisions=["bf16", "fp8+fp8_kv"])
+    args.repeats, args.eager = 1, True
+    bandwidth = 1e10
+    table = rollout.gpu_table(args, torch.device("cpu"), bandwidth)
+    rows = table["rows"]
+    assert [(r["precision"], r["prompt_tokens"], r["batch"]) for r in rows] == [
+        (p, c, b) for p in ("bf16", "fp8+fp8_kv") for c in (8, 40) for b in (1, 64)
+    ]
+    bf16, fp8 = rows[3], rows[7]  # long context, batch 64
+    # The floor by hand: bf16 weights (the tied embedding once, as the LM head) plus the
+    # KV cache at the mean context, 2 layers × k and v × 2 KV heads × 32 dims.
+    weights = _model_bytes(small)
+    kv = 64 * (40 + 4 / 2) * 2 * 2 * 2 * 32
+    assert bf16["weight_bytes_per_step"] == weights
+    assert bf16["kv_bytes_per_step"] == kv * 2 and fp8["kv_bytes_per_step"] == kv
+    assert bf16["floor_tokens_per_s"] == pytest.approx(64 * bandwidth / (weights + 2 * kv))
+    assert fp8["weight_bytes_per_step"] < 0.8 * weights  # 8-bit linears
+    for row in rows:
+        assert row["fraction_of_floor"] == pytest.approx(
+            row["tokens_per_s"] / row["floor_tokens_per_s"]
+        )
+        assert row["tokens_per_s"] == pytest.approx(row["batch"] * 3 / row["decode_s"])
+    assert fp8["ratio_to_bf16"] == pytest.approx(fp8["tokens_per_s"] / bf16["tokens_per_s"])
+
+
+def _model_bytes(shape):
+    """Parameters (the tied embedding once) in bf16, plus the buffers (RoPE frequencies)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return sum(p.numel() for p in model.parameters()) * 2 + buffers

@@ -1,0 +1,249 @@
+"""A run a user can trust, tried as a user would through the launcher: a resumed run keeps
+its settings, bad settings and failing processes are reported within seconds with their
+reason, the README's reward example runs as written, and metrics hold each step once."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from asyncfp8.chaos.cluster import SMALL_RUN
+from asyncfp8.metrics import read_metrics
+from asyncfp8.runconfig import restore_on_resume
+
+
+def launch_command(model_dir, run_dir, *overrides):
+    return [
+        sys.executable,
+        "-m",
+        "asyncfp8.launch",
+        f"model.path={model_dir}",
+        f"run.dir={run_dir}",
+        *SMALL_RUN,
+        *overrides,
+    ]
+
+
+def launch(model_dir, run_dir, *overrides, timeout=300, env=None):
+    started = time.monotonic()
+    result = subprocess.run(
+        launch_command(model_dir, run_dir, *overrides),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    return result.returncode, result.stdout + result.stderr, time.monotonic() - started
+
+
+def compose(*overrides):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    with initialize_config_module(version_base="1.3", config_module="asyncfp8.conf"):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+# --- resume restores the saved run ---------------------------------------------------------------
+
+
+def saved_run(tmp_path, *overrides):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = compose(*overrides, f"run.dir={run_dir}")
+    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    return run_dir
+
+
+def test_resume_takes_the_saved_settings_and_only_safe_changes(tmp_path):
+    run_dir = saved_run(
+        tmp_path, "precision=int8", "correction=token_mis", "correction.upper=4", "run.steps=200"
+    )
+    overrides = ["run.resume=true", f"run.dir={run_dir}", "run.steps=300", "run.workers=3"]
+    cfg, changes = restore_on_resume(compose(*overrides), overrides)
+    assert cfg.precision.name == "int8" and cfg.correction.name == "token_mis"
+    assert cfg.correction.upper == 4 and cfg.run.steps == 300 and cfg.run.workers == 3
+    assert changes == ["run.steps: 200 -> 300", "run.workers: 2 -> 3"]
+    # The original command again, plus run.resume=true: nothing changes, nothing refused.
+    again = ["precision=int8", "correction=token_mis", "correction.upper=4", *overrides[:2]]
+    assert restore_on_resume(compose(*again), again)[1] == []
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "precision=fp8",
+        "correction=seq_tis",
+        "model=tiny",
+        "task.seed=3",
+        "run.seed=5",
+        "optim.lr=1",
+    ],
+)
+def test_resume_refuses_a_change_of_the_experiment_unless_forced(tmp_path, change):
+    run_dir = saved_run(tmp_path, "precision=int8", "correction=token_mis", "correction.upper=4")
+    overrides = ["run.resume=true", f"run.dir={run_dir}", change]
+    key = change.split("=")[0]
+    with pytest.raises(ValueError, match=rf"{key} would change the experiment.*force_resume"):
+        restore_on_resume(compose(*overrides), overrides)
+    forced = [*overrides, "run.force_resume=true"]
+    _, changes = restore_on_resume(compose(*forced), forced)
+    assert any(c.startswith(key) for c in changes)
+
+
+def test_resume_of_a_directory_that_is_not_a_run_creates_nothing(tmp_path, tiny_model_dir):
+    missing = tmp_path / "runs" / "2026-11-21_13-00-0O"  # a typo: O for 0
+    code, out, seconds = launch(tiny_model_dir, missing, "run.resume=true")
+    assert code == 2 and "does not exist" in out and not missing.exists()
+    assert "continue with" not in out
+    assert seconds < 60
+
+
+# --- end to end: stop, resume with the printed command ------------------------------------------
+
+
+def wait_for_step(run_dir, step, process, timeout=240):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        records = read_metrics(run_dir)
+        if records and records[-1]["step"] >= step:
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"the launcher exited with {process.returncode} early")
+        time.sleep(0.2)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def test_ctrl_c_then_the_printed_resume_command_continues_the_same_run(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen(
+        launch_command(
+            tiny_model_dir,
+            run_dir,
+            "precision=int8",
+            "correction=token_mis",
+            "run.steps=400",
+            "run.checkpoint_every=4",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_for_step(run_dir, 6, first)
+    first.send_signal(signal.SIGINT)
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == 130, out[-2000:]
+    hint = next(line for line in out.splitlines() if "continue with:" in line)
+    resume_overrides = hint.split("continue with:")[1].split()
+    assert resume_overrides == ["run.resume=true", f"run.dir={run_dir.resolve()}"]
+
+    code, out, _ = launch(tiny_model_dir, run_dir, *resume_overrides, "run.steps=20")
+    assert code == 0, out[-3000:]
+    assert "resuming" in out and "run.steps: 400 -> 20" in out
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    assert (saved.precision.name, saved.correction.name, saved.run.steps) == (
+        "int8",
+        "token_mis",
+        20,
+    )
+    learner_log = (run_dir / "learner.log").read_text()
+    assert "precision int8(profile=None)" in learner_log.split("resumed from")[-1]
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert steps == list(range(1, 21))  # each step once, resumes included
+    summary = __import__("json").loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["resumes"] == 1
+    assert summary["samples"] >= 20 * 16  # the whole run's samples, not only since the resume
+
+
+# --- failures reach the user in seconds ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["run.workers=0"], "run.workers must be >= 1"),
+        (
+            ["correction=token_mis", "correction.lower=3", "correction.upper=2"],
+            "token_mis: lower (3.0) must not exceed upper (2.0)",
+        ),
+    ],
+)
+def test_bad_settings_fail_at_start_with_the_setting_named(
+    overrides, message, tmp_path, tiny_model_dir
+):
+    code, out, seconds = launch(tiny_model_dir, tmp_path / "run", *overrides, timeout=120)
+    assert code == 2 and message in out, out[-2000:]
+    assert "Traceback" not in out and "continue with" not in out
+    assert seconds < 60  # before any learner or worker process starts
+
+
+def test_tensorboard_without_tensorboard_names_the_install_command(tmp_path, tiny_model_dir):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here: nothing to refuse")
+    code, out, _ = launch(tiny_model_dir, tmp_path / "run", "run.tensorboard=true", timeout=120)
+    assert code == 2 and '.[tensorboard]"' in out, out[-2000:]
+
+
+def test_a_learner_that_fails_at_start_is_reported_within_seconds(tmp_path, tiny_model_dir):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    run_dir = tmp_path / "run"
+    try:
+        code, out, _ = launch(
+            tiny_model_dir, run_dir, f"sync.version_port={taken.getsockname()[1]}"
+        )
+        finished = time.time()
+    finally:
+        taken.close()
+    assert code != 0 and "learner exited with" in out and "cannot listen" in out, out[-2000:]
+    # From the learner's last log line to the launcher's exit: the report is immediate,
+    # not a wait on every worker.
+    assert finished - (run_dir / "learner.log").stat().st_mtime < 10
+    assert "did not exit" not in out and "continue with" not in out
+
+
+# --- the README's reward example, as written ------------------------------------------------------
+
+
+def test_the_readmes_custom_reward_runs_as_written(tmp_path, tiny_model_dir):
+    package = tmp_path / "my_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "rewards.py").write_text(
+        "def strict_match(completion, answer):\n"
+        "    return 1.0 if completion.strip() == answer else 0.0\n"
+        "\n"
+        "def needs_more(completion):\n"
+        "    return 0.0\n"
+    )
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    }
+    # The arithmetic task's own reward takes a `marker` option; strict_match does not, and
+    # must not be handed one.
+    code, out, _ = launch(
+        tiny_model_dir,
+        tmp_path / "run",
+        "task.reward._target_=my_pkg.rewards.strict_match",
+        "run.steps=3",
+        "run.workers=1",
+        env=env,
+    )
+    assert code == 0, out[-3000:]
+    code, out, seconds = launch(
+        tiny_model_dir,
+        tmp_path / "bad",
+        "task.reward._target_=my_pkg.rewards.needs_more",
+        env=env,
+        timeout=120,
+    )
+    assert code == 2 and "cannot be called as needs_more(completion, answer)" in out, out[-2000:]
+    assert seconds < 60 and not (tmp_path / "bad" / "learner.log").exists()

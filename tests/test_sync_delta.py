@@ -1,0 +1,156 @@
+"""ULP deltas + zstd (asyncfp8/sync/delta.py): lossless for every dtype, whole when that
+is smaller, and never fooled by streams that do not add up."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+from asyncfp8.sync import RejectedMessage, decode_version, encode_version
+from asyncfp8.sync.delta import apply_delta, element_view, encode_delta
+
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.int8,
+    torch.uint8,
+    torch.int64,
+    torch.bool,
+]
+
+
+def bits(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def changed_copy(base: torch.Tensor, rng: torch.Generator, fraction=0.03) -> torch.Tensor:
+    """A few elements moved by ±1 or ±2 in their bits (a ULP step for floats), a few
+    replaced by arbitrary bits (the escapes), the last element changed (a tail that
+    fills no 8-byte word)."""
+    new = base.clone()
+    words = element_view(new)
+    n = words.size
+    index = torch.randperm(n, generator=rng)[: max(1, int(fraction * n))].numpy()
+    step = np.where(np.arange(index.size) % 2, 1, 2).astype(np.int64)
+    words[index] = ((words[index].astype(np.int64) + step) % (1 << (8 * words.itemsize))).astype(
+        words.dtype
+    )
+    wild = index[:: max(1, index.size // 7)]
+    words[wild] = np.frombuffer(random.Random(0).randbytes(wild.size * words.itemsize), words.dtype)
+    words[-1] ^= 1
+    return new
+
+
+def random_tensor(dtype: torch.dtype, shape, rng: torch.Generator) -> torch.Tensor:
+    raw = torch.randint(0, 256, (int(np.prod(shape)) * dtype.itemsize,), generator=rng)
+    tensor = raw.to(torch.uint8).view(dtype).reshape(shape)
+    if dtype == torch.bool:
+        tensor = tensor.view(torch.uint8).remainder(2).view(torch.bool)
+    return tensor
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1,), (7, 13), (256, 64)])
+def test_delta_round_trip_is_bit_for_bit_for_every_dtype(dtype, shape):
+    rng = torch.Generator().manual_seed(3)
+    base = random_tensor(dtype, shape, rng)
+    new = changed_copy(base, rng)
+    delta = encode_delta(new, base)
+    if delta is None:  # tiny tensors: whole is smaller, and that is the rule
+        assert new.numel() * new.element_size() <= 64
+        return
+    assert len(delta.blob) < new.numel() * new.element_size()
+    out = apply_delta(
+        base, delta.blob, delta.changes, delta.escapes, delta.gap_bytes, delta.raw_bytes
+    )
+    assert out.dtype == dtype and out.shape == new.shape and bits(out) == bits(new)
+    width = element_view(base).itemsize
+    expected_changes = int((element_view(new) != element_view(base)).sum())
+    assert delta.changes == expected_changes and width in (1, 2, 4)
+
+
+def test_signed_zeros_nans_and_sign_flips_come_back_exactly():
+    base = torch.tensor([0.0, 1.0, float("nan"), -2.0, 5.0] * 400, dtype=torch.bfloat16)
+    new = base.clone()
+    new[0] = -0.0  # equal as floats, different bits
+    new[7] = float("inf")
+    new[8] = -new[8]  # a sign flip: far apart as integers, an escape
+    new.view(torch.int16)[2] += 1  # another NaN payload
+    delta = encode_delta(new, base)
+    assert delta is not None and delta.escapes >= 2
+    out = apply_delta(
+        base, delta.blob, delta.changes, delta.escapes, delta.gap_bytes, delta.raw_bytes
+    )
+    assert bits(out) == bits(new)
+
+
+def test_update_base_leaves_the_new_bits_in_the_base_delta_or_not():
+    rng = torch.Generator().manual_seed(4)
+    base = random_tensor(torch.bfloat16, (64, 33), rng)
+    sparse = changed_copy(base, rng)
+    kept = base.clone()
+    assert encode_delta(sparse, kept, update_base=True) is not None
+    assert bits(kept) == bits(sparse)
+    dense = random_tensor(torch.bfloat16, (64, 33), rng)
+    assert encode_delta(dense, kept, update_base=True) is None  # every element changed
+    assert bits(kept) == bits(dense)
+
+
+def test_versions_of_every_policy_dtype_survive_fifty_delta_rounds():
+    """The codec alone, 50 versions of mixed dtypes, each decoded against the previous."""
+    rng = torch.Generator().manual_seed(5)
+    state = {
+        "w.bf16": random_tensor(torch.bfloat16, (96, 40), rng),
+        "w.e4m3": random_tensor(torch.float8_e4m3fn, (128, 40), rng),
+        "w.scale_inv": random_tensor(torch.float32, (1, 1), rng),
+        "w.int8": random_tensor(torch.int8, (100, 30), rng),
+    }
+    sender = {k: v.clone() for k, v in state.items()}
+    receiver, receiver_version = None, None
+    for number in range(50):
+        if number:
+            state = {k: changed_copy(v, rng, fraction=0.01) for k, v in state.items()}
+        messages = encode_version(
+            number,
+            state.items(),
+            {"k_scale": torch.tensor(float(number))},
+            base=sender if number else None,
+            base_version=number - 1 if number else None,
+            update_base=True,
+            chunk_bytes=3000,
+        )
+        version = decode_version(messages, base=receiver, base_version=receiver_version)
+        assert {k: bits(v) for k, v in version.weights.items()} == {
+            k: bits(v) for k, v in state.items()
+        }
+        assert float(version.extra["k_scale"]) == number
+        receiver, receiver_version = version.weights | version.extra, number
+
+
+def test_malformed_streams_are_rejected_never_applied_out_of_bounds():
+    base = torch.zeros(1000, dtype=torch.bfloat16)
+    rng = random.Random(6)
+    compress = zstandard.ZstdCompressor().compress
+    for _ in range(300):
+        escapes = rng.randrange(0, 4)
+        changes = escapes + rng.randrange(0, 40)
+        gap_bytes = rng.randrange(0, 60)
+        raw = rng.randbytes(escapes * 2 + changes + gap_bytes)
+        blob = compress(raw) if rng.random() < 0.8 else rng.randbytes(40)
+        declared = len(raw) + rng.choice([0, 0, 0, 1, -1])
+        try:
+            out = apply_delta(base, blob, changes, escapes, gap_bytes, declared)
+        except RejectedMessage:
+            continue
+        assert out.shape == base.shape  # well-formed by chance: it applied inside the tensor
+    with pytest.raises(RejectedMessage, match="exceed the tensor"):
+        apply_delta(base, b"", 2000, 0, 0, 2000)
+    big_gap = bytes([0xFF] * 9 + [0x01])  # a varint past any index of the tensor
+    blob = compress(bytes([1]) + big_gap)
+    with pytest.raises(RejectedMessage, match="outside the tensor"):
+        apply_delta(base, blob, 1, 0, len(big_gap), 1 + len(big_gap))
