@@ -14,7 +14,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from asyncfp8.batches import check_split
 from asyncfp8.correction import Correction, build_correction
+from asyncfp8.losses import KL_ESTIMATORS
 from asyncfp8.precision import PrecisionPolicy, build_policy
 from asyncfp8.process import check_counts, curve, endpoints
 from asyncfp8.tasks import Task, build_task
@@ -41,6 +43,35 @@ def max_staleness_of(run: Any) -> int:
     return int(run.max_staleness)
 
 
+def check_training(cfg: DictConfig) -> None:
+    """The train step's and evaluation's settings."""
+    optim = cfg.optim
+    positive = {
+        "optim.mini_batches": optim.mini_batches,
+        "optim.ppo_epochs": optim.ppo_epochs,
+        "optim.logprob_chunk_tokens": optim.logprob_chunk_tokens,
+        "run.learner_procs": cfg.run.learner_procs,
+        "eval.prompts": cfg.eval.prompts,
+        "eval.samples": cfg.eval.samples,
+    }
+    if optim.micro_batch_tokens is not None:
+        positive["optim.micro_batch_tokens"] = optim.micro_batch_tokens
+    for key, value in positive.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    if not isinstance(cfg.eval.every, int) or cfg.eval.every < 0:
+        raise ValueError(f"eval.every must be an integer >= 0 (0: off), got {cfg.eval.every!r}")
+    for key in ("kl_coef", "entropy_coef"):
+        if not optim[key] >= 0:
+            raise ValueError(f"optim.{key} must be >= 0, got {optim[key]!r}")
+    if optim.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(
+            f"optim.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {optim.kl_estimator!r}"
+        )
+    if optim.clip_ratio_c is not None and not optim.clip_ratio_c > 1:
+        raise ValueError(f"optim.clip_ratio_c must be > 1 or null (off), got {optim.clip_ratio_c}")
+
+
 def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
     """ValueError naming the setting (and what to do) for the first problem found;
     `role` is "launcher", "learner" or "worker"."""
@@ -51,6 +82,9 @@ def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
         raise ValueError(
             f"run.group_size must be >= 2 (GRPO compares samples of a prompt), got {run.group_size}"
         )
+    check_training(cfg)
+    if role == "launcher":  # the learner checks its split at the world size it started with
+        check_split(run.groups_per_step * run.group_size, cfg.optim.mini_batches, run.learner_procs)
     if role == "launcher" and (not isinstance(run.workers, int) or run.workers < 1):
         raise ValueError(
             f"run.workers must be >= 1 for the launcher (it starts them), got {run.workers!r}"

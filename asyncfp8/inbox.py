@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,9 @@ class Inbox:
         self.lock = threading.Condition()
         self.ready: deque[Group] = deque()
         self.dropped: list[tuple[int, int, int]] = []  # stale groups since the last step
+        # Groups consumed without training (DAPO's dynamic sampling) since the last step:
+        # the ledger records them with the next step, the checkpoint until then.
+        self.skipped: list[Group] = []
         self.partial: dict[tuple[int, int], list[Trajectory]] = {}
         self.version: int | None = None  # the newest published version: leases start from it
         self.finished = False
@@ -63,7 +67,16 @@ class Inbox:
         self.reported: set[tuple[int, int]] = set()  # groups already reported as not owed
         self.last_request: dict[str, float] = {}
         self.counts = dict.fromkeys(
-            ("samples", "tokens", "stale_groups", "late_samples", "bad_trajectories", "waits"), 0
+            (
+                "samples",
+                "tokens",
+                "stale_groups",
+                "skipped_groups",
+                "late_samples",
+                "bad_trajectories",
+                "waits",
+            ),
+            0,
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="asyncfp8-inbox", daemon=True)
@@ -146,11 +159,17 @@ class Inbox:
             }
 
     def take(
-        self, count: int, version: int, max_staleness: int, timeout: float
+        self,
+        count: int,
+        version: int,
+        max_staleness: int,
+        timeout: float,
+        skip: Callable[[Group], bool] | None = None,
     ) -> list[Group] | None:
         """`count` groups no older than `max_staleness` versions, oldest first; None if
         they did not arrive within `timeout` s. Stale groups met on the way are dropped
-        (and their prompts queued again)."""
+        (and their prompts queued again); groups `skip` rejects are consumed without
+        training (their capacity frees at once, so more are leased)."""
         deadline = time.monotonic() + timeout
         with self.lock:
             while True:
@@ -170,6 +189,11 @@ class Inbox:
                         version,
                         max_staleness,
                     )
+                for group in [g for g in self.ready if skip is not None and skip(g)]:
+                    self.ready.remove(group)
+                    self.book.close(1)
+                    self.skipped.append(group)
+                    self.counts["skipped_groups"] += 1
                 if len(self.ready) >= count:
                     return [self.ready.popleft() for _ in range(count)]
                 left = deadline - time.monotonic()
@@ -182,6 +206,12 @@ class Inbox:
         with self.lock:
             dropped, self.dropped = self.dropped, []
             return dropped
+
+    def take_skipped(self) -> list[Group]:
+        """The groups `take` skipped since the last call."""
+        with self.lock:
+            skipped, self.skipped = self.skipped, []
+            return skipped
 
     def trained(self, groups: int, version: int | None) -> None:
         """A step consumed `groups` (after its version went out): capacity for new leases."""
@@ -216,6 +246,10 @@ class Inbox:
                     (lease, prompt, [dataclasses.asdict(t) for t in part])
                     for (lease, prompt), part in self.partial.items()
                 ],
+                "skipped": [
+                    (g.lease, g.prompt, [dataclasses.asdict(t) for t in g.trajectories])
+                    for g in self.skipped
+                ],
                 "counts": dict(self.counts),  # run totals continue across a resume
             }
 
@@ -231,6 +265,10 @@ class Inbox:
                 (lease, prompt): [Trajectory(**t) for t in part]
                 for lease, prompt, part in state["partial"]
             }
+            self.skipped = [
+                Group(lease, prompt, [Trajectory(**t) for t in part])
+                for lease, prompt, part in state.get("skipped", [])
+            ]
             self.counts |= state.get("counts", {})
 
     def snapshot_counts(self) -> dict[str, Any]:
@@ -251,5 +289,6 @@ class Inbox:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
         self.receiver.close()

@@ -13,8 +13,6 @@ Each process logs to `<run.dir>/<name>.log`; the learner's metrics go to
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import signal
 import socket
@@ -31,10 +29,11 @@ from tqdm import tqdm
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
 from asyncfp8.checks import check_config
-from asyncfp8.learner import CHECKPOINT_DIR, ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
+from asyncfp8.learner import CHECKPOINT_DIR, LEARNER_STATE, ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
 from asyncfp8.metrics import METRICS_FILE
 from asyncfp8.models import resolve_model_dir
 from asyncfp8.precision import PrecisionPolicy
+from asyncfp8.process import die_with_parent
 from asyncfp8.report import plot_runs, summarize
 from asyncfp8.runconfig import restore_on_resume
 
@@ -54,15 +53,15 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM if the launcher dies (even by SIGKILL): no orphans."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: no such guard
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class Process:
-    def __init__(self, name: str, module: str, overrides: list[str], run_dir: Path):
+    def __init__(self, name: str, module: str, overrides: list[str], run_dir: Path, ranks: int = 1):
         self.name, self.module, self.overrides = name, module, overrides
+        # Several ranks: torchrun on this host starts them (and stops them all when one fails).
+        self.runner = (
+            ["torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m"]
+            if ranks > 1
+            else []
+        )
         self.log_path = run_dir / f"{name}.log"
         self.popen: subprocess.Popen | None = None
         self.restarts = 0
@@ -70,12 +69,12 @@ class Process:
     def start(self) -> None:
         log = self.log_path.open("a")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", self.module, *self.overrides],
+            [sys.executable, "-m", *self.runner, self.module, *self.overrides],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C reaches the launcher only; it stops them in order
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,  # no orphans if the launcher dies
         )
         log.close()
 
@@ -122,7 +121,10 @@ class Progress:
             record = json.loads(line)
             self.bar.update(max(0, record["step"] - self.bar.n))
             self.last = record
-            self.zero_spread.append(record.get("groups/frac_zero_advantage", 0))
+            if (
+                "groups/frac_zero_advantage" in record
+            ):  # a training step (not the step-0 evaluation)
+                self.zero_spread.append(record["groups/frac_zero_advantage"])
             if record.get("eval/pass1_greedy") is not None:
                 self.eval = record["eval/pass1_greedy"]
         if self.last:
@@ -156,7 +158,9 @@ def check_start(cfg: DictConfig) -> PrecisionPolicy:
     resume, that there is a checkpoint to continue from."""
     model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
     checked = check_config(cfg, model_dir, "launcher")
-    if cfg.run.resume and not any((Path(cfg.run.dir) / CHECKPOINT_DIR).glob("step_*.pt")):
+    if cfg.run.resume and not any(
+        (Path(cfg.run.dir) / CHECKPOINT_DIR).glob(f"step_*/{LEARNER_STATE}")
+    ):
         raise ValueError(
             f"run.resume=true but {Path(cfg.run.dir) / CHECKPOINT_DIR} holds no checkpoint: the "
             "run stopped before its first one; start it again without run.resume"
@@ -175,7 +179,7 @@ def chosen_ports(cfg: DictConfig, overrides: list[str]) -> list[int]:
 
 def resume_hint(run_dir: Path) -> str:
     """How to continue, when there is something to continue from."""
-    if any((run_dir / CHECKPOINT_DIR).glob("step_*.pt")):
+    if any((run_dir / CHECKPOINT_DIR).glob(f"step_*/{LEARNER_STATE}")):
         return f"[launch] continue with: run.resume=true run.dir={run_dir}"
     return "[launch] no checkpoint was written: nothing to resume"
 
@@ -192,13 +196,14 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
         "sync.host=127.0.0.1",
         *(f"sync.{name}_port={port}" for name, port in zip(PORTS, ports, strict=True)),
     ]
-    learner = Process("learner", "asyncfp8.learner", common, run_dir)
+    learner = Process("learner", "asyncfp8.learner", common, run_dir, ranks=run.learner_procs)
     workers = [
         Process(f"worker-{i}", "asyncfp8.worker", [*common, f"run.worker_id={i}"], run_dir)
         for i in range(run.workers)
     ]
     print(
-        f"[launch] learner + {run.workers} workers ({cfg.engine.name} engine, {policy.spec}, "
+        f"[launch] learner ({run.learner_procs} rank{'s' if run.learner_procs > 1 else ''}) + "
+        f"{run.workers} workers ({cfg.engine.name} engine, {policy.spec}, "
         f"correction {cfg.correction.name}, {run.mode}); logs and metrics in {run_dir}",
         flush=True,
     )

@@ -1,27 +1,38 @@
 """The learner: trains the policy on the workers' trajectories and publishes versions.
 
     python -m asyncfp8.learner precision=fp8 correction=token_tis run.steps=100
+    torchrun --nproc_per_node 4 -m asyncfp8.learner ...     # FSDP2 over 4 ranks (GPUs or CPUs)
 
 One step, top to bottom (`Learner.train_step`): take `groups_per_step` complete GRPO
 groups whose samples are at most `max_staleness` versions old (older ones are dropped
-and counted), recompute the sampled tokens' logprobs with the FP32 master weights (or,
-with `precision.learner_forward=quantized`, through the engine's quantized forward),
-let the configured correction weigh them against the rollout engine's logprobs, take
-the policy loss and an AdamW step. Every `sync.every` steps the weights go out as a new
-version through the precision policy (quantized, KV scales recalibrated). Receiving
-runs on its own thread (`asyncfp8.inbox.Inbox`), so trajectories are acknowledged and
-work is leased out while the learner computes.
+and counted; with `run.dynamic_sampling`, groups whose rewards are all equal are skipped
+and more are leased), hand every rank its share, and for each of `optim.ppo_epochs` ×
+`optim.mini_batches` optimizer steps: recompute the sampled tokens' log-probabilities
+micro-batch by micro-batch (`optim.micro_batch_tokens`, gradients accumulated), let the
+configured correction weigh them against the rollout engine's log-probabilities, take
+the clipped policy loss (plus the KL-to-reference and entropy terms when set), and step
+AdamW. Every `sync.every` steps the weights go out as a new version through the
+precision policy (quantized, KV scales recalibrated); every `eval.every` steps the policy
+is scored on held-out prompts. Receiving runs on its own thread
+(`asyncfp8.inbox.Inbox`), so trajectories are acknowledged and work is leased out while
+the learner computes. The distributed plumbing is `asyncfp8.distributed`: rank 0 alone
+owns the sockets, the ledger and the metrics; every rank runs every forward.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import os
 import random
+import secrets
+import shutil
 import sys
 import time
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +44,23 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
+from asyncfp8 import distributed
+from asyncfp8.batches import batch_tensors, check_split, plan_step
 from asyncfp8.checks import check_config, max_staleness_of
 from asyncfp8.correction.metrics import mismatch_metrics
 from asyncfp8.correction.registry import make_batch
+from asyncfp8.evaluation import HeldOut
 from asyncfp8.failpoints import failpoint
 from asyncfp8.inbox import Group, Inbox
 from asyncfp8.leases import LeaseBook
 from asyncfp8.ledger import Ledger
-from asyncfp8.losses import corrected_policy_loss, group_advantages
+from asyncfp8.logprobs import completion_logprobs, install_logprob_head, without_logits
+from asyncfp8.losses import (
+    aggregate_parts,
+    group_advantages,
+    kl_penalty,
+    policy_loss_terms,
+)
 from asyncfp8.metrics import MetricsLog
 from asyncfp8.models import load_model, load_tokenizer, resolve_model_dir
 from asyncfp8.precision import calibrate_version, version_weights
@@ -62,11 +82,13 @@ from asyncfp8.sync import (
 
 log = logging.getLogger("asyncfp8.learner")
 CHECKPOINT_DIR = "checkpoints"
+LEARNER_STATE = "learner.pt"  # in a checkpoint directory, beside the sharded model and optimizer
 # The newest version number ever used in this run dir, written before the version goes
 # out. A learner killed after its last checkpoint may have published beyond it (or died
 # halfway through sending one), and workers ignore a version number they have passed: a
 # resumed learner numbers its versions after this one.
 LATEST_VERSION_FILE = "latest_version"
+STOP = "stop"  # what rank 0 hands the others instead of a share when the run stops
 # Warn when more than this share of groups had no reward spread over this many steps.
 ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW = 0.5, 20
 
@@ -75,52 +97,13 @@ class Preempted(Exception):
     """SIGTERM / Ctrl-C while waiting for data."""
 
 
-def completion_logprobs(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float
-) -> torch.Tensor:
-    """[N, T] log-probabilities of the completion tokens under `model` at `temperature`
-    (the distribution the engine sampled from; no top-k/top-p), from a right-padded
-    batch of prompt + completion as built by `batch_tensors`."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    logits = logits.float()
-    if temperature > 0:
-        logits = logits / temperature
-    # logits[:, j] predicts token j + 1; completion token k sits at prompt_len + k.
-    positions = batch["positions"]
-    rows = logits[:, :-1].gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
-    targets = batch["input_ids"][:, 1:].gather(1, positions)
-    return torch.log_softmax(rows, dim=-1).gather(-1, targets[..., None])[..., 0]
+@dataclass
+class Share:
+    """What one rank trains in a step: per mini-batch, its micro-batches of (sample
+    index, trajectory, advantage); and the calibration rows, the same on every rank."""
 
-
-def batch_tensors(trajectories: list[Trajectory], pad: int) -> dict[str, torch.Tensor]:
-    """Right-padded prompt + completion ids, and per completion token [N, T]: its
-    position in the sequence, the rollout logprob, the version, and the mask."""
-    width = max(len(t.prompt_ids) + len(t.token_ids) for t in trajectories)
-    steps = max(len(t.token_ids) for t in trajectories)
-    n = len(trajectories)
-    input_ids = torch.full((n, width), pad, dtype=torch.long)
-    attention = torch.zeros(n, width, dtype=torch.long)
-    positions = torch.zeros(n, steps, dtype=torch.long)
-    rollout = torch.zeros(n, steps)
-    versions = torch.zeros(n, steps, dtype=torch.long)
-    mask = torch.zeros(n, steps, dtype=torch.bool)
-    for row, t in enumerate(trajectories):
-        ids = list(t.prompt_ids) + list(t.token_ids)
-        k = len(t.token_ids)
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        attention[row, : len(ids)] = 1
-        positions[row, :k] = torch.arange(len(t.prompt_ids) - 1, len(ids) - 1)
-        rollout[row, :k] = torch.tensor(t.logprobs)
-        versions[row, :k] = torch.tensor(t.versions)
-        mask[row, :k] = True
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention,
-        "positions": positions,
-        "rollout_logp": rollout,
-        "versions": versions,
-        "mask": mask,
-    }
+    mini_batches: list[list[list[tuple[int, Trajectory, float]]]]
+    calibration: list[Trajectory]
 
 
 def lr_lambda(optim: DictConfig, steps: int):
@@ -140,31 +123,36 @@ def lr_lambda(optim: DictConfig, steps: int):
 
 class Learner:
     def __init__(self, cfg: DictConfig):
-        self.cfg, run = cfg, cfg.run
+        self.cfg, run, optim = cfg, cfg.run, cfg.optim
         self.stop = StopFlag()
         # The whole config, before a socket is bound or the model loaded.
         model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
         checked = check_config(cfg, model_dir, "learner")
         self.task, self.policy, self.correction = checked.task, checked.policy, checked.correction
         self.max_staleness = max_staleness_of(run)
-        set_threads(run.threads, run.workers + 1)
+        self.ranks = distributed.start(run.device, run.dist_timeout)
+        check_split(run.groups_per_step * run.group_size, optim.mini_batches, self.ranks.world)
+        set_threads(run.threads, run.workers + self.ranks.world)
         torch.manual_seed(run.seed)
         random.seed(run.seed)
         np.random.seed(run.seed)
         self.dir = Path(run.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
 
-        self.model = self.policy.prepare_learner(load_model(model_dir, dtype=torch.float32))
+        self.dtype = distributed.compute_dtype(run.compute_dtype, self.ranks.device)
+        self.model = self._load(model_dir, frozen=False)
+        # KL-to-reference: a frozen copy of the starting policy, sharded like it.
+        self.reference = self._load(model_dir, frozen=True) if optim.kl_coef > 0 else None
         self.tokenizer = load_tokenizer(model_dir)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
-            lr=cfg.optim.lr,
-            betas=tuple(cfg.optim.betas),
-            eps=cfg.optim.eps,
-            weight_decay=cfg.optim.weight_decay,
+            lr=optim.lr,
+            betas=tuple(optim.betas),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.optim, run.steps)
+            self.optimizer, lr_lambda(optim, run.steps)
         )
         self.step, self.version = 0, None
         # Training time before this process (a resumed run), and the step it resumed at.
@@ -172,7 +160,62 @@ class Learner:
         self.started = time.perf_counter()
         self.zero_spread: list[float] = []  # recent steps' share of groups without reward spread
         self.calibration_batch = self._prompt_batch()
+        self.heldout = None
+        if cfg.eval.every:
+            self.heldout = HeldOut(
+                self.task,
+                self.tokenizer,
+                cfg.eval.prompts,
+                cfg.eval.samples,
+                run.max_new_tokens,
+                run.temperature,
+                run.seed,
+                self.ranks,
+            )
+        self.publisher = self.inbox = self.watch = self.ledger = self.metrics = None
+        if self.ranks.main:
+            self._listen()
+        if run.resume:
+            self._restore()
+        if self.ranks.main:
+            self.ledger = Ledger(self.dir, resumed_step=self.step if run.resume else None)
+            self.metrics = MetricsLog(
+                self.dir, run.tensorboard, resumed_step=self.step if run.resume else None
+            )
+            OmegaConf.save(cfg, self.dir / CONFIG_FILE, resolve=True)
+            log.info(
+                "model %s (%.2fM parameters), precision %s (learner forward: %s), correction %s "
+                "(%s), %s mode, max staleness %d, %d rank(s) on %s computing in %s, listening on %s",
+                model_dir,
+                sum(p.numel() for p in self.model.parameters()) / 1e6,
+                self.policy.spec,
+                self.policy.learner_forward,
+                self.correction.name,
+                cfg.correction.mode,
+                run.mode,
+                self.max_staleness,
+                self.ranks.world,
+                self.ranks.device.type,
+                str(self.dtype).removeprefix("torch."),
+                endpoints(cfg.sync, "bind").trajectories,
+            )
 
+    def _load(self, model_dir: Path, frozen: bool) -> torch.nn.Module:
+        model = self.policy.prepare_learner(load_model(model_dir, dtype=torch.float32))
+        install_logprob_head(model)
+        if frozen:
+            model.requires_grad_(False)
+        return distributed.shard(
+            model,
+            self.ranks.device,
+            self.dtype,
+            frozen=frozen,
+            activation_checkpointing=self.cfg.optim.activation_checkpointing and not frozen,
+        )
+
+    def _listen(self) -> None:
+        """Rank 0's sockets: versions out, trajectories and lease requests in."""
+        cfg, run = self.cfg, self.cfg.run
         addresses, secure = endpoints(cfg.sync, "bind"), curve(cfg.sync)
         self.watch = HandshakeWatch()
         book = LeaseBook(
@@ -211,90 +254,113 @@ class Learner:
                 "Pick other ports with sync.version_port=... sync.snapshot_port=... "
                 "sync.trajectory_port=..."
             ) from None
-        if run.resume:
-            self._restore()
-        self.ledger = Ledger(self.dir, resumed_step=self.step if run.resume else None)
-        self.metrics = MetricsLog(
-            self.dir, run.tensorboard, resumed_step=self.step if run.resume else None
-        )
-        OmegaConf.save(cfg, self.dir / CONFIG_FILE, resolve=True)
-        log.info(
-            "model %s (%.2fM parameters), precision %s (learner forward: %s), correction %s (%s), %s mode, "
-            "max staleness %d, listening on %s",
-            model_dir,
-            sum(p.numel() for p in self.model.parameters()) / 1e6,
-            self.policy.spec,
-            self.policy.learner_forward,
-            self.correction.name,
-            cfg.correction.mode,
-            run.mode,
-            self.max_staleness,
-            addresses.trajectories,
-        )
 
     # -- the loop ----------------------------------------------------------------------------
 
     def run(self) -> int:
-        run = self.cfg.run
-        self.inbox.start()
-        self.inbox.trained(0, self.publish()["sync/version"])
+        run, main = self.cfg.run, self.ranks.main
+        if main:
+            self.inbox.start()
+        published = self.publish()
+        if main:
+            self.inbox.trained(0, published["sync/version"])
         if self.step == 0:
             self.checkpoint()  # so that a learner killed before its first interval can resume
+            baseline = self._evaluation()  # the policy before any step
+            if main and baseline:
+                self.metrics.write(0, baseline | {"version": self.version})
         last = self.started = time.perf_counter()
         samples_before = 0
         try:
             while self.step < run.steps:
                 waited = time.perf_counter()
-                groups = self._wait_for_groups()
+                share, groups = self._next_step()
                 waited = time.perf_counter() - waited
-                metrics = self.train_step(groups)
+                metrics = self.train_step(share, groups)
                 self.step += 1
-                self.ledger.write(self.step, self.version, groups, self.inbox.take_dropped())
+                if main:
+                    skipped = self.inbox.take_skipped()
+                    metrics["groups/skipped"] = len(skipped)
+                    self.ledger.write(
+                        self.step, self.version, groups, self.inbox.take_dropped(), skipped
+                    )
                 published = None
                 if self.step % self.cfg.sync.every == 0 or self.step == run.steps:
                     sync_metrics = self.publish()
                     metrics |= sync_metrics
-                    published = sync_metrics["sync/version"]
-                self.inbox.trained(len(groups), published)
-                now = time.perf_counter()
-                counts = self.inbox.snapshot_counts()
-                metrics |= self._throughput(counts, now - last, samples_before)
-                metrics["total/rejected/snapshot_request"] = self.publisher.rejected
-                metrics["total/failed_handshakes"] = self.watch.failures
-                samples_before = counts["counts"]["samples"]
-                metrics["time/wait_s"], metrics["time/step_total_s"] = waited, now - last
-                metrics["time/elapsed_s"] = self.elapsed_before + now - self.started
-                if self.resumed_from is not None:  # the first step after a resume says so
-                    metrics["run/resumed_from_step"], self.resumed_from = self.resumed_from, None
-                self._warn_without_reward_spread(metrics)
-                last = now
-                self.metrics.write(self.step, metrics)
+                    published = sync_metrics.get("sync/version")
+                metrics |= self._evaluation()
+                if main:
+                    self.inbox.trained(len(groups), published)
+                    now = time.perf_counter()
+                    counts = self.inbox.snapshot_counts()
+                    metrics |= self._throughput(counts, now - last, samples_before)
+                    metrics["total/rejected/snapshot_request"] = self.publisher.rejected
+                    metrics["total/failed_handshakes"] = self.watch.failures
+                    samples_before = counts["counts"]["samples"]
+                    metrics["time/wait_s"], metrics["time/step_total_s"] = waited, now - last
+                    metrics["time/elapsed_s"] = self.elapsed_before + now - self.started
+                    if self.resumed_from is not None:  # the first step after a resume says so
+                        metrics["run/resumed_from_step"], self.resumed_from = (
+                            self.resumed_from,
+                            None,
+                        )
+                    self._warn_without_reward_spread(metrics)
+                    last = now
+                    self.metrics.write(self.step, metrics)
                 if self.step % run.checkpoint_every == 0 and self.step < run.steps:
                     self.checkpoint()
-                if self.stop:
-                    raise Preempted
         except Preempted:
             path = self.checkpoint()
-            log.info(
-                "stopped by signal %s at step %d; checkpoint %s; continue with run.resume=true run.dir=%s",
-                self.stop.signal,
-                self.step,
-                path,
-                self.dir,
-            )
-            self._close()
+            if main:
+                log.info(
+                    "stopped by signal %s at step %d; checkpoint %s; continue with "
+                    "run.resume=true run.dir=%s",
+                    self.stop.signal,
+                    self.step,
+                    path,
+                    self.dir,
+                )
+            self.close()
             return 128 + (self.stop.signal or 15)
         self.checkpoint()
-        self.inbox.finish(linger=15)
-        log.info("finished %d steps; last version %d", self.step, self.version)
-        self._close()
+        if main:
+            self.inbox.finish(linger=15)
+            log.info("finished %d steps; last version %d", self.step, self.version)
+        self.close()
         return 0
+
+    def _next_step(self) -> tuple[Share, list[Group] | None]:
+        """Rank 0 waits for the step's groups and hands every rank its share; it hands
+        them STOP instead when the run is stopped. (share, the groups on rank 0)."""
+        if not self.ranks.main:
+            share = distributed.scatter(None)
+            if isinstance(share, tuple) and share[0] == STOP:
+                if share[1] is None:
+                    raise SystemExit(1)  # rank 0 failed and said why in its log
+                self.stop.signal = share[1]
+                raise Preempted
+            return share, None
+        try:
+            if self.stop:
+                raise Preempted
+            groups = self._wait_for_groups()
+        except Preempted:
+            distributed.scatter([(STOP, self.stop.signal or 15)] * self.ranks.world)
+            raise
+        except SystemExit:
+            distributed.scatter([(STOP, None)] * self.ranks.world)
+            raise
+        return distributed.scatter(self.shares(groups)), groups
 
     def _wait_for_groups(self) -> list[Group]:
         run = self.cfg.run
+        skip = _all_rewards_equal if run.dynamic_sampling else None
         waited_since = time.monotonic()
         while True:
-            groups = self.inbox.take(run.groups_per_step, self.version, self.max_staleness, 5.0)
+            groups = self.inbox.take(
+                run.groups_per_step, self.version, self.max_staleness, 5.0, skip=skip
+            )
             if groups is not None:
                 return groups
             if self.stop:
@@ -317,44 +383,143 @@ class Learner:
                 sorted(counts["workers"]) or "none yet",
             )
 
-    def train_step(self, groups: list[Group]) -> dict[str, Any]:
-        cfg, optim = self.cfg, self.cfg.optim
-        started = time.perf_counter()
+    def shares(self, groups: list[Group]) -> list[Share]:
+        """GRPO advantages over the whole batch, then every rank's part of every mini-batch,
+        cut into micro-batches (asyncfp8.batches)."""
+        optim = self.cfg.optim
         trajectories = [t for group in groups for t in group.trajectories]
-        batch = batch_tensors(trajectories, self.tokenizer.pad_token_id)
-        logp = completion_logprobs(self.model, batch, cfg.run.temperature)
         rewards = torch.tensor([t.reward for t in trajectories])
         group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories])
-        advantages = group_advantages(rewards, group_index, scale=optim.advantage_scale)
-        loss, metrics = corrected_policy_loss(
+        advantages = group_advantages(rewards, group_index, scale=optim.advantage_scale).tolist()
+        lengths = [len(t.prompt_ids) + len(t.token_ids) for t in trajectories]
+        plan = plan_step(lengths, optim.mini_batches, self.ranks.world, optim.micro_batch_tokens)
+        # Calibration (KV scales) on the batch's first samples, within one micro-batch.
+        calibration = trajectories[:1]
+        budget = optim.micro_batch_tokens or math.inf
+        for t in trajectories[1:]:
+            width = max(len(c.prompt_ids) + len(c.token_ids) for c in [*calibration, t])
+            if (len(calibration) + 1) * width > budget:
+                break
+            calibration.append(t)
+        return [
+            Share(
+                [
+                    [[(i, trajectories[i], advantages[i]) for i in micro] for micro in mini[rank]]
+                    for mini in plan
+                ],
+                calibration,
+            )
+            for rank in range(self.ranks.world)
+        ]
+
+    def train_step(self, share: Share, groups: list[Group] | None) -> dict[str, Any]:
+        """This rank's share of one batch (every rank calls it; rank 0 also passes the
+        step's groups and gets the step's metrics back)."""
+        optim = self.cfg.optim
+        started = time.perf_counter()
+        batches = [[self._tensors(rows) for rows in mini] for mini in share.mini_batches]
+        # π_prox is the policy before this step's first update: with one update, each
+        # micro-batch's own forward; with several, a recompute before the first.
+        proximal = None
+        if self.cfg.correction.mode == "decoupled" and optim.mini_batches * optim.ppo_epochs > 1:
+            with torch.no_grad(), distributed.memory_advice("the recompute", self._memory()):
+                proximal = [[self._logprobs(self.model, b)[0] for b in mini] for mini in batches]
+        seen: dict[int, torch.Tensor] = {}  # per sample: the log-probs the correction saw
+        totals: dict[str, float] = defaultdict(float)
+        for epoch, (m, mini) in itertools.product(range(optim.ppo_epochs), enumerate(batches)):
+            self.optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = defaultdict(float)
+            for j, micro in enumerate(mini):
+                with distributed.memory_advice("a train step", self._memory(micro)):
+                    learner_logp = self._micro_batch(
+                        micro, proximal[m][j] if proximal else None, sums
+                    )
+                if epoch == 0:
+                    for row, index in enumerate(micro["index"]):
+                        seen[index] = learner_logp[row][micro["mask"][row]].cpu()
+            # The loss is a mean over the whole mini-batch: its sums over micro-batches
+            # and ranks, divided by the whole count.
+            sums = distributed.sum_over_ranks(sums)
+            distributed.scale_gradients(self.model, 1.0 / max(sums["denominator"], 1.0))
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), optim.grad_clip)
+            grad_norm = grad_norm.full_tensor()  # a sharded model's norm is a DTensor
+            if not torch.isfinite(grad_norm):
+                raise FloatingPointError(f"step {self.step}: gradient norm is {grad_norm.item()}")
+            self.optimizer.step()
+            for key, value in sums.items():
+                totals[key] += value
+            for key in ("policy", "total"):
+                totals[f"{key}_loss"] += sums[key] / max(sums["denominator"], 1.0)
+            totals["grad_norm"] += grad_norm.item()
+            totals["updates"] += 1
+        self.scheduler.step()
+        failpoint("learner.mid_step")  # weights changed; nothing recorded or published yet
+        self.calibration_batch = self._calibration_batch(share.calibration)
+        everyone_seen = distributed.gather(seen)
+        if not self.ranks.main:
+            return {}
+        return self._step_metrics(groups, everyone_seen, totals, time.perf_counter() - started)
+
+    def _micro_batch(self, micro: dict, proximal: torch.Tensor | None, sums: dict) -> torch.Tensor:
+        """Forward and backward of one micro-batch; adds its loss numerator, denominator
+        and counts to `sums`. Returns the log-probs the correction saw."""
+        optim = self.cfg.optim
+        logp, entropy = self._logprobs(self.model, micro)
+        decoupled = self.cfg.correction.mode == "decoupled"
+        if proximal is None:
+            proximal = logp.detach()
+        terms = policy_loss_terms(
             self.correction,
             logp,
-            batch["rollout_logp"],
-            advantages,
-            batch["mask"],
-            proximal_logp=logp.detach(),  # one optimizer step per batch: π_prox is π_θ before it
-            versions=batch["versions"],
+            micro["rollout_logp"],
+            micro["advantages"],
+            micro["mask"],
+            proximal_logp=proximal,
+            versions=micro["versions"],
             current_version=self.version,
-            mode=cfg.correction.mode,
+            mode=self.cfg.correction.mode,
             kind=optim.loss,
             clip_low=optim.clip_low,
             clip_high=optim.clip_high,
-            aggregation=optim.aggregation,
+            clip_ratio_c=optim.clip_ratio_c,
         )
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), optim.grad_clip)
-        if not torch.isfinite(grad_norm):
-            raise FloatingPointError(f"step {self.step}: gradient norm is {grad_norm.item()}")
-        self.optimizer.step()
-        self.scheduler.step()
-        failpoint("learner.mid_step")  # weights changed; nothing recorded or published yet
-        self.calibration_batch = {
-            "input_ids": batch["input_ids"],
-            "attention_mask": batch["attention_mask"],
-        }
+        kept = terms.mask.to(logp.dtype)
+        per_token = terms.per_token - optim.entropy_coef * entropy
+        if self.reference is not None:
+            with torch.no_grad():
+                reference_logp, _ = self._logprobs(self.reference, micro)
+            kl = kl_penalty(logp, reference_logp, optim.kl_estimator)
+            per_token = per_token + optim.kl_coef * kl
+            sums["kl"] += (kl.detach() * kept).sum().item()
+        numerator, denominator = aggregate_parts(per_token, terms.mask, optim.aggregation)
+        numerator.backward()
+        sums["total"] += numerator.item()
+        sums["policy"] += aggregate_parts(terms.per_token.detach(), terms.mask, optim.aggregation)[
+            0
+        ].item()
+        sums["denominator"] += denominator
+        sums["entropy"] += (entropy.detach() * kept).sum().item()
+        sums["kept"] += kept.sum().item()
+        sums["clipped"] += terms.clipped.sum().item()
+        return proximal if decoupled else logp.detach()
+
+    def _step_metrics(
+        self, groups: list[Group], seen: list[dict], totals: dict, seconds: float
+    ) -> dict[str, Any]:
+        """Rank 0: the step's metrics over the whole batch (every rank's samples)."""
+        trajectories = [t for group in groups for t in group.trajectories]
+        batch = batch_tensors(trajectories, self.tokenizer.pad_token_id)
+        learner_logp = torch.zeros_like(batch["rollout_logp"])
+        for rows in seen:
+            for index, values in rows.items():
+                learner_logp[index, : len(values)] = values.float()
+        metrics = self.correction(
+            learner_logp, batch["rollout_logp"], batch["mask"], batch["versions"], self.version
+        ).metrics
+        rewards = torch.tensor([t.reward for t in trajectories])
         lengths = batch["mask"].sum(-1).float()
-        all_same = sum(len({t.reward for t in g.trajectories}) == 1 for g in groups)
+        all_same = sum(_all_rewards_equal(g) for g in groups)
+        updates, kept = totals["updates"], max(totals["kept"], 1.0)
         metrics |= {
             "version": self.version,
             "reward/mean": rewards.mean().item(),
@@ -363,12 +528,18 @@ class Learner:
             "response/frac_stopped": sum(t.finish_reason == "stop" for t in trajectories)
             / len(trajectories),
             "groups/frac_zero_advantage": all_same / len(groups),
-            "optim/grad_norm": grad_norm.item(),
+            "loss/policy": totals["policy_loss"] / updates,
+            "loss/total": totals["total_loss"] / updates,
+            "loss/ppo_clip_frac": totals["clipped"] / kept,
+            "loss/entropy": totals["entropy"] / kept,
+            "optim/grad_norm": totals["grad_norm"] / updates,
+            "optim/updates": int(updates),
             "optim/lr": self.scheduler.get_last_lr()[0],
-            "time/train_s": time.perf_counter() - started,
+            "time/train_s": seconds,
         }
-        metrics |= self._fresh_mismatch(logp.detach(), batch)
-        return metrics
+        if self.reference is not None:
+            metrics["loss/kl_ref"] = totals["kl"] / kept
+        return metrics | self._fresh_mismatch(learner_logp, batch)
 
     def _warn_without_reward_spread(self, metrics: dict[str, Any]) -> None:
         """A group whose samples all got the same reward has zero advantage and trains
@@ -401,10 +572,57 @@ class Learner:
             "fresh/tokens": int(fresh.sum()),
         }
 
+    def _tensors(self, rows: list[tuple[int, Trajectory, float]]) -> dict[str, Any]:
+        batch = batch_tensors([t for _, t, _ in rows], self.tokenizer.pad_token_id)
+        batch["advantages"] = torch.tensor([advantage for _, _, advantage in rows])
+        batch = {key: value.to(self.ranks.device) for key, value in batch.items()}
+        return batch | {"index": [index for index, _, _ in rows]}
+
+    def _logprobs(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return completion_logprobs(
+            model, batch, self.cfg.run.temperature, self.cfg.optim.logprob_chunk_tokens
+        )
+
+    def _memory(self, micro: dict | None = None) -> dict[str, Any]:
+        """What bounds a step's memory, for an out-of-memory message."""
+        optim = self.cfg.optim
+        shape = {"micro-batch": "{} × {} tokens".format(*micro["input_ids"].shape)} if micro else {}
+        return shape | {
+            "optim.micro_batch_tokens": optim.micro_batch_tokens,
+            "optim.activation_checkpointing": optim.activation_checkpointing,
+            "optim.logprob_chunk_tokens": optim.logprob_chunk_tokens,
+            "ranks": self.ranks.world,
+        }
+
+    def _calibration_batch(self, trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
+        batch = batch_tensors(trajectories, self.tokenizer.pad_token_id)
+        return {key: batch[key].to(self.ranks.device) for key in ("input_ids", "attention_mask")}
+
     def _prompt_batch(self) -> dict[str, torch.Tensor]:
         """Calibration data before the first step: the task's first prompts."""
         texts = [self.task.prompt(i).text for i in range(32)]
-        return dict(self.tokenizer(texts, return_tensors="pt", padding=True))
+        batch = self.tokenizer(texts, return_tensors="pt", padding=True)
+        return {key: value.to(self.ranks.device) for key, value in batch.items()}
+
+    def _evaluation(self) -> dict[str, Any]:
+        """Held-out pass@1 when it is due: before the first step, every `eval.every`
+        steps and after the last (collective)."""
+        every = self.cfg.eval.every
+        if self.heldout is None or (self.step % every and self.step != self.cfg.run.steps):
+            return {}
+        started = time.perf_counter()
+        metrics = self.heldout.evaluate(self.model)
+        metrics["time/eval_s"] = time.perf_counter() - started
+        if self.ranks.main:
+            log.info(
+                "held-out pass@1 after %d steps: greedy %.3f, sampled %.3f (%d prompts, %.1f s)",
+                self.step,
+                metrics["eval/pass1_greedy"],
+                metrics["eval/pass1_sampled"],
+                metrics["eval/prompts"],
+                metrics["time/eval_s"],
+            )
+        return metrics
 
     def _throughput(self, counts: dict, seconds: float, samples_before: int) -> dict[str, float]:
         metrics = {
@@ -436,22 +654,30 @@ class Learner:
 
     def publish(self) -> dict[str, float]:
         """The current weights as the precision policy wants them, streamed out as a
-        new version (with freshly calibrated KV scales when the policy has them)."""
+        new version (with freshly calibrated KV scales when the policy has them). Every
+        rank gathers and calibrates (collectives); rank 0 sends."""
         self.version = 0 if self.version is None else self.version + 1
         started = time.perf_counter()
-        # Reserve the number before any chunk leaves: if this learner dies mid-send, the
-        # one that resumes must not reuse a number workers may hold part of.
-        latest = self.dir / LATEST_VERSION_FILE
-        latest.with_suffix(".tmp").write_text(str(self.version))
-        os.replace(latest.with_suffix(".tmp"), latest)
+        if self.ranks.main:
+            # Reserve the number before any chunk leaves: if this learner dies mid-send, the
+            # one that resumes must not reuse a number workers may hold part of.
+            latest = self.dir / LATEST_VERSION_FILE
+            latest.with_suffix(".tmp").write_text(str(self.version))
+            os.replace(latest.with_suffix(".tmp"), latest)
         with torch.no_grad():
-            extra = calibrate_version(self.model, self.policy, self.calibration_batch)
-            # Snapshots this step's master weights and returns; quantizing (by the policy,
-            # from those FP32 values), encoding and sending happen on a thread while the
-            # next step trains.
+            # Every rank takes part in the gather and in calibration (collectives).
+            full = distributed.full_state_dict(self.model)  # on rank 0's CPU, in FP32
+            with without_logits(self.model):
+                extra = calibrate_version(self.model, self.policy, self.calibration_batch)
+            if not self.ranks.main:
+                return {}
+            # By parameter name, so that tied weights are sent once. The snapshot is taken
+            # and this returns; quantizing (by the policy, from the FP32 masters),
+            # encoding and sending happen on a thread while the next step trains.
+            masters = ((name, full[name]) for name, _ in self.model.named_parameters())
             waited = self.background.submit(
                 self.version,
-                self.model.named_parameters(),
+                masters,
                 functools.partial(version_weights, self.policy),
                 extra=extra,
                 policy=self.policy.spec,
@@ -469,45 +695,65 @@ class Learner:
     # -- checkpoints -------------------------------------------------------------------------
 
     def checkpoint(self) -> Path:
-        """Model, optimizer, schedule, version counter, data position (the lease book),
-        what was received but not yet trained on, and the RNG states, written
-        atomically; the oldest beyond `run.keep_checkpoints` are removed."""
+        """A directory per checkpoint: the sharded model and optimizer, written by every
+        rank (torch.distributed.checkpoint: readable at another world size), and rank 0's
+        `learner.pt` (schedule, step, version, data position and what was received but not
+        trained on: the inbox, RNG states). Written beside its final name and renamed, so
+        a directory with that name is complete; the oldest beyond `run.keep_checkpoints`
+        are removed."""
         folder = self.dir / CHECKPOINT_DIR
-        folder.mkdir(exist_ok=True)
-        path = folder / f"step_{self.step:08d}.pt"
-        state = {
-            "step": self.step,
-            "version": self.version,
-            "elapsed_s": self.elapsed_before + time.perf_counter() - self.started,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "inbox": self.inbox.state_dict(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-            },
-        }
-        temporary = path.with_suffix(".tmp")
-        torch.save(state, temporary)
-        os.replace(temporary, path)
-        for old in sorted(folder.glob("step_*.pt"))[: -self.cfg.run.keep_checkpoints]:
-            old.unlink()
-        return path
+        final = folder / f"step_{self.step:08d}"
+        staging = folder / f".{final.name}.{distributed.broadcast(secrets.token_hex(4))}.tmp"
+        has_optimizer = bool(self.optimizer.state)  # an optimizer yet to step has no state
+        distributed.save_checkpoint(
+            str(staging), self.model, self.optimizer if has_optimizer else None
+        )
+        if self.ranks.main:
+            state = {
+                "step": self.step,
+                "version": self.version,
+                "scheduler": self.scheduler.state_dict(),
+                "inbox": self.inbox.state_dict(),
+                "optimizer_saved": has_optimizer,
+                "elapsed_s": self.elapsed_before + time.perf_counter() - self.started,
+                "world_size": self.ranks.world,
+                "rng": {
+                    "torch": torch.get_rng_state(),
+                    "python": random.getstate(),
+                    "numpy": np.random.get_state(),
+                },
+            }
+            torch.save(state, staging / LEARNER_STATE)
+            if final.exists():  # reached again after a resume from an older checkpoint
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            saved = sorted(p for p in folder.glob("step_*") if p.is_dir())
+            for old in saved[: -self.cfg.run.keep_checkpoints]:
+                shutil.rmtree(old)
+            for leftover in folder.glob(".step_*.tmp"):  # of a learner killed mid-checkpoint
+                shutil.rmtree(leftover, ignore_errors=True)
+        return final
 
     def _restore(self) -> None:
-        saved = sorted((self.dir / CHECKPOINT_DIR).glob("step_*.pt"))
+        """Every rank reads the newest checkpoint (run.dir must be on storage they all see)."""
+        saved = sorted((self.dir / CHECKPOINT_DIR).glob(f"step_*/{LEARNER_STATE}"))
+        if not saved and any((self.dir / CHECKPOINT_DIR).glob("step_*.pt")):
+            raise SystemExit(
+                f"learner: {self.dir / CHECKPOINT_DIR} holds only single-file checkpoints "
+                "(step_N.pt) of an asyncfp8 from before the sharded learner; this one cannot "
+                "resume them: start a new run.dir"
+            )
         if not saved:
             raise SystemExit(
                 f"learner: run.resume=true but {self.dir / CHECKPOINT_DIR} holds no checkpoint; "
                 "point run.dir at the run to continue"
             )
+        folder = saved[-1].parent
         state = torch.load(saved[-1], weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        distributed.load_checkpoint(
+            str(folder), self.model, self.optimizer if state["optimizer_saved"] else None
+        )
         self.scheduler.load_state_dict(state["scheduler"])
-        self.inbox.load_state_dict(state["inbox"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
@@ -516,34 +762,52 @@ class Learner:
         latest = self.dir / LATEST_VERSION_FILE
         if latest.exists():
             self.version = max(self.version, int(latest.read_text()))
+        if not self.ranks.main:
+            return
+        self.inbox.load_state_dict(state["inbox"])
         log.info(
-            "resumed from %s: step %d, version %d (the next is %d), next prompt %d",
-            saved[-1],
+            "resumed from %s: step %d, version %d (the next is %d), next prompt %d; saved by "
+            "%d rank(s), resumed on %d",
+            folder,
             self.step,
             self.version,
             self.version + 1,
             state["inbox"]["book"]["next_prompt"],
+            state["world_size"],
+            self.ranks.world,
         )
 
-    def _close(self) -> None:
-        self.inbox.close()
-        self.publisher.close()
-        self.watch.close()
-        self.ledger.close()
-        self.metrics.close()
+    def close(self) -> None:
+        if self.ranks.main:
+            self.inbox.close()
+            self.publisher.close()
+            self.watch.close()
+            self.ledger.close()
+            self.metrics.close()
+        distributed.close()
+
+
+def _all_rewards_equal(group: Group) -> bool:
+    """No reward spread: GRPO gives every sample advantage 0 (DAPO skips such groups)."""
+    return len({t.reward for t in group.trajectories}) == 1
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    setup_logging("learner")
+    rank = os.environ.get("RANK", "0")  # set by torchrun
+    setup_logging("learner" if rank == "0" else f"learner-rank{rank}")
     try:
         cfg, changes = restore_on_resume(cfg, list(HydraConfig.get().overrides.task))
         log_resume(cfg, changes, "learner")
         learner = Learner(cfg)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, MemoryError) as err:
         log.error("%s", err)
         sys.exit(2)
-    sys.exit(learner.run())
+    try:
+        sys.exit(learner.run())
+    except MemoryError as err:
+        log.error("%s", err)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

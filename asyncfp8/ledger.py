@@ -5,7 +5,8 @@ A record names the step, its wall-clock time, the version trained, and each grou
 trained as `[lease, prompt, [[sender, seq, oldest_version], ...]]` (sender is the
 worker process, `<worker_id>/<incarnation>`, and seq its sequence number), plus the
 groups dropped as too stale, `[lease, prompt, oldest_version]` (their prompts are
-queued again). It is how a run proves that no trajectory was trained twice and no
+queued again), and the groups skipped without training since the step before (DAPO's
+dynamic sampling: all rewards equal), in the format of the trained ones. It is how a run proves that no trajectory was trained twice and no
 prompt was lost (`asyncfp8.chaos.audit`). A resumed learner cuts the records past its
 checkpoint: those steps were undone and are trained again.
 """
@@ -33,25 +34,27 @@ class Ledger:
             os.replace(temporary, self.path)
         self._file = self.path.open("a", buffering=1)  # whole lines reach the kernel at once
 
-    def write(self, step: int, version: int, groups, dropped) -> None:
+    def write(self, step: int, version: int, groups, dropped, skipped=()) -> None:
         record = {
             "step": step,
             "time": time.time(),
             "version": version,
-            "groups": [
-                [
-                    g.lease,
-                    g.prompt,
-                    [[t.sender, t.seq, min(t.versions, default=0)] for t in g.trajectories],
-                ]
-                for g in groups
-            ],
+            "groups": [_group(g) for g in groups],
             "dropped": [list(d) for d in dropped],
+            "skipped": [_group(g) for g in skipped],
         }
         self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         self._file.close()
+
+
+def _group(g) -> list:
+    return [
+        g.lease,
+        g.prompt,
+        [[t.sender, t.seq, min(t.versions, default=0)] for t in g.trajectories],
+    ]
 
 
 def read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:

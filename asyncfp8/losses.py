@@ -1,6 +1,7 @@
-"""Policy-gradient losses: group advantages, PPO-clip / REINFORCE per token, loss
-aggregation, and `corrected_policy_loss`, the one place where behaviour, proximal and
-current policies meet the correction.
+"""Policy-gradient losses: group advantages, PPO-clip (clip-higher, dual-clip) /
+REINFORCE per token, the KL-to-reference estimators, loss aggregation, and
+`policy_loss_terms` / `corrected_policy_loss`, the one place where behaviour, proximal
+and current policies meet the correction.
 
 Decoupled (three policies): behaviour = rollout logprobs, proximal = a learner
 recompute, θ = the policy being optimized. The PPO ratio is π_θ/π_prox; the correction
@@ -15,6 +16,7 @@ by its weights as well would count the ratio twice.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -24,6 +26,8 @@ from asyncfp8.correction import Correction
 Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
 LossKind = Literal["ppo_clip", "reinforce"]
 Mode = Literal["decoupled", "bypass"]
+KLEstimator = Literal["k1", "k3", "low_var_kl"]
+KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
 
 
 def group_advantages(
@@ -62,19 +66,43 @@ def aggregate(
     """token_mean: mean over all real tokens of the batch; seq_mean_token_sum: per
     sequence sum, then mean over sequences; seq_mean_token_mean: per-sequence mean, then
     mean over sequences. Sequences with no real token are left out of the means."""
+    numerator, denominator = aggregate_parts(per_token, mask, how)
+    return numerator / max(denominator, 1.0)
+
+
+def aggregate_parts(
+    per_token: torch.Tensor, mask: torch.Tensor, how: Aggregation = "token_mean"
+) -> tuple[torch.Tensor, float]:
+    """`aggregate` as (numerator, denominator): the numerator is a sum over this part of a
+    batch, the denominator a count (real tokens, or sequences with one), so that the
+    aggregate over micro-batches and ranks is Σ numerators / Σ denominators."""
     mask = mask.to(per_token.dtype)
     masked = per_token * mask
     if how == "token_mean":
-        return masked.sum() / mask.sum().clamp_min(1)
-    has_tokens = mask.sum(-1) > 0
-    n_seqs = has_tokens.sum().clamp_min(1)
+        return masked.sum(), mask.sum().item()
+    n_seqs = (mask.sum(-1) > 0).sum().item()
     if how == "seq_mean_token_sum":
-        return masked.sum(-1).sum() / n_seqs
+        return masked.sum(), n_seqs
     if how == "seq_mean_token_mean":
-        return (masked.sum(-1) / mask.sum(-1).clamp_min(1)).sum() / n_seqs
+        return (masked.sum(-1) / mask.sum(-1).clamp_min(1)).sum(), n_seqs
     raise ValueError(
         f"unknown aggregation {how!r}; use token_mean, seq_mean_token_sum or seq_mean_token_mean"
     )
+
+
+def kl_penalty(
+    logp: torch.Tensor, reference_logp: torch.Tensor, estimator: KLEstimator = "low_var_kl"
+) -> torch.Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from tokens sampled by the rollout, as veRL
+    computes it: k1 = log π_θ − log π_ref; k3 = e^(−k1) − 1 + k1 (unbiased, never
+    negative); low_var_kl = k3 clamped to [−10, 10]."""
+    k1 = logp - reference_logp
+    if estimator == "k1":
+        return k1
+    if estimator not in ("k3", "low_var_kl"):
+        raise ValueError(f"unknown KL estimator {estimator!r}; use one of {KL_ESTIMATORS}")
+    k3 = torch.expm1(-k1) + k1
+    return k3.clamp(-10, 10) if estimator == "low_var_kl" else k3
 
 
 def per_token_policy_loss(
@@ -84,10 +112,13 @@ def per_token_policy_loss(
     kind: LossKind = "ppo_clip",
     clip_low: float = 0.2,
     clip_high: float = 0.28,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss [B, T], clipped [B, T] bool). PPO-clip with an asymmetric range
     [1 − clip_low, 1 + clip_high] (clip-higher keeps low-probability tokens able to
-    grow); REINFORCE is −A·log π_θ."""
+    grow) and, with `clip_ratio_c` = c > 1, dual-clip: for A < 0 the loss is capped at
+    −A·c (a ratio far above 1 on a bad token cannot blow the step up); `clipped` marks
+    the tokens either clip made constant. REINFORCE is −A·log π_θ."""
     advantages = advantages[:, None] if advantages.dim() == 1 else advantages
     if kind == "reinforce":
         return -advantages * logp, torch.zeros_like(logp, dtype=torch.bool)
@@ -95,11 +126,67 @@ def per_token_policy_loss(
         raise ValueError(f"unknown policy loss {kind!r}; use ppo_clip or reinforce")
     if not (0 <= clip_low < 1 and clip_high >= 0):
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0; got {clip_low}, {clip_high}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1:
+        raise ValueError(f"dual-clip needs clip_ratio_c > 1 (or None: off), got {clip_ratio_c}")
     ratio = torch.exp((logp - proximal_logp.detach()).clamp(-20, 20))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(unclipped, clipped)
-    return loss, clipped > unclipped
+    was_clipped = clipped > unclipped
+    if clip_ratio_c is not None:
+        cap = -advantages * clip_ratio_c
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+        was_clipped = was_clipped | dual
+    return loss, was_clipped
+
+
+@dataclass
+class PolicyLossTerms:
+    """One batch's policy loss before aggregation: `per_token` (the clipped loss times
+    the correction's weights), the tokens it counts (`mask`: real tokens the correction
+    kept), the tokens a clip made constant, and the correction's metrics."""
+
+    per_token: torch.Tensor
+    mask: torch.Tensor
+    clipped: torch.Tensor
+    metrics: dict[str, float]
+
+
+def policy_loss_terms(
+    correction: Correction,
+    logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    proximal_logp: torch.Tensor | None = None,
+    versions: torch.Tensor | None = None,
+    current_version: int | None = None,
+    mode: Mode = "decoupled",
+    kind: LossKind = "ppo_clip",
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    clip_ratio_c: float | None = None,
+) -> PolicyLossTerms:
+    """The correction applied to one batch's per-token policy loss (module docstring:
+    decoupled vs bypass)."""
+    if mode == "decoupled":
+        if proximal_logp is None:
+            raise ValueError(
+                "decoupled mode needs proximal_logp (a learner recompute); use mode='bypass' to skip it"
+            )
+        result = correction(proximal_logp, rollout_logp, mask, versions, current_version)
+        weights = result.weights
+    elif mode == "bypass":
+        proximal_logp = rollout_logp
+        result = correction(logp.detach(), rollout_logp, mask, versions, current_version)
+        weights = result.weights if kind == "reinforce" else result.mask.to(logp.dtype)
+    else:
+        raise ValueError(f"unknown mode {mode!r}; use decoupled or bypass")
+    per_token, clipped = per_token_policy_loss(
+        logp, proximal_logp, advantages, kind, clip_low, clip_high, clip_ratio_c
+    )
+    return PolicyLossTerms(per_token * weights, result.mask, clipped & result.mask, result.metrics)
 
 
 def corrected_policy_loss(
@@ -116,27 +203,27 @@ def corrected_policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     aggregation: Aggregation = "token_mean",
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of one batch with the correction applied, and its metrics."""
-    if mode == "decoupled":
-        if proximal_logp is None:
-            raise ValueError(
-                "decoupled mode needs proximal_logp (a learner recompute); use mode='bypass' to skip it"
-            )
-        result = correction(proximal_logp, rollout_logp, mask, versions, current_version)
-        weights = result.weights
-    elif mode == "bypass":
-        proximal_logp = rollout_logp
-        result = correction(logp.detach(), rollout_logp, mask, versions, current_version)
-        weights = result.weights if kind == "reinforce" else result.mask.to(logp.dtype)
-    else:
-        raise ValueError(f"unknown mode {mode!r}; use decoupled or bypass")
-    per_token, clipped = per_token_policy_loss(
-        logp, proximal_logp, advantages, kind, clip_low, clip_high
+    """The loss of one whole batch with the correction applied, and its metrics."""
+    terms = policy_loss_terms(
+        correction,
+        logp,
+        rollout_logp,
+        advantages,
+        mask,
+        proximal_logp,
+        versions,
+        current_version,
+        mode,
+        kind,
+        clip_low,
+        clip_high,
+        clip_ratio_c,
     )
-    loss = aggregate(per_token * weights, result.mask, aggregation)
-    n_kept = result.mask.sum().clamp_min(1)
-    metrics = dict(result.metrics)
+    loss = aggregate(terms.per_token, terms.mask, aggregation)
+    n_kept = terms.mask.sum().clamp_min(1)
+    metrics = dict(terms.metrics)
     metrics["loss/policy"] = loss.item()
-    metrics["loss/ppo_clip_frac"] = ((clipped & result.mask).sum() / n_kept).item()
+    metrics["loss/ppo_clip_frac"] = (terms.clipped.sum() / n_kept).item()
     return loss, metrics

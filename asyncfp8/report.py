@@ -27,8 +27,18 @@ TAIL = 0.2  # "final" numbers are means over the last 20% of steps
 
 
 def per_step(run_dir: str | Path) -> list[dict[str, Any]]:
-    """One record per step; a step written twice (re-run after a resume) keeps the last."""
-    return sorted({r["step"]: r for r in read_metrics(run_dir)}.values(), key=lambda r: r["step"])
+    """One record per training step (1, 2, ...); a step written twice (re-run after a
+    resume) keeps the last. The held-out evaluation before the first step, recorded as
+    step 0, is in `evaluations`."""
+    records = {r["step"]: r for r in read_metrics(run_dir) if r["step"] >= 1}
+    return sorted(records.values(), key=lambda r: r["step"])
+
+
+def evaluations(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records with held-out pass@1 (`eval/pass1_greedy`, `eval/pass1_sampled`), by
+    step, the one before training (step 0) included."""
+    records = {r["step"]: r for r in read_metrics(run_dir) if "eval/pass1_greedy" in r}
+    return sorted(records.values(), key=lambda r: r["step"])
 
 
 def _mean(records: list[dict], key: str) -> float:
@@ -49,6 +59,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     records = per_step(run_dir)
     if not records:
         raise ValueError(f"{run_dir}: no metrics (metrics.jsonl is missing or empty)")
+    evaluated = evaluations(run_dir)
     n = max(1, round(len(records) * TAIL))
     last = records[-1]
     elapsed = last.get("time/elapsed_s") or float("nan")
@@ -67,7 +78,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
             f"the precision-only KL rests on {len(fresh)} steps with current-version tokens "
             f"(< {MIN_FRESH_STEPS}); left out (run.mode=sync measures it at every step)"
         )
-    summary = {
+    return {
         "run": str(run_dir),
         "label": label(run_dir),
         "steps": last["step"],
@@ -87,13 +98,22 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "frac_clipped_mean": _mean(records, "correction/frac_clipped"),
         "frac_zero_advantage_mean": zero_spread,
         "stale_groups": last.get("total/stale_groups", 0),
+        # pass@1 on held-out prompts: before training (or the first evaluation) and the last
+        "eval_steps": [r["step"] for r in evaluated],
+        "eval_pass1_greedy_start": _first(evaluated, "eval/pass1_greedy"),
+        "eval_pass1_greedy_end": _last(evaluated, "eval/pass1_greedy"),
+        "eval_pass1_sampled_start": _first(evaluated, "eval/pass1_sampled"),
+        "eval_pass1_sampled_end": _last(evaluated, "eval/pass1_sampled"),
         "warnings": warnings,
     }
-    for key in EVAL_KEYS:  # held-out evaluation, when the run has it
-        evaluated = [r for r in records if r.get(key) is not None]
-        if evaluated:
-            summary[key.replace("/", "_") + "_last"] = evaluated[-1][key]
-    return summary
+
+
+def _first(records: list[dict], key: str) -> float:
+    return records[0][key] if records else float("nan")
+
+
+def _last(records: list[dict], key: str) -> float:
+    return records[-1][key] if records else float("nan")
 
 
 def label(run_dir: str | Path) -> str:
@@ -156,6 +176,18 @@ def _series(records: list[dict], key: str, steps: int) -> np.ndarray:
     return values
 
 
+def _eval_points(runs: list[list[dict]], key: str, steps: int) -> tuple[list[int], list[float]]:
+    """Held-out evaluations (step 0: before training) up to `steps`, averaged over the
+    runs that have one at a step."""
+    by_step: dict[int, list[float]] = {}
+    for run in runs:
+        for r in run:
+            if r["step"] <= steps and r.get(key) is not None:
+                by_step.setdefault(r["step"], []).append(r[key])
+    points = sorted(by_step)
+    return points, [float(np.mean(by_step[step])) for step in points]
+
+
 def trailing_mean(values: np.ndarray, window: int) -> np.ndarray:
     """`smooth`, but NaN until the window is full: a short run's first steps are not
     drawn as if they were a mean (a one-step "mean" looks like a collapse or a jump)."""
@@ -175,11 +207,14 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, labels: list[str] | N
     import matplotlib.pyplot as plt
 
     settings: dict[str, list[list[dict]]] = {}
+    evals: dict[str, list[list[dict]]] = {}
     for index, run_dir in enumerate(run_dirs):
         records = per_step(run_dir)
         if records:
-            settings.setdefault(labels[index] if labels else label(run_dir), []).append(records)
-    every = [r for runs in settings.values() for run in runs for r in run]
+            name = labels[index] if labels else label(run_dir)
+            settings.setdefault(name, []).append(records)
+            evals.setdefault(name, []).append(evaluations(run_dir))
+    every = [r for runs in [*settings.values(), *evals.values()] for run in runs for r in run]
     panels = [p for p in PANELS if any(r.get(p[0]) is not None for r in every)]
     rows = (len(panels) + 1) // 2
     figure, axes = plt.subplots(rows, 2, figsize=(11, 3.2 * rows), squeeze=False)
@@ -199,9 +234,12 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, labels: list[str] | N
                     x, trailing_mean(mean, window), color=color, linewidth=1.4, label=label_text
                 )
             elif key in EVAL_KEYS:
-                points = ~np.isnan(mean)
                 ax.plot(
-                    x[points], mean[points], color=color, marker="o", markersize=3, label=label_text
+                    *_eval_points(evals[name], key, steps),
+                    color=color,
+                    marker="o",
+                    markersize=3,
+                    label=label_text,
                 )
             else:
                 (line,) = ax.plot(
@@ -215,8 +253,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, labels: list[str] | N
                 other, style, factor = SECOND_LINE[key]
                 values = _mean_over_runs([_series(r, other, steps) for r in runs]) * factor
                 if key in EVAL_KEYS:
-                    points = ~np.isnan(values)
-                    ax.plot(x[points], values[points], color=color, linestyle=style)
+                    ax.plot(*_eval_points(evals[name], other, steps), color=color, linestyle=style)
                 else:
                     ax.plot(x, smooth(values, window), color=color, linewidth=1.0, linestyle=style)
             for step in resumes:

@@ -32,7 +32,12 @@ SAFE_ON_RESUME = (
     "run.worker_wait_timeout",
     "run.lease_timeout",
     "run.learner_procs",
+    "run.dist_timeout",
     "run.device",
+    # How a step's memory is bounded; the gradient is the same up to rounding.
+    "optim.micro_batch_tokens",
+    "optim.logprob_chunk_tokens",
+    "optim.activation_checkpointing",
     "engine.device",
     "eval.every",
     "sync.",

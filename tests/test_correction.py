@@ -71,6 +71,67 @@ def test_padding_never_enters_a_sequence_product():
     close(out.weights, [[2.0, 0.0]])
 
 
+def test_sequence_methods_clamp_the_summed_log_ratio_not_each_token():
+    # One token at +45 and the rest summing to -25: the sequence log-ratio is +20, so the
+    # sequence is far above any cap. Clamping each token to ±20 first would give e^-5.
+    ratios = [[45.0, -10.0, -15.0]]
+    data = batch(ratios, rollout=-100.0)
+    close(get_correction("seq_tis", threshold=2.0)(*data).weights, [[2.0] * 3])
+    assert not get_correction("seq_mis", upper=5.0)(*data).mask.any()
+
+
+def reference_sequence_weights(log_ratios, mask, method, **params):
+    """Per sequence with Python floats: sum (or mean) of the raw token log-ratios of the
+    real tokens, clamped to ±20, then the method's weight and whether it keeps it."""
+    out = []
+    for row, keep_row in zip(log_ratios, mask, strict=True):
+        real = [r for r, m in zip(row, keep_row, strict=True) if m]
+        total = max(-20.0, min(20.0, sum(real)))
+        if method == "seq_tis":
+            out.append((min(math.exp(total), params["threshold"]), True))
+        elif method == "seq_mis":
+            ratio = math.exp(total)
+            out.append((ratio, params["lower"] <= ratio <= params["upper"]))
+        else:  # geo_rs
+            mean = max(-20.0, min(20.0, sum(real) / max(len(real), 1)))
+            out.append((1.0, params["lower"] <= math.exp(mean) <= params["upper"]))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [
+        ("seq_tis", {"threshold": 3.0}),
+        ("seq_mis", {"lower": 0.2, "upper": 4.0}),
+        ("geo_rs", {"lower": 0.8, "upper": 1.25}),
+    ],
+)
+def test_sequence_methods_against_an_independent_computation(method, params):
+    generator = torch.Generator().manual_seed(7)
+    # Mostly small log-ratios, some beyond the ±20 clamp, so that clamping order matters.
+    log_ratios = torch.randn(64, 9, generator=generator, dtype=torch.float64)
+    spikes = torch.rand(64, 9, generator=generator) < 0.1
+    log_ratios[spikes] *= 40
+    mask = torch.rand(64, 9, generator=generator) > 0.2
+    learner, rollout, _ = batch(log_ratios.tolist(), rollout=-400.0)
+    out = get_correction(method, **params)(learner, rollout, mask)
+    # The reference starts from the float32 log-probs the correction was given.
+    rows = (learner.double() - rollout.double()).tolist()
+    expected = reference_sequence_weights(rows, mask.tolist(), method, **params)
+    for i, (weight, kept) in enumerate(expected):
+        real = mask[i]
+        if not real.any():
+            continue
+        assert bool(out.mask[i, real].all()) == kept, (i, rows[i])
+        if kept:
+            torch.testing.assert_close(
+                out.weights[i, real].double(),
+                torch.full((int(real.sum()),), weight, dtype=torch.float64),
+                rtol=1e-4,
+                atol=0,
+            )
+
+
 def test_geometric_rejection_is_length_neutral():
     ratios = [[LN(2.0), LN(0.5)], [LN(1.5), 0.0]]  # geometric means 1 and sqrt(1.5)
     out = get_correction("geo_rs", lower=0.9, upper=1.1)(*batch(ratios))

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from asyncfp8.chaos.audit import audit
 from asyncfp8.chaos.cluster import SMALL_RUN, Cluster
 from asyncfp8.launch import free_ports
 from asyncfp8.ledger import read_ledger
 from asyncfp8.metrics import read_metrics
-from asyncfp8.report import per_step
+from asyncfp8.report import evaluations, per_step
 
 
 @pytest.fixture
@@ -55,6 +56,9 @@ def launch(tmp_path, model_dir, *overrides, timeout=400):
 def check_run(run_dir, steps, max_staleness):
     done = per_step(run_dir)
     assert [r["step"] for r in done] == list(range(1, steps + 1))
+    # Held-out pass@1 before the first step (recorded as step 0) and after the last.
+    evaluated = [r["step"] for r in evaluations(run_dir)]
+    assert evaluated[0] == 0 and evaluated[-1] == steps
     versions = [r["sync/version"] for r in done]
     assert versions == sorted(set(versions))  # one new version per step, increasing
     for r in done:
@@ -86,6 +90,34 @@ def test_launcher_runs_an_asynchronous_run_and_reports(tmp_path, tiny_model_dir)
     }
     assert trained_by and {f"worker/{w}/tokens_per_s" for w in trained_by} <= set(last)
     assert last["total/rejected_messages"] == 0 and last["sync/bytes"] > 0
+
+
+def test_launcher_with_a_two_rank_learner_and_dynamic_sampling(tmp_path, tiny_model_dir):
+    run_dir, _ = launch(
+        tmp_path,
+        tiny_model_dir,
+        "run.steps=6",
+        "run.workers=2",
+        "run.learner_procs=2",
+        "run.group_size=2",  # groups of 2 often agree: dynamic sampling has work to do
+        "run.dynamic_sampling=true",
+        "eval.every=3",
+        "eval.prompts=16",
+    )
+    done = check_run(run_dir, 6, max_staleness=1)
+    assert "2 rank(s)" in (run_dir / "learner.log").read_text()
+    # Every trained group had a reward spread; the skipped ones were counted and recorded.
+    assert all(r["groups/frac_zero_advantage"] == 0 for r in done)
+    skipped = sum(len(r["skipped"]) for r in read_ledger(run_dir))
+    assert done[-1]["total/skipped_groups"] == skipped > 0
+    result = audit(run_dir, group_size=2, max_staleness=1)
+    assert result.lost == 0 and result.skipped_groups == skipped
+    # Held-out pass@1 before training, at step 3 and after the last step.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_steps"] == [0, 3, 6]
+    for key in ("greedy", "sampled"):
+        for end in ("start", "end"):
+            assert 0 <= summary[f"eval_pass1_{key}_{end}"] <= 1
 
 
 def test_sync_mode_trains_only_on_the_current_version(tmp_path, tiny_model_dir):
@@ -146,10 +178,33 @@ def test_resume_after_the_learner_is_killed(cluster):
     assert new_versions == sorted(new_versions)
     # metrics.jsonl was cut back to the checkpoint: every step is in it once, and the
     # totals continue (the samples count covers the run before the kill too).
-    raw = read_metrics(c.run_dir)
+    raw = [r for r in read_metrics(c.run_dir) if r["step"] >= 1]  # step 0: held-out baseline
     assert [r["step"] for r in raw] == list(range(1, 41))
     assert [r["step"] for r in raw if "run/resumed_from_step" in r] == [resumed_at + 1]
     assert raw[-1]["total/samples"] >= 40 * 16
+
+
+def test_a_two_rank_learner_killed_resumes_on_one_rank(cluster):
+    c = cluster(
+        "run.steps=30", "run.checkpoint_every=3", "run.lease_timeout=8", "sync.resend_after=2"
+    )
+    learner = c.learner(procs=2)
+    c.worker(0)
+    c.wait_for_step(5)
+    Cluster.kill(learner)  # every rank, at once (SIGKILL to torchrun's process group)
+    highest = int((c.run_dir / "latest_version").read_text())
+    resumed = c.learner("run.resume=true")  # one process now
+    assert resumed.wait(timeout=240) == 0, c.log("learner")
+    log = c.log("learner", tail=0)
+    assert "saved by 2 rank(s), resumed on 1" in log
+    after = per_step(c.run_dir)
+    assert after[-1]["step"] == 30
+    resumed_at = int(log.split("resumed from")[1].split("step ")[1].split(",")[0])
+    new_versions = [r["sync/version"] for r in after if r["step"] > resumed_at]
+    assert min(new_versions) > highest and new_versions == sorted(new_versions)
+    # The data position, lease book and received groups came back with the checkpoint:
+    # nothing trained twice, nothing lost, the staleness bound kept.
+    assert audit(c.run_dir, group_size=4, max_staleness=1).lost == 0
 
 
 def test_a_killed_worker_is_replaced_and_the_run_finishes(cluster):

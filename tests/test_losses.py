@@ -6,8 +6,10 @@ import torch
 from asyncfp8.correction import get_correction
 from asyncfp8.losses import (
     aggregate,
+    aggregate_parts,
     corrected_policy_loss,
     group_advantages,
+    kl_penalty,
     per_token_policy_loss,
 )
 
@@ -47,6 +49,52 @@ def test_ppo_clip_is_pessimistic_and_asymmetric():
     assert clipped.tolist() == [[True, False, True, False]]
     reinforce, _ = per_token_policy_loss(logp, proximal, advantages, kind="reinforce")
     torch.testing.assert_close(reinforce, -advantages * logp)
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    ratios = torch.tensor([[5.0, 2.0, 5.0, 0.5]])
+    advantages = torch.tensor([[-1.0, -1.0, 1.0, -2.0]])
+    logp = torch.log(ratios).requires_grad_()
+    loss, clipped = per_token_policy_loss(
+        logp, torch.zeros_like(logp), advantages, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0
+    )
+    # A=-1, r=5: max(5, 1.28) = 5, capped at c·|A| = 3; A=-1, r=2: 2 < 3, not capped;
+    # A=+1, r=5: ordinary clip -1.28; A=-2, r=0.5: max(1, 1.6) = 1.6 (the low clip).
+    torch.testing.assert_close(loss.detach(), torch.tensor([[3.0, 2.0, -1.28, 1.6]]))
+    assert clipped.tolist() == [[True, False, True, True]]
+    loss.sum().backward()
+    # Capped or clipped tokens pass no gradient; the unclipped one passes -A·r = 2.
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 2.0, 0.0, 0.0]]))
+    no_dual, _ = per_token_policy_loss(logp, torch.zeros_like(logp), advantages)
+    assert no_dual[0, 0].item() == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="clip_ratio_c > 1"):
+        per_token_policy_loss(logp, logp, advantages, clip_ratio_c=1.0)
+
+
+def test_kl_estimators_by_hand():
+    logp = torch.log(torch.tensor([0.5, 0.2, 1e-9]))
+    reference = torch.log(torch.tensor([0.25, 0.2, 0.5]))
+    for estimator in ("k1", "k3", "low_var_kl"):
+        got = kl_penalty(logp, reference, estimator)
+        for value, p, q in zip(got.tolist(), [0.5, 0.2, 1e-9], [0.25, 0.2, 0.5], strict=True):
+            k1 = math.log(p) - math.log(q)
+            k3 = q / p - 1 - math.log(q / p)
+            expected = {"k1": k1, "k3": k3, "low_var_kl": min(k3, 10.0)}[estimator]
+            assert value == pytest.approx(expected, rel=1e-4)
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_penalty(logp, reference, "k2")
+
+
+@pytest.mark.parametrize("how", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
+def test_aggregation_over_parts_equals_the_whole(how):
+    generator = torch.Generator().manual_seed(0)
+    loss = torch.randn(10, 7, generator=generator)
+    mask = torch.rand(10, 7, generator=generator) > 0.3
+    mask[4] = False  # a sequence with no real token
+    parts = [aggregate_parts(loss[rows], mask[rows], how) for rows in (slice(0, 3), slice(3, 10))]
+    numerator = sum(n for n, _ in parts)
+    denominator = sum(d for _, d in parts)
+    torch.testing.assert_close(numerator / denominator, aggregate(loss, mask, how))
 
 
 def test_correction_weights_scale_the_gradient_and_carry_none():

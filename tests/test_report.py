@@ -86,6 +86,25 @@ def test_plot_of_two_runs(tmp_path):
     assert out.stat().st_size > 10_000
 
 
+def test_summary_carries_held_out_pass_at_1_before_and_after_training(tmp_path):
+    write_run(tmp_path / "a", [0.0] * 2 + [0.5] * 6 + [0.9] * 2)
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").open()]
+    records[4] |= {"eval/pass1_greedy": 0.3, "eval/pass1_sampled": 0.2}
+    records[9] |= {"eval/pass1_greedy": 0.5, "eval/pass1_sampled": 0.4}
+    baseline = {"step": 0, "version": 0, "eval/pass1_greedy": 0.25, "eval/pass1_sampled": 0.1}
+    (tmp_path / "a" / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in [baseline, *records])
+    )
+    assert [r["step"] for r in per_step(tmp_path / "a")] == list(range(1, 11))  # training steps
+    summary = summarize(tmp_path / "a")
+    assert summary["eval_steps"] == [0, 5, 10]
+    assert (summary["eval_pass1_greedy_start"], summary["eval_pass1_greedy_end"]) == (0.25, 0.5)
+    assert (summary["eval_pass1_sampled_start"], summary["eval_pass1_sampled_end"]) == (0.1, 0.4)
+    assert summary["reward_start"] == 0.0 and summary["steps"] == 10  # step 0 trains nothing
+    write_run(tmp_path / "b", [0.1] * 5)
+    assert np.isnan(summarize(tmp_path / "b")["eval_pass1_greedy_end"])  # evaluation off
+
+
 def test_trailing_mean_starts_once_its_window_is_full():
     values = np.arange(10, dtype=float)
     got = trailing_mean(values, 4)

@@ -121,11 +121,42 @@ def test_gsm8k_epochs_cover_every_record_in_a_new_order(tmp_path):
     path.write_text(
         "".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n" for i in range(4))
     )
-    task = GSM8KJsonlTask(path=str(path), seed=1)
+    task = GSM8KJsonlTask(path=str(path), seed=1, heldout_fraction=0.0)
     epoch0 = [task.prompt(i).answer for i in range(4)]
     epoch1 = [task.prompt(i).answer for i in range(4, 8)]
     assert sorted(epoch0) == sorted(epoch1) == ["0", "1", "2", "3"]
     assert [task.prompt(i).answer for i in range(8)] == epoch0 + epoch1  # indexable, not stateful
+
+
+def test_arithmetic_heldout_prompts_never_appear_in_the_stream_of_any_seed():
+    heldout = ArithmeticTask().heldout_prompts(64)
+    expressions = {p.meta["expression"] for p in heldout}
+    assert len(expressions) == len(heldout) == 64  # distinct
+    assert [p.text for p in ArithmeticTask(seed=5).heldout_prompts(64)] == [
+        p.text for p in heldout
+    ]  # the same set whatever the seed
+    for seed in (0, 1):
+        stream = {ArithmeticTask(seed=seed).prompt(i).meta["expression"] for i in range(5000)}
+        assert len(stream) > 200 and not stream & expressions
+    for prompt in heldout:
+        assert int(prompt.answer) == eval(prompt.meta["expression"])
+    # All 338 two-term expressions of 0..12 are either in the stream or held out.
+    stream = {ArithmeticTask().prompt(i).meta["expression"] for i in range(20_000)}
+    everything = ArithmeticTask().heldout_prompts(1000)
+    assert len(stream) + len(everything) == 13 * 13 * 2
+    with pytest.raises(ValueError, match="heldout_fraction is 0"):
+        ArithmeticTask(heldout_fraction=0.0).heldout_prompts(8)
+    with pytest.raises(ValueError, match="heldout_fraction must be in"):
+        ArithmeticTask(heldout_fraction=1.0)
+
+
+def test_gsm8k_heldout_records_are_left_out_of_every_epoch():
+    task = GSM8KJsonlTask()
+    heldout = {p.meta["record"] for p in task.heldout_prompts(1000)}
+    stream = [task.prompt(i).meta["record"] for i in range(2 * len(task))]
+    assert heldout and not heldout & set(stream)
+    assert len(heldout) + len(set(stream)) == 300
+    assert len(task.heldout_prompts(10)) == 10
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,9 @@
 """Reading a run back after faults: was anything trained twice, left half done, or lost?
 
-The learner's ledger says which samples each step trained (`asyncfp8.ledger`); its last
-checkpoint says which prompts were still out (leased, queued again, received but not
-trained). Together they must account for every prompt handed out, exactly once.
+The learner's ledger says which samples each step trained or skipped (`asyncfp8.ledger`);
+its last checkpoint says which prompts were still out (leased, queued again, received
+but not trained, skipped but not yet in the ledger). Together they must account for
+every prompt handed out, exactly once.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from asyncfp8.learner import CHECKPOINT_DIR
+from asyncfp8.learner import CHECKPOINT_DIR, LEARNER_STATE
 from asyncfp8.ledger import read_ledger
 
 
@@ -25,6 +26,7 @@ class Audit:
     steps: int = 0
     trained_samples: int = 0
     trained_groups: int = 0
+    skipped_groups: int = 0  # consumed without training (dynamic sampling)
     dropped_stale_groups: int = 0
     duplicate_samples: list = field(default_factory=list)  # (sender, seq) trained twice
     duplicate_prompts: list = field(default_factory=list)  # prompts trained twice
@@ -48,7 +50,8 @@ class Audit:
 
 
 def last_checkpoint(run_dir: Path) -> dict[str, Any]:
-    saved = sorted((Path(run_dir) / CHECKPOINT_DIR).glob("step_*.pt"))
+    """The learner's own state (step, version, inbox) in the newest checkpoint."""
+    saved = sorted((Path(run_dir) / CHECKPOINT_DIR).glob(f"step_*/{LEARNER_STATE}"))
     if not saved:
         raise FileNotFoundError(f"no checkpoint in {run_dir}")
     return torch.load(saved[-1], weights_only=False)
@@ -65,16 +68,19 @@ def audit(run_dir: str | Path, group_size: int, max_staleness: int) -> Audit:
     samples: Counter = Counter()
     prompts: Counter = Counter()
     for record in records:
-        for lease, prompt, members in record["groups"]:
-            result.trained_groups += 1
+        skipped = record.get("skipped", [])
+        for index, (lease, prompt, members) in enumerate([*record["groups"], *skipped]):
+            trained = index < len(record["groups"])
+            result.trained_groups += trained
+            result.skipped_groups += not trained
             prompts[prompt] += 1
             if len(members) != group_size or len({sender for sender, _, _ in members}) != 1:
                 result.incomplete_groups.append((record["step"], lease, prompt, len(members)))
             for sender, seq, oldest in members:
                 samples[(sender, seq)] += 1
                 result.senders.add(sender)
-                result.trained_samples += 1
-                result.stale_samples += record["version"] - oldest > max_staleness
+                result.trained_samples += trained
+                result.stale_samples += trained and record["version"] - oldest > max_staleness
         result.dropped_stale_groups += len(record["dropped"])
     times = [r["time"] for r in records]
     result.step_gaps_s = [b - a for a, b in itertools.pairwise(times)]
@@ -90,6 +96,7 @@ def audit(run_dir: str | Path, group_size: int, max_staleness: int) -> Audit:
     open_prompts = Counter(book["retry"])
     open_prompts.update(p for lease in book["leases"] for p in lease["pending"])
     open_prompts.update(prompt for _, prompt, _ in inbox["ready"])
+    open_prompts.update(prompt for _, prompt, _ in inbox.get("skipped", []))
     # (a partial group's prompt is still pending in its lease: not counted twice)
     result.duplicate_prompts += sorted(p for p in open_prompts if p in prompts)
     accounted = set(prompts) | set(open_prompts)

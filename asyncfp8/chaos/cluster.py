@@ -3,7 +3,9 @@ on several hosts, with the handles to kill, pause and restart them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -40,21 +42,44 @@ class Cluster:
         self.processes: list[subprocess.Popen] = []
 
     def start(
-        self, module: str, name: str, *overrides: str, env: dict[str, str] | None = None
+        self,
+        module: str,
+        name: str,
+        *overrides: str,
+        env: dict[str, str] | None = None,
+        procs: int = 1,
     ) -> subprocess.Popen:
+        """`python -m asyncfp8.<module>`, or with `procs` > 1 that many ranks under torchrun
+        (in a process group of their own: `kill` takes them all)."""
         log = (self.run_dir / f"{name}.log").open("a")
+        runner = [sys.executable, "-m"]
+        if procs > 1:
+            runner += ["torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", "-m"]
         process = subprocess.Popen(
-            [sys.executable, "-m", f"asyncfp8.{module}", *self.common, *overrides],
+            [*runner, f"asyncfp8.{module}", *self.common, *overrides],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=os.environ | (env or {}),
+            start_new_session=procs > 1,
         )
         log.close()
         self.processes.append(process)
         return process
 
-    def learner(self, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        return self.start("learner", "learner", *overrides, env=env)
+    def learner(
+        self, *overrides: str, env: dict[str, str] | None = None, procs: int = 1
+    ) -> subprocess.Popen:
+        return self.start("learner", "learner", *overrides, env=env, procs=procs)
+
+    @staticmethod
+    def kill(process: subprocess.Popen) -> None:
+        """SIGKILL to the process and, when it leads a group (torchrun), to all of it."""
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(process.pid) == process.pid:
+                os.killpg(process.pid, signal.SIGKILL)
+            else:
+                process.kill()
+        process.wait()
 
     def worker(self, index: int, *overrides: str, log_name: str | None = None) -> subprocess.Popen:
         return self.start(
@@ -81,5 +106,4 @@ class Cluster:
     def stop(self) -> None:
         for process in self.processes:
             if process.poll() is None:
-                process.kill()  # SIGKILL also ends a process paused with SIGSTOP
-                process.wait()
+                self.kill(process)  # SIGKILL also ends a process paused with SIGSTOP

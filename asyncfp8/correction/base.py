@@ -4,6 +4,11 @@
 (e^20 ≈ 5e8: far past any threshold, and finite in float32 even when squared or summed
 over a sequence), and zeroed at padded positions so that sums over a sequence need no
 further masking.
+
+Sequence quantities sum the *unclamped* token log-ratios and clamp the sum (as veRL
+does): clamping each token first would let one token's +45 be cut to +20 and then be
+outweighed by the rest of the sequence, turning a sequence far above any threshold into
+one far below it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 LOG_RATIO_CLAMP = 20.0
+# Infinite token log-ratios (a log-probability of -inf on one side) enter sequence sums
+# at this magnitude, so that +inf and -inf in one sequence cannot make a NaN.
+RAW_LOG_RATIO_LIMIT = 1e4
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,9 @@ class CorrectionBatch:
     log_ratio: torch.Tensor  # log ρ_t, clamped, 0 where mask is False; float32, detached
     versions: torch.Tensor | None = None  # policy version of each token
     current_version: int | None = None
+    # log ρ_t before the ±20 clamp (±RAW_LOG_RATIO_LIMIT at most), 0 where mask is False;
+    # None: sequence sums fall back to the clamped `log_ratio`
+    raw_log_ratio: torch.Tensor | None = None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -33,8 +44,20 @@ class CorrectionBatch:
 
     @property
     def seq_log_ratio(self) -> torch.Tensor:
-        """log Π_t ρ_t per sequence, [B], clamped to ±20 like the token log-ratios."""
-        return self.log_ratio.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        """log Π_t ρ_t per sequence, [B]: the sum of the unclamped token log-ratios,
+        clamped to ±20."""
+        return self._unclamped.sum(-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+    @property
+    def seq_mean_log_ratio(self) -> torch.Tensor:
+        """mean_t log ρ_t per sequence, [B] (over real tokens), unclamped tokens, the mean
+        clamped to ±20."""
+        mean = self._unclamped.sum(-1) / self.lengths
+        return mean.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+    @property
+    def _unclamped(self) -> torch.Tensor:
+        return self.log_ratio if self.raw_log_ratio is None else self.raw_log_ratio
 
     @property
     def staleness(self) -> torch.Tensor:

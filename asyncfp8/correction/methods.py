@@ -49,7 +49,8 @@ def token_mis(batch: CorrectionBatch, lower: float = 0.5, upper: float = 5.0) ->
 
 
 def seq_tis(batch: CorrectionBatch, threshold: float = 2.0) -> MethodResult:
-    """Truncated IS per sequence: every token of a sequence weighs min(Π_t ρ_t, C)."""
+    """Truncated IS per sequence: every token of a sequence weighs min(Π_t ρ_t, C), the
+    product taken as the clamped sum of the unclamped token log-ratios."""
     check_positive("seq_tis", "threshold", threshold)
     ratio = batch.seq_log_ratio.exp()[:, None]
     return MethodResult(
@@ -68,9 +69,11 @@ def seq_mis(batch: CorrectionBatch, lower: float = 0.5, upper: float = 5.0) -> M
 
 def geo_rs(batch: CorrectionBatch, lower: float = 0.999, upper: float = 1.001) -> MethodResult:
     """Geometric-mean rejection: a sequence is masked if exp(mean_t log ρ_t) ∉ [lower, upper];
-    kept tokens weigh 1. Length-neutral, unlike the product of sequence IS."""
+    kept tokens weigh 1. Length-neutral, unlike the product of sequence IS. The bounds
+    apply to ρ (learner over rollout); veRL states its presets on 1/ρ (its k1 = −log ρ),
+    so veRL's [lo, hi] is lower=1/hi, upper=1/lo here."""
     check_range("geo_rs", lower, upper)
-    geometric = (batch.log_ratio.sum(-1) / batch.lengths).exp()[:, None]
+    geometric = batch.seq_mean_log_ratio.exp()[:, None]
     return MethodResult(
         weights=torch.ones_like(batch.log_ratio),
         keep=batch.mask & (geometric >= lower) & (geometric <= upper),

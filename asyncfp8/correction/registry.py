@@ -11,7 +11,13 @@ from typing import Any
 import torch
 
 from . import methods
-from .base import LOG_RATIO_CLAMP, CorrectionBatch, CorrectionResult, MethodResult
+from .base import (
+    LOG_RATIO_CLAMP,
+    RAW_LOG_RATIO_LIMIT,
+    CorrectionBatch,
+    CorrectionResult,
+    MethodResult,
+)
 from .metrics import mismatch_metrics, staleness_metrics, weight_metrics
 
 Method = Callable[..., MethodResult]
@@ -147,8 +153,9 @@ def make_batch(
     with torch.no_grad():
         delta = learner_logp.detach().float() - rollout_logp.detach().float()
         # -inf - -inf is NaN: both sides gave the token zero probability; no evidence of mismatch.
-        delta = torch.nan_to_num(delta, nan=0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        log_ratio = delta.masked_fill(~mask, 0.0)
+        delta = torch.nan_to_num(delta, nan=0.0).clamp(-RAW_LOG_RATIO_LIMIT, RAW_LOG_RATIO_LIMIT)
+        raw_log_ratio = delta.masked_fill(~mask, 0.0)
+        log_ratio = raw_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if versions is not None:
         if tuple(versions.shape) != shapes["mask"]:
             raise ValueError(
@@ -157,7 +164,9 @@ def make_batch(
         if current_version is None:
             raise ValueError("versions were given without current_version")
         versions = versions.long()
-    return CorrectionBatch(learner_logp, rollout_logp, mask, log_ratio, versions, current_version)
+    return CorrectionBatch(
+        learner_logp, rollout_logp, mask, log_ratio, versions, current_version, raw_log_ratio
+    )
 
 
 def get_correction(name: str, **params: Any) -> Correction:

@@ -36,8 +36,9 @@ from .sampling import mean_reward
 from .tokenizer import build_byte_tokenizer
 
 METADATA_FILE = "asyncfp8_model.json"
-# Bump when the recipe changes in a way that must invalidate cached models.
-RECIPE_VERSION = 1
+# Bump when the recipe changes in a way that must invalidate cached models (2: the
+# arithmetic stream leaves out the held-out expressions evaluation scores on).
+RECIPE_VERSION = 2
 REWARD_WINDOW = (0.1, 0.7)
 
 

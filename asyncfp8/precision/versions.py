@@ -42,8 +42,9 @@ def calibrate_version(
     policy: PrecisionPolicy,
     calibration_batch: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The extra tensors (KV scales) of a version of `model`: none for a policy that
-    does not calibrate."""
+    """The extra tensors (KV scales) of a version of `model`, on the CPU (where the
+    codec reads them) whatever device the model is on: none for a policy that does not
+    calibrate."""
     if not policy.needs_calibration:
         return {}
     if calibration_batch is None:
@@ -52,16 +53,23 @@ def calibrate_version(
             "calibration batch (input_ids, attention_mask)"
         )
     with torch.no_grad():
-        return policy.calibrate(model, calibration_batch)
+        return {
+            name: tensor.cpu()
+            for name, tensor in policy.calibrate(model, calibration_batch).items()
+        }
 
 
 def version_tensors(
     model: torch.nn.Module,
     policy: PrecisionPolicy,
     calibration_batch: Mapping[str, torch.Tensor] | None = None,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> VersionTensors:
     """The tensors of a version of `model` (its parameters, in their master dtype, are
-    what the policy receives and casts itself). The learner, which publishes from a
+    what the policy receives and casts itself). `weights` replaces
+    `model.named_parameters()` as the master tensors sent: a sharded model's parameters,
+    gathered whole (calibration still runs `model`). The learner, which publishes from a
     snapshot of its weights on a background thread, calls the two halves itself."""
     extra = calibrate_version(model, policy, calibration_batch)
-    return VersionTensors(version_weights(policy, model.named_parameters()), extra)
+    named = model.named_parameters() if weights is None else weights
+    return VersionTensors(version_weights(policy, named), extra)

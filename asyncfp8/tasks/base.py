@@ -6,6 +6,7 @@ data position of a run is one integer that a checkpoint can store and restore.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +37,14 @@ class Task:
     def prompt(self, index: int) -> Prompt:
         raise NotImplementedError
 
+    def heldout_prompts(self, count: int) -> list[Prompt]:
+        """Up to `count` prompts that `prompt(i)` never returns, the same for every seed:
+        what held-out evaluation scores the policy on."""
+        raise ValueError(
+            f"task {self.name!r} has no held-out prompts: held-out evaluation needs them "
+            "(turn it off with eval.every=0)"
+        )
+
     def prompts(self, start: int = 0) -> Iterator[Prompt]:
         """Prompts from `start` on, without end (finite datasets cycle, reshuffled)."""
         index = start
@@ -55,3 +64,15 @@ class Task:
         if not math.isfinite(value):
             raise ValueError(f"task {self.name!r}: reward function returned {value}")
         return value
+
+
+def check_heldout_fraction(task: str, fraction: float) -> None:
+    if not 0 <= fraction < 1:
+        raise ValueError(f"{task}: heldout_fraction must be in [0, 1), got {fraction}")
+
+
+def is_heldout(key: str, fraction: float) -> bool:
+    """Whether the prompt keyed `key` (its expression or question) belongs to the held-out
+    split: a hash of the key, so the split is the same for every seed, process and run."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % 1_000_000 < fraction * 1_000_000

@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from .answers import final_number, parse_number, same_number
-from .base import Prompt, RewardFn, Task
+from .base import Prompt, RewardFn, Task, check_heldout_fraction, is_heldout
 
 SAMPLE_FILE = "gsm8k_sample.jsonl"
 PROMPT_TEMPLATE = "Q: {question}\nA:"
@@ -68,31 +68,46 @@ def read_gsm8k_jsonl(path: str | Path) -> list[dict[str, str]]:
 
 
 class GSM8KJsonlTask(Task):
+    """The records of a file, reshuffled every pass, less a `heldout_fraction` of them
+    (chosen by a hash of the question) kept for held-out evaluation."""
+
     name = "gsm8k_jsonl"
 
     def __init__(
-        self, reward: RewardFn = final_number_reward, path: str | None = None, seed: int = 0
+        self,
+        reward: RewardFn = final_number_reward,
+        path: str | None = None,
+        seed: int = 0,
+        heldout_fraction: float = 0.2,
     ):
         super().__init__(reward)
+        check_heldout_fraction("gsm8k_jsonl", heldout_fraction)
         self.path = Path(path) if path else bundled_sample_path()
         self.records = read_gsm8k_jsonl(self.path)
         self.seed = seed
+        heldout = [is_heldout(r["question"], heldout_fraction) for r in self.records]
+        self.train_records = [i for i, held in enumerate(heldout) if not held]
+        self.heldout_records = [i for i, held in enumerate(heldout) if held]
+        if not self.train_records:
+            raise ValueError(
+                f"{self.path}: every record is held out (task.heldout_fraction="
+                f"{heldout_fraction}); lower it"
+            )
         self._epoch_order: tuple[int, list[int]] | None = None
 
     def __len__(self) -> int:
-        return len(self.records)
+        """Records in the prompt stream (the held-out ones are not)."""
+        return len(self.train_records)
 
     def _order(self, epoch: int) -> list[int]:
         """A fresh shuffle per pass over the file, fixed by (seed, epoch)."""
         if self._epoch_order is None or self._epoch_order[0] != epoch:
-            order = list(range(len(self.records)))
+            order = list(self.train_records)
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
             self._epoch_order = (epoch, order)
         return self._epoch_order[1]
 
-    def prompt(self, index: int) -> Prompt:
-        epoch, offset = divmod(index, len(self.records))
-        record_index = self._order(epoch)[offset]
+    def _prompt(self, index: int, record_index: int) -> Prompt:
         record = self.records[record_index]
         return Prompt(
             index=index,
@@ -100,6 +115,20 @@ class GSM8KJsonlTask(Task):
             answer=record["final"],
             meta={"record": record_index, "solution": record["answer"]},
         )
+
+    def prompt(self, index: int) -> Prompt:
+        epoch, offset = divmod(index, len(self.train_records))
+        return self._prompt(index, self._order(epoch)[offset])
+
+    def heldout_prompts(self, count: int) -> list[Prompt]:
+        """The first `count` held-out records, in file order."""
+        if not self.heldout_records:
+            raise ValueError(
+                f"gsm8k_jsonl: no record of {self.path} is held out (task.heldout_fraction is "
+                "0, or the file is small): raise it, or turn evaluation off with eval.every=0"
+            )
+        chosen = self.heldout_records[:count]
+        return [self._prompt(i, record) for i, record in enumerate(chosen)]
 
     def completion(self, prompt: Prompt) -> str:
         return " " + prompt.meta["solution"]

@@ -1,0 +1,121 @@
+"""A fixed, recorded set of GRPO groups on the tiny model (no workers needed), and a
+Learner built in-process from the real Hydra config: what the learner tests train on."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from asyncfp8.batches import batch_tensors
+from asyncfp8.inbox import Group
+from asyncfp8.launch import free_ports
+from asyncfp8.logprobs import completion_logprobs, install_logprob_head
+from asyncfp8.models import load_model, load_tokenizer
+from asyncfp8.sync import Trajectory
+from asyncfp8.tasks import ArithmeticTask
+
+
+def record_groups(
+    model_dir: Path, steps: int, groups: int, group_size: int, seed: int = 0
+) -> list[list[Group]]:
+    """`steps` batches of `groups` groups: task prompts, random completions of 1-6 tokens,
+    rollout log-probs = the tiny model's own plus noise (a mismatch for the correction to
+    see), rewards 0/1 with at least one of each per group."""
+    rng = random.Random(seed)
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir).eval()
+    install_logprob_head(model)
+    task = ArithmeticTask()
+    batches, prompt = [], 0
+    for _ in range(steps):
+        step = []
+        for lease in range(groups):
+            prompt_ids = tokenizer(task.prompt(prompt).text)["input_ids"]
+            trajectories = []
+            for i in range(group_size):
+                tokens = [rng.randrange(256) for _ in range(rng.randint(1, 6))]
+                t = Trajectory(
+                    prompt_ids, tokens, [0.0] * len(tokens), [0] * len(tokens), 0.0, f"{prompt}"
+                )
+                t.reward = float(i == 0 or rng.random() < 0.4) if i < group_size - 1 else 0.0
+                t.prompt_index, t.finish_reason = prompt, "length"
+                t.sender, t.seq = "recorded/0", prompt * group_size + i
+                trajectories.append(t)
+            step.append(Group(lease, prompt, trajectories))
+            prompt += 1
+        flat = [t for g in step for t in g.trajectories]
+        batch = batch_tensors(flat, tokenizer.pad_token_id)
+        with torch.no_grad():
+            logp, _ = completion_logprobs(model, batch, temperature=1.0)
+        noise = 0.05 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(seed))
+        for row, t in enumerate(flat):
+            t.logprobs = (
+                (logp[row, : len(t.token_ids)] + noise[row, : len(t.token_ids)])
+                .clamp(max=0.0)
+                .tolist()
+            )
+        batches.append(step)
+    return batches
+
+
+def save_groups(batches: list[list[Group]], path: Path) -> None:
+    path.write_text(
+        json.dumps(
+            [
+                [[g.lease, g.prompt, [dataclasses.asdict(t) for t in g.trajectories]] for g in step]
+                for step in batches
+            ]
+        )
+    )
+
+
+def load_groups(path: Path) -> list[list[Group]]:
+    return [
+        [
+            Group(lease, prompt, [Trajectory(**t) for t in members])
+            for lease, prompt, members in step
+        ]
+        for step in json.loads(path.read_text())
+    ]
+
+
+def learner_config(model_dir: Path, run_dir: Path, *overrides: str):
+    """The learner's Hydra config for the recorded groups (4 groups of 4 per step)."""
+    from hydra import compose, initialize_config_module
+
+    ports = free_ports(3)
+    with initialize_config_module("asyncfp8.conf", version_base="1.3"):
+        return compose(
+            "config",
+            overrides=[
+                f"model.path={model_dir}",
+                f"run.dir={run_dir}",
+                f"sync.version_port={ports[0]}",
+                f"sync.snapshot_port={ports[1]}",
+                f"sync.trajectory_port={ports[2]}",
+                "run.groups_per_step=4",
+                "run.group_size=4",
+                "run.device=cpu",
+                f"run.threads={torch.get_num_threads()}",
+                "run.tensorboard=false",
+                "eval.every=0",
+                "optim.warmup_steps=0",
+                *overrides,
+            ],
+        )
+
+
+def train(learner, groups: list[Group]) -> dict:
+    """One step of `learner` on `groups` as its loop would run it (every rank calls it;
+    the groups are used on rank 0 only)."""
+    from asyncfp8 import distributed
+
+    main = learner.ranks.main
+    share = distributed.scatter(learner.shares(groups) if main else None)
+    metrics = learner.train_step(share, groups if main else None)
+    learner.step += 1
+    return metrics
