@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .base import SamplingParams
 from .kernels import fp8_kv_decode_attention
@@ -88,11 +89,13 @@ def grouped_attention(
     if group > 1:  # prefill: once per generation, the prompt's keys repeated per query head
         key = key.repeat_interleave(group, dim=1)
         value = value.repeat_interleave(group, dim=1)
-    # No mask: a plain causal forward (the model called outside a decoder, e.g. to score).
-    causal = mask is None and tokens > 1 and tokens == key.shape[2]
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scale, is_causal=causal
-    )
+    if mask is None:
+        # The model called outside a decoder (scoring, the speculative reference loop):
+        # transformers leaves out a mask that would only be causal. The queries are the last
+        # `tokens` positions of the keys (SDPA's is_causal would align them to the first).
+        span = key.shape[2]
+        mask = torch.ones(tokens, span, dtype=torch.bool, device=query.device).tril(span - tokens)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
     return out.transpose(1, 2)
 
 
@@ -129,6 +132,10 @@ def static_attention(
 
 
 AttentionInterface.register(ATTENTION, static_attention)
+# Outside a decoder (which passes its own masks), transformers builds SDPA's bool masks
+# [B, 1, T, S] for this attention, or none when the mask would only be causal; without
+# this registration it would drop a padding mask altogether.
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 # --- one batch --------------------------------------------------------------------------------
