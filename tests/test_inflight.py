@@ -1,0 +1,111 @@
+"""In-flight updates: a version applied between two decode steps of a slot generation.
+Tokens sampled before it carry the old version and are not recomputed; the tokens after
+it come from the new weights over the cache written under the old ones — exactly what a
+decoder fed the same tokens, updated at the same step, computes."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from asyncfp8.checks import check_inflight_updates
+from asyncfp8.engines import SamplingParams
+from asyncfp8.engines.decode import processed_logprobs
+from asyncfp8.engines.torch_engine import TorchEngine
+
+PROMPTS = ["1+2=", "what is 13*7?", "hello there, how are you today"]
+UPDATE_AT = 4  # the between-steps call that applies version 2
+
+
+def versions_of(engine, scale, seed):
+    torch.manual_seed(seed)
+    return {
+        name: p.detach() + scale * torch.randn_like(p)
+        for name, p in engine.model.named_parameters()
+    }
+
+
+def forced_logprobs(engine, sample, sampling, v1, v2, switch_at):
+    """The processed log-probs of `sample`'s tokens under a static decoder fed them one by
+    one, with version 2 applied before the forward that produces token `switch_at`'s
+    logits (None: never)."""
+    engine.update_weights(1, v1)
+    if switch_at == 0:
+        engine.update_weights(2, v2)
+    decoder, logits = engine.start([sample.prompt_ids], len(sample.token_ids))
+    out = []
+    for j, token in enumerate(sample.token_ids):
+        out.append(float(processed_logprobs(logits, sampling)[0, token]))
+        if j + 1 < len(sample.token_ids):
+            if switch_at is not None and j + 1 == switch_at:
+                engine.update_weights(2, v2)
+            logits = decoder.step(torch.tensor([token]))
+    return out
+
+
+def test_an_update_between_steps_tags_tokens_and_keeps_the_cache(tiny_model_dir):
+    engine = TorchEngine(str(tiny_model_dir), "bf16", dtype=torch.float32, slots=2)
+    v1 = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+    v2 = versions_of(engine, 0.05, seed=1)
+    engine.update_weights(1, v1)
+    calls = []
+
+    def between_steps():
+        calls.append(engine.version)
+        if len(calls) == UPDATE_AT:
+            engine.update_weights(2, v2)
+
+    engine.between_steps = between_steps
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3, ignore_eos=True)
+    samples = engine.generate(PROMPTS, sampling)
+    assert engine.version == 2 and engine.last_stats.versions_applied == [2]
+    assert len(calls) == engine.last_stats.steps  # once between every two steps
+    spanning = 0
+    reference = TorchEngine(str(tiny_model_dir), "bf16", dtype=torch.float32)
+    for sample in samples:
+        versions = sample.versions
+        assert len(versions) == len(sample.token_ids) == 12
+        # Old version first, then the new one, never back.
+        assert versions == sorted(versions) and set(versions) <= {1, 2}
+        switch_at = versions.index(2) if 2 in versions else None
+        spanning += (switch_at or 0) > 0
+        expected = forced_logprobs(reference, sample, sampling, v1, v2, switch_at)
+        torch.testing.assert_close(
+            torch.tensor(sample.logprobs), torch.tensor(expected), atol=1e-5, rtol=0
+        )
+        if switch_at:
+            # The update mattered: without it the same tokens score differently.
+            unchanged = forced_logprobs(reference, sample, sampling, v1, v2, None)
+            after = torch.tensor(unchanged[switch_at:]) - torch.tensor(expected[switch_at:])
+            assert after.abs().max() > 1e-3
+            before = torch.tensor(unchanged[:switch_at]) - torch.tensor(expected[:switch_at])
+            assert before.abs().max() < 1e-5
+    # Two slots, 6 sequences of 12: the first pair spans the update, later ones start on v2.
+    assert spanning == 2
+    assert samples[-1].versions == [2] * 12
+
+
+def test_no_hook_no_change_and_static_batches_cannot(tiny_model_dir):
+    static = TorchEngine(str(tiny_model_dir), "bf16")
+    assert not static.supports_inflight_updates
+    assert TorchEngine(str(tiny_model_dir), "bf16", slots=2).supports_inflight_updates
+
+
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        ({"name": "vllm"}, "engine vllm applies them between generate calls"),
+        ({"name": "sglang"}, "engine sglang applies them between generate calls"),
+        ({"name": "torch", "slots": None}, "set engine.slots=N"),
+    ],
+)
+def test_inflight_updates_refused_where_the_engine_cannot(engine, message):
+    cfg = OmegaConf.create({"run": {"inflight_updates": True}, "engine": engine})
+    with pytest.raises(ValueError, match=message) as err:
+        check_inflight_updates(cfg)
+    assert "run.inflight_updates" in str(err.value)
+    cfg.run.inflight_updates = False
+    check_inflight_updates(cfg)  # off: any engine
+    cfg = OmegaConf.create(
+        {"run": {"inflight_updates": True}, "engine": {"name": "torch", "slots": 4}}
+    )
+    check_inflight_updates(cfg)
