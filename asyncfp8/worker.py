@@ -76,7 +76,7 @@ class Worker:
                 )
             # Between two decode steps the engine asks for the newest complete version;
             # it is applied whole there (update_weights checks it first).
-            self.engine.between_steps = lambda: self._apply_newest(timeout=0)
+            self.engine.between_steps = self._apply_between_steps
         # What every version's header must say: a learner with another precision (or
         # other parameters of it) makes tensors this engine was not built for.
         self.expected_header = (self.policy.spec, plain(self.policy.engine_config()))
@@ -105,6 +105,7 @@ class Worker:
                 "updates",
                 "paused_s",
                 "rejected_versions",  # bad weight messages this worker received
+                "inflight_updates",  # versions applied between two decode steps
             ),
             0.0,
         )
@@ -170,11 +171,13 @@ class Worker:
                 sorted(self.sender.outbox)[:20],
             )
         self.log.info(
-            "done: %d samples, %d tokens at %.0f tokens/s, %d versions applied",
+            "done: %d samples, %d tokens at %.0f tokens/s, %d versions applied "
+            "(%d between decode steps)",
             self.stats["samples"],
             self.stats["tokens"],
             self.stats["tokens"] / max(self.stats["generate_s"], 1e-9),
             self.stats["updates"],
+            self.stats["inflight_updates"],
         )
         self.close()
         return 0 if flushed else 1
@@ -201,6 +204,11 @@ class Worker:
                 return True
             if time.monotonic() >= deadline or self.stop:
                 return False
+
+    def _apply_between_steps(self) -> None:
+        """The engine's hook between two decode steps (run.inflight_updates)."""
+        if self._apply_newest(timeout=0):
+            self.stats["inflight_updates"] += 1
 
     def _check_header(self, version) -> None:
         policy, engine_config = self.expected_header
