@@ -328,24 +328,35 @@ class TorchEngine:
         prompts: Sequence[Sequence[int]],
         budgets: Sequence[int],
         sampling: SamplingParams,
+        indices: Sequence[int] | None = None,
     ) -> list[Sample]:
         """Token-id prompts, each with its own `max_new_tokens` (`sampling.n` and
         `sampling.max_new_tokens` are not used), through the slots: one sample per
-        prompt, request i seeded from (`sampling.seed`, i)."""
+        prompt, request i seeded from (`sampling.seed`, `indices[i]`) (default: i), so a
+        request split off into another call keeps its stream."""
         if self.slots is None:
             raise ValueError("generate_requests runs through slots: set engine.slots")
         if len(prompts) != len(budgets) or any(b < 1 for b in budgets):
             raise ValueError("one budget >= 1 per prompt")
-        return self._generate_slots(list(enumerate(prompts)), list(budgets), sampling)
+        indices = list(range(len(prompts))) if indices is None else list(indices)
+        if len(indices) != len(prompts):
+            raise ValueError("one index per prompt")
+        jobs = list(zip(indices, prompts, strict=True))
+        return self._generate_slots(jobs, list(budgets), sampling, indices)
 
-    def _generate_slots(self, jobs, budgets: list[int], sampling: SamplingParams) -> list[Sample]:
+    def _generate_slots(
+        self, jobs, budgets: list[int], sampling: SamplingParams, indices: list[int] | None = None
+    ) -> list[Sample]:
+        """jobs: (prompt_index, prompt ids); request i's stream is `indices[i]`'s
+        (default: its position in the call)."""
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         seed = 0 if sampling.seed is None else sampling.seed
         if sampling.seed is None and sampling.temperature > 0:
-            seed = int(torch.randint(0, 2**62, (), generator=None))  # unseeded: a fresh call
+            seed = int(torch.randint(0, 2**62, ()))  # unseeded: a fresh stream per call
+        indices = list(range(len(jobs))) if indices is None else indices
         requests = [
-            Request(tuple(ids), budget, request_seed(seed, i))
-            for i, ((_, ids), budget) in enumerate(zip(jobs, budgets, strict=True))
+            Request(tuple(ids), budget, request_seed(seed, index))
+            for (_, ids), budget, index in zip(jobs, budgets, indices, strict=True)
         ]
         # An eos-finished row runs on (recording nothing) until the next check.
         positions = max(len(r.prompt_ids) for r in requests) + max(budgets)
