@@ -28,6 +28,7 @@ would waste no row). Table on stdout, JSON to `--out`.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     budgets = workload(args)
     sampling = SamplingParams(temperature=1.0, seed=args.seed, ignore_eos=True)
     rows = []
+    load_before = os.getloadavg()  # the machine may be shared: timings are read with it
     modes = (
         ("static", args.batch, None),
         ("continuous", args.slots, None),
@@ -187,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
             "same_tokens_in_every_mode": same,
             "settings": {k: v for k, v in vars(args).items() if k != "out"},
             "torch_threads": info["torch_threads"],
+            "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
             "rows": rows,
         },
     )
