@@ -73,9 +73,16 @@ def check_training(cfg: DictConfig) -> None:
 
 
 def check_inflight_updates(cfg: DictConfig) -> None:
-    """`run.inflight_updates` needs an engine that can apply a version between two decode
-    steps: the torch engine's slot loop. vLLM and SGLang apply versions between generate
+    """`engine.slots` (torch) is null or an int >= 1. `run.inflight_updates` needs an
+    engine that can apply a version between two decode steps: the torch engine's slot
+    loop. vLLM and SGLang apply versions between generate
     calls (their update waits for running requests), so they are refused here, by name."""
+    slots = cfg.engine.get("slots")
+    bad_slots = isinstance(slots, bool) or not isinstance(slots, int) or slots < 1
+    if cfg.engine.name == "torch" and slots is not None and bad_slots:
+        raise ValueError(
+            f"engine.slots must be null (static batches) or an int >= 1, got {slots!r}"
+        )
     wanted = cfg.run.get("inflight_updates", False)
     if wanted not in (True, False):
         raise ValueError(f"run.inflight_updates must be true or false, got {wanted!r}")
@@ -87,7 +94,7 @@ def check_inflight_updates(cfg: DictConfig) -> None:
             f"steps; engine {cfg.engine.name} applies them between generate calls. Use "
             "engine=torch with engine.slots=N, or run.inflight_updates=false"
         )
-    if cfg.engine.get("slots") is None:
+    if slots is None:
         raise ValueError(
             "run.inflight_updates=true needs the torch engine's slots (the loop that applies "
             "versions between decode steps): set engine.slots=N, e.g. engine.slots=8"

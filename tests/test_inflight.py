@@ -96,12 +96,16 @@ def test_no_hook_no_change_and_static_batches_cannot(tiny_model_dir):
         ({"name": "vllm"}, "engine vllm applies them between generate calls"),
         ({"name": "sglang"}, "engine sglang applies them between generate calls"),
         ({"name": "torch", "slots": None}, "set engine.slots=N"),
+        ({"name": "torch", "slots": 0}, r"engine\.slots must be null \(static batches\) or an int"),
     ],
 )
 def test_inflight_updates_refused_where_the_engine_cannot(engine, message):
     cfg = OmegaConf.create({"run": {"inflight_updates": True}, "engine": engine})
     with pytest.raises(ValueError, match=message) as err:
         check_inflight_updates(cfg)
+    if engine.get("slots", 1) == 0:  # refused whatever run.inflight_updates says
+        assert "engine.slots" in str(err.value)
+        return
     assert "run.inflight_updates" in str(err.value)
     cfg.run.inflight_updates = False
     check_inflight_updates(cfg)  # off: any engine
