@@ -113,3 +113,53 @@ def test_inflight_updates_refused_where_the_engine_cannot(engine, message):
         {"run": {"inflight_updates": True}, "engine": {"name": "torch", "slots": 4}}
     )
     check_inflight_updates(cfg)
+
+
+def run_with_scale_change(model_dir, rescale: bool, change: float | None):
+    """Greedy generation through 2 slots of an FP8-KV engine whose KV scales are
+    multiplied by `change` (weights unchanged) at the 3rd between-steps call."""
+    from asyncfp8.precision.fp8_kv import kv_scale_names
+
+    def scales(factor):
+        extra = {}
+        for layer in range(2):
+            names = kv_scale_names(layer)
+            extra[names["k"]] = torch.tensor(0.02 * factor)
+            extra[names["v"]] = torch.tensor(0.01 * factor)
+        return extra
+
+    engine = TorchEngine(str(model_dir), "fp8_kv", dtype=torch.float32, slots=2)
+    engine.update_weights(1, {}, scales(1.0))
+    if not rescale:  # what reading the old bytes under the new scales would give
+        engine._rescale_live_cache = lambda *args: None
+    calls = []
+
+    def between_steps():
+        calls.append(1)
+        if len(calls) == 3 and change is not None:
+            engine.update_weights(2, {}, scales(change))
+
+    engine.between_steps = between_steps
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    return engine.generate(PROMPTS[:2], sampling)
+
+
+def test_an_inflight_kv_scale_change_requantizes_the_cache(tiny_model_dir):
+    """An e4m3 cache written under version 1's scales is requantized when version 2's
+    scales arrive mid-generation: the values it holds stay (to e4m3 rounding), so the
+    scores move as little as a change of quantization grid moves them."""
+    plain = run_with_scale_change(tiny_model_dir, rescale=True, change=None)
+    kept = run_with_scale_change(tiny_model_dir, rescale=True, change=1.37)
+    misread = run_with_scale_change(tiny_model_dir, rescale=False, change=1.37)
+    assert [s.versions for s in kept] == [[1] * 3 + [2] * 7] * 2
+
+    def gap(samples):
+        return max(
+            abs(a - b)
+            for x, y in zip(plain, samples, strict=True)
+            for a, b in zip(x.logprobs[3:], y.logprobs[3:], strict=True)
+        )
+
+    assert [s.token_ids[:3] for s in kept] == [s.token_ids[:3] for s in plain]
+    assert gap(kept) < 0.05, gap(kept)
+    assert gap(misread) > 5 * gap(kept), (gap(misread), gap(kept))

@@ -20,6 +20,7 @@ from .base import EngineUnsupported, Sample, SamplingParams
 from .decode import ATTENTION, LAYER_KINDS, StaticDecoder, decode, processed_logprobs
 from .kernels import KernelUnavailable
 from .kernels.common import describe_device
+from .kv_cache import quantize_kv
 from .request_sampling import request_seed
 from .slots import Request, SlotDecoder, SlotStats, run_slots
 
@@ -150,6 +151,7 @@ class TorchEngine:
         self._decoder: StaticDecoder | None = None
         self.slots = slots
         self._slot_decoder: SlotDecoder | None = None
+        self._generating = False  # a slot generation is running (updates land mid-way)
         #: called between two decode steps of a slot generation (a worker applies the
         #: newest version there); None: nothing runs between steps
         self.between_steps: Callable[[], None] | None = None
@@ -222,9 +224,22 @@ class TorchEngine:
             for param, tensor in params:
                 param.copy_(tensor)
             for (layer, part), value in kv.items():
+                self._rescale_live_cache(layer, part, value)
                 self.kv_scales[layer]["kv".index(part)].copy_(value)
         self._kv_scales_loaded |= set(kv)
         self.version = version
+
+    def _rescale_live_cache(self, layer: int, part: str, new_scale: torch.Tensor) -> None:
+        """An in-flight update of an e4m3 cache's scale: the bytes already written were
+        quantized with the old scale and would be read with the new one, so the running
+        slot generation's cache is requantized to the new scale (rounded once more; the
+        values it holds stay those the old version computed)."""
+        decoder = self._slot_decoder if self._generating else None
+        if decoder is None or not decoder.cache.fp8:
+            return
+        old_scale = self.kv_scales[layer]["kv".index(part)]
+        buffer = (decoder.cache.keys if part == "k" else decoder.cache.values)[layer]
+        buffer.copy_(quantize_kv(buffer.float() * old_scale, new_scale.to(old_scale.device)))
 
     def _check_kv_scale(self, version: int, name: str, tensor: torch.Tensor) -> dict:
         """{(layer, "k" | "v"): fp32 0-dim value} for a KV scale this engine uses; a q
@@ -362,17 +377,21 @@ class TorchEngine:
         positions = max(len(r.prompt_ids) for r in requests) + max(budgets)
         decoder = self.slot_decoder(positions + self.finish_check_every)
         stats = SlotStats()
-        generated = run_slots(
-            decoder,
-            requests,
-            sampling,
-            eos,
-            pad,
-            check_every=self.finish_check_every,
-            version=lambda: -1 if self.version is None else self.version,
-            between_steps=self.between_steps,
-            stats=stats,
-        )
+        self._generating = True
+        try:
+            generated = run_slots(
+                decoder,
+                requests,
+                sampling,
+                eos,
+                pad,
+                check_every=self.finish_check_every,
+                version=lambda: -1 if self.version is None else self.version,
+                between_steps=self.between_steps,
+                stats=stats,
+            )
+        finally:
+            self._generating = False
         self.last_stats = stats
         return [
             self._sample(prompt_index, prompt_ids, g.token_ids, g.logprobs, g.versions, sampling)
