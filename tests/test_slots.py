@@ -45,6 +45,8 @@ def test_greedy_slots_give_the_static_paths_tokens(tiny_model_dir):
         assert_same(static, e.generate(PROMPTS, sampling))
         stats = e.last_stats
         assert stats.tokens == stats.useful_forwards == sum(len(s.token_ids) for s in static)
+        if slots == 1:  # n tokens take n - 1 steps: none is run for a slot being refilled
+            assert stats.steps == sum(len(s.token_ids) - 1 for s in static)
         if slots < 18:  # more requests than slots: some slots were refilled
             assert stats.prefills > 1
 

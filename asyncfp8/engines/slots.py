@@ -294,11 +294,12 @@ def run_slots(
             stats.versions_applied.append(logits_version)
         # The next step's logits: one forward of every row, then the prefills of freed
         # rows (which overwrite those rows' logits), all under `logits_version`.
-        fed = torch.where(live, chosen, torch.full_like(chosen, pad))
-        forwards += live.sum()
-        logits = decoder.step(fed)
-        stats.steps += 1
-        stats.row_steps += slots
+        if any(o is not None for o in owner):  # else every row is refilled: no step needed
+            fed = torch.where(live, chosen, torch.full_like(chosen, pad))
+            forwards += live.sum()
+            logits = decoder.step(fed)
+            stats.steps += 1
+            stats.row_steps += slots
         refill()
     stats.useful_forwards += int(forwards)
     return results
