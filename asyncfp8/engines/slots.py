@@ -50,9 +50,9 @@ class Generated:
 
 @dataclass
 class SlotStats:
-    """What a `run_slots` call did: decode steps (one forward of every slot each),
-    prefill forwards, the rows those carried and how many held a sequence that kept
-    the token."""
+    """What a `run_slots` call did: decode steps (one forward of every slot each), refill
+    prefills (one forward each), the rows the steps computed, the forwards whose output
+    a sequence kept, the tokens generated and the versions applied between steps."""
 
     steps: int = 0
     prefills: int = 0
