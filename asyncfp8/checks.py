@@ -72,6 +72,35 @@ def check_training(cfg: DictConfig) -> None:
         raise ValueError(f"optim.clip_ratio_c must be > 1 or null (off), got {optim.clip_ratio_c}")
 
 
+def check_inflight_updates(cfg: DictConfig) -> None:
+    """`engine.slots` (torch) is null or an int >= 1. `run.inflight_updates` needs an
+    engine that can apply a version between two decode steps: the torch engine's slot
+    loop. vLLM and SGLang apply versions between generate
+    calls (their update waits for running requests), so they are refused here, by name."""
+    slots = cfg.engine.get("slots")
+    bad_slots = isinstance(slots, bool) or not isinstance(slots, int) or slots < 1
+    if cfg.engine.name == "torch" and slots is not None and bad_slots:
+        raise ValueError(
+            f"engine.slots must be null (static batches) or an int >= 1, got {slots!r}"
+        )
+    wanted = cfg.run.get("inflight_updates", False)
+    if wanted not in (True, False):
+        raise ValueError(f"run.inflight_updates must be true or false, got {wanted!r}")
+    if not wanted:
+        return
+    if cfg.engine.name != "torch":
+        raise ValueError(
+            f"run.inflight_updates=true needs an engine that applies versions between decode "
+            f"steps; engine {cfg.engine.name} applies them between generate calls. Use "
+            "engine=torch with engine.slots=N, or run.inflight_updates=false"
+        )
+    if slots is None:
+        raise ValueError(
+            "run.inflight_updates=true needs the torch engine's slots (the loop that applies "
+            "versions between decode steps): set engine.slots=N, e.g. engine.slots=8"
+        )
+
+
 def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
     """ValueError naming the setting (and what to do) for the first problem found;
     `role` is "launcher", "learner" or "worker"."""
@@ -100,6 +129,7 @@ def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
             f"run.tensorboard=true but TensorBoard is not installed: {TENSORBOARD_INSTALL} "
             "(or run.tensorboard=auto: use it when it is there)"
         )
+    check_inflight_updates(cfg)
     endpoints(cfg.sync, "bind" if role == "learner" else "connect")
     curve(cfg.sync)
     policy = build_policy(cfg.precision, model_dir)

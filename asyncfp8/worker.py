@@ -4,7 +4,8 @@ into scored trajectories.
     python -m asyncfp8.worker engine=vllm precision=fp8_kv sync.host=10.0.0.5
 
 The loop: apply the newest complete version (between generations, so every sample
-comes from one version), ask the learner for a lease, generate `n` samples for each
+comes from one version; with `run.inflight_updates` also between two decode steps of a
+generation, each token tagged with the version that produced it), ask the learner for a lease, generate `n` samples for each
 leased prompt at the lease's sampling settings, score them with the task's reward and
 push them back. When the learner says wait (the staleness bound: this worker is far
 enough ahead), the worker waits for the next version instead of producing samples
@@ -67,6 +68,15 @@ class Worker:
         checked = check_config(cfg, model_dir, "worker")  # before the engine loads anything
         self.task, self.policy = checked.task, checked.policy
         self.engine = build_engine(cfg.engine, str(model_dir), self.policy)
+        if run.get("inflight_updates", False):
+            if not getattr(self.engine, "supports_inflight_updates", False):
+                raise EngineUnsupported(
+                    f"run.inflight_updates=true: engine {self.engine.name} cannot apply a "
+                    "version between decode steps (engine=torch with engine.slots=N can)"
+                )
+            # Between two decode steps the engine asks for the newest complete version;
+            # it is applied whole there (update_weights checks it first).
+            self.engine.between_steps = self._apply_between_steps
         # What every version's header must say: a learner with another precision (or
         # other parameters of it) makes tensors this engine was not built for.
         self.expected_header = (self.policy.spec, plain(self.policy.engine_config()))
@@ -95,6 +105,7 @@ class Worker:
                 "updates",
                 "paused_s",
                 "rejected_versions",  # bad weight messages this worker received
+                "inflight_updates",  # versions applied between two decode steps
             ),
             0.0,
         )
@@ -160,11 +171,13 @@ class Worker:
                 sorted(self.sender.outbox)[:20],
             )
         self.log.info(
-            "done: %d samples, %d tokens at %.0f tokens/s, %d versions applied",
+            "done: %d samples, %d tokens at %.0f tokens/s, %d versions applied "
+            "(%d between decode steps)",
             self.stats["samples"],
             self.stats["tokens"],
             self.stats["tokens"] / max(self.stats["generate_s"], 1e-9),
             self.stats["updates"],
+            self.stats["inflight_updates"],
         )
         self.close()
         return 0 if flushed else 1
@@ -191,6 +204,11 @@ class Worker:
                 return True
             if time.monotonic() >= deadline or self.stop:
                 return False
+
+    def _apply_between_steps(self) -> None:
+        """The engine's hook between two decode steps (run.inflight_updates)."""
+        if self._apply_newest(timeout=0):
+            self.stats["inflight_updates"] += 1
 
     def _check_header(self, version) -> None:
         policy, engine_config = self.expected_header

@@ -171,6 +171,11 @@ def test_ctrl_c_then_the_printed_resume_command_continues_the_same_run(tmp_path,
             ["correction=token_mis", "correction.lower=3", "correction.upper=2"],
             "token_mis: lower (3.0) must not exceed upper (2.0)",
         ),
+        (
+            ["run.inflight_updates=true"],
+            "run.inflight_updates=true needs the torch engine's slots",
+        ),
+        (["engine.slots=0"], "engine.slots must be null (static batches) or an int >= 1"),
     ],
 )
 def test_bad_settings_fail_at_start_with_the_setting_named(

@@ -57,6 +57,8 @@ class StaticKVCache:
         self.scales = scales
         self.max_tokens = max_tokens
         self.positions: torch.Tensor | None = None
+        #: set by `write_rows`: one position per row (slots decode at different lengths)
+        self.row_positions: torch.Tensor | None = None
         self.visible: int | None = None
         #: positions below it may be attended (decode): lets attention skip the empty tail
         self.kv_len: torch.Tensor | None = None
@@ -70,6 +72,14 @@ class StaticKVCache:
         device, one per token of the forward, the same for every row) and, with `visible`,
         returns only the first `visible` positions to attention (prefill: the prompt's)."""
         self.positions, self.visible = positions, visible
+        self.row_positions = None
+
+    def write_rows(self, positions: torch.Tensor, visible: int | None = None) -> None:
+        """The next forward (one token per row) writes row i's token at `positions[i]`
+        (a long tensor [batch] on the cache's device): sequences of different lengths
+        share the cache, as the slot decoder's do."""
+        self.positions, self.visible = None, visible
+        self.row_positions = positions
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_):
         """Writes the new keys and values of rows 0..n-1 (n = key_states' batch) and
@@ -86,7 +96,11 @@ class StaticKVCache:
         for buffer, states in ((keys, key_states), (values, value_states)):
             buffer_bytes = buffer.view(torch.uint8) if self.fp8 else buffer
             states_bytes = states.view(torch.uint8) if self.fp8 else states.to(buffer.dtype)
-            buffer_bytes[:rows].index_copy_(2, self.positions, states_bytes)
+            if self.row_positions is None:
+                buffer_bytes[:rows].index_copy_(2, self.positions, states_bytes)
+            else:  # [rows, heads, 1, dim] -> row i at its own position
+                index = torch.arange(rows, device=buffer.device)
+                buffer_bytes[index, :, self.row_positions[:rows]] = states_bytes[:, :, 0]
         end = self.max_tokens if self.visible is None else self.visible
         return keys[:rows, :, :end], values[:rows, :, :end]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -20,6 +20,9 @@ from .base import EngineUnsupported, Sample, SamplingParams
 from .decode import ATTENTION, LAYER_KINDS, StaticDecoder, decode, processed_logprobs
 from .kernels import KernelUnavailable
 from .kernels.common import describe_device
+from .kv_cache import quantize_kv
+from .request_sampling import request_seed
+from .slots import Request, SlotDecoder, SlotStats, run_slots
 
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -60,6 +63,13 @@ class TorchEngine:
     cache_block: KV caches are sized in multiples of this many positions, so that
     generations of similar length share one cache and one captured decode graph.
     cuda_graph: on CUDA, replay the decode step as a captured CUDA graph.
+    slots: None (default) decodes a call in static batches of up to `max_batch`
+    sequences, each batch running until its longest sequence ends. An int N >= 1
+    decodes through N slots (continuous batching, asyncfp8/engines/slots.py): a slot is
+    refilled with the next sequence as soon as its own ends, every sequence samples from
+    its own stream (seeded from the call's seed and its index, so its tokens do not
+    depend on N), and `between_steps` (when set) is called between decode steps:
+    in-flight updates.
     model, tokenizer: an already built model (moved to `device`, quantized in place; `dtype`
     is then its own) and its tokenizer instead of loading `model_dir` (benchmarks build
     random-init models on the GPU).
@@ -77,6 +87,7 @@ class TorchEngine:
         finish_check_every: int = 8,
         cache_block: int = 256,
         cuda_graph: bool = True,
+        slots: int | None = None,
         *,
         model: torch.nn.Module | None = None,
         tokenizer=None,
@@ -94,6 +105,12 @@ class TorchEngine:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"engine.{key} must be an int >= 1, got {value!r}")
+        if slots is not None and (
+            isinstance(slots, bool) or not isinstance(slots, int) or slots < 1
+        ):
+            raise ValueError(
+                f"engine.slots must be null (static batches) or an int >= 1, got {slots!r}"
+            )
         if (model is None) != (tokenizer is None) or (model is None and model_dir is None):
             raise ValueError("TorchEngine needs model_dir, or both model and tokenizer")
         self.device = resolve_device(device, self.policy.name)
@@ -132,6 +149,14 @@ class TorchEngine:
         self.cache_block = cache_block
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
         self._decoder: StaticDecoder | None = None
+        self.slots = slots
+        self._slot_decoder: SlotDecoder | None = None
+        self._generating = False  # a slot generation is running (updates land mid-way)
+        #: called between two decode steps of a slot generation (a worker applies the
+        #: newest version there); None: nothing runs between steps
+        self.between_steps: Callable[[], None] | None = None
+        #: what the last slot generation did (steps, prefills, tokens, versions applied)
+        self.last_stats: SlotStats | None = None
         self.version: int | None = None
         # Parameters, and the biases that quantized modules keep as buffers.
         self._params = dict(self.model.named_parameters()) | {
@@ -199,9 +224,22 @@ class TorchEngine:
             for param, tensor in params:
                 param.copy_(tensor)
             for (layer, part), value in kv.items():
+                self._rescale_live_cache(layer, part, value)
                 self.kv_scales[layer]["kv".index(part)].copy_(value)
         self._kv_scales_loaded |= set(kv)
         self.version = version
+
+    def _rescale_live_cache(self, layer: int, part: str, new_scale: torch.Tensor) -> None:
+        """An in-flight update of an e4m3 cache's scale: the bytes already written were
+        quantized with the old scale and would be read with the new one, so the running
+        slot generation's cache is requantized to the new scale (rounded once more; the
+        values it holds stay those the old version computed)."""
+        decoder = self._slot_decoder if self._generating else None
+        if decoder is None or not decoder.cache.fp8:
+            return
+        old_scale = self.kv_scales[layer]["kv".index(part)]
+        buffer = (decoder.cache.keys if part == "k" else decoder.cache.values)[layer]
+        buffer.copy_(quantize_kv(buffer.float() * old_scale, new_scale.to(old_scale.device)))
 
     def _check_kv_scale(self, version: int, name: str, tensor: torch.Tensor) -> dict:
         """{(layer, "k" | "v"): fp32 0-dim value} for a KV scale this engine uses; a q
@@ -280,10 +318,106 @@ class TorchEngine:
         decoder = self.decoder(len(prompts), width + max_new_tokens - 1)
         return decoder, decoder.prefill(input_ids, mask, rows)
 
+    @property
+    def supports_inflight_updates(self) -> bool:
+        """Versions can be applied between decode steps: with slots, through
+        `between_steps`."""
+        return self.slots is not None
+
+    def slot_decoder(self, positions: int) -> SlotDecoder:
+        """The slots' decoder for sequences of up to `positions` positions: the last one
+        when it has as many rounded up to `cache_block`, else a new one."""
+        kv_scales = self._kv_cache_scales()
+        max_tokens = -(-positions // self.cache_block) * self.cache_block
+        current = self._slot_decoder
+        if current is None or current.max_tokens != max_tokens:
+            self._slot_decoder = None
+            current = self._slot_decoder = SlotDecoder(
+                self.model, self.slots, max_tokens, kv_scales
+            )
+        return current
+
+    @torch.no_grad()
+    def generate_requests(
+        self,
+        prompts: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        sampling: SamplingParams,
+        indices: Sequence[int] | None = None,
+    ) -> list[Sample]:
+        """Token-id prompts, each with its own `max_new_tokens` (`sampling.n` and
+        `sampling.max_new_tokens` are not used), through the slots: one sample per
+        prompt, request i seeded from (`sampling.seed`, `indices[i]`) (default: i), so a
+        request split off into another call keeps its stream."""
+        if self.slots is None:
+            raise ValueError("generate_requests runs through slots: set engine.slots")
+        if len(prompts) != len(budgets) or any(b < 1 for b in budgets):
+            raise ValueError("one budget >= 1 per prompt")
+        indices = list(range(len(prompts))) if indices is None else list(indices)
+        if len(indices) != len(prompts):
+            raise ValueError("one index per prompt")
+        jobs = list(zip(indices, prompts, strict=True))
+        return self._generate_slots(jobs, list(budgets), sampling, indices)
+
+    def _generate_slots(
+        self, jobs, budgets: list[int], sampling: SamplingParams, indices: list[int] | None = None
+    ) -> list[Sample]:
+        """jobs: (prompt_index, prompt ids); request i's stream is `indices[i]`'s
+        (default: its position in the call)."""
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        seed = 0 if sampling.seed is None else sampling.seed
+        if sampling.seed is None and sampling.temperature > 0:
+            seed = int(torch.randint(0, 2**62, ()))  # unseeded: a fresh stream per call
+        indices = list(range(len(jobs))) if indices is None else indices
+        requests = [
+            Request(tuple(ids), budget, request_seed(seed, index))
+            for (_, ids), budget, index in zip(jobs, budgets, indices, strict=True)
+        ]
+        # An eos-finished row runs on (recording nothing) until the next check.
+        positions = max(len(r.prompt_ids) for r in requests) + max(budgets)
+        decoder = self.slot_decoder(positions + self.finish_check_every)
+        stats = SlotStats()
+        self._generating = True
+        try:
+            generated = run_slots(
+                decoder,
+                requests,
+                sampling,
+                eos,
+                pad,
+                check_every=self.finish_check_every,
+                version=lambda: -1 if self.version is None else self.version,
+                between_steps=self.between_steps,
+                stats=stats,
+            )
+        finally:
+            self._generating = False
+        self.last_stats = stats
+        return [
+            self._sample(prompt_index, prompt_ids, g.token_ids, g.logprobs, g.versions, sampling)
+            for (prompt_index, prompt_ids), g in zip(jobs, generated, strict=True)
+        ]
+
+    def _sample(self, prompt_index, prompt_ids, ids, logprobs, versions, sampling) -> Sample:
+        eos = self.tokenizer.eos_token_id
+        return Sample(
+            prompt_ids=list(prompt_ids),
+            token_ids=ids,
+            logprobs=logprobs,
+            versions=versions,
+            finish_reason="stop"
+            if ids and ids[-1] == eos and not sampling.ignore_eos
+            else "length",
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            prompt_index=prompt_index,
+        )
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> list[Sample]:
         encoded = [self.tokenizer(p)["input_ids"] for p in prompts]
         jobs = [(i, ids) for i, ids in enumerate(encoded) for _ in range(sampling.n)]
+        if self.slots is not None:
+            return self._generate_slots(jobs, [sampling.max_new_tokens] * len(jobs), sampling)
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
@@ -323,4 +457,5 @@ class TorchEngine:
 
     def close(self) -> None:
         self._decoder = None
+        self._slot_decoder = None
         self.model = None

@@ -1,0 +1,79 @@
+"""Per-request random streams for the slot decoder: a sample's tokens depend on its
+seed and on nothing else (not its slot, the batch it shares, when it started).
+
+A `torch.Generator` per request would need one sampling call per row each step and a
+host round-trip to know which rows to call it for; a shared generator makes a row's
+draws depend on its neighbours. Instead each draw is a pure function of (request seed,
+token index): a 32-bit integer hash evaluated on the device, turned into one uniform
+per row, which picks the token by inverse CDF of the processed distribution. No state
+to advance or rewind, the same shapes every step (a CUDA graph could hold it), and rows
+that are idle or finished simply draw numbers nobody records.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import SamplingParams
+from .decode import processed_logprobs
+
+MASK32 = 0xFFFFFFFF
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The 63-bit key of request `index` of a call seeded with `seed` (splitmix64 of
+    the pair, so nearby seeds and indices give unrelated streams)."""
+    x = (seed * 0x9E3779B97F4A7C15 + index + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x · constant) mod 2^32 for x in [0, 2^32) held in int64, without overflowing
+    int64 (whose wrap-around torch does not promise): x split in 16-bit halves."""
+    high, low = x >> 16, x & 0xFFFF
+    return ((((high * constant) & 0xFFFF) << 16) + low * constant) & MASK32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (C. Wellons): a 32-bit integer bijection with good avalanche."""
+    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
+    x = _mul32(x ^ (x >> 15), 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row (53 random bits) for request keys `seeds`
+    [B] (int64, >= 0) at token indices `counters` [B]."""
+    lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
+    key = _hash32(lo ^ _hash32(hi ^ 0x5BD1E995))
+    base = _hash32(key ^ _hash32(counters & MASK32))
+    first = _hash32(base ^ 0x68E31DA4)  # 32 bits
+    second = _hash32(base ^ 0xB5297A4D) >> 11  # 21 bits
+    return ((first << 21) | second).double() / float(1 << 53)
+
+
+def sample_per_request(
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    seeds: torch.Tensor,
+    counters: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next token [B], its processed log-probability [B] fp32) for logits [B, V], row
+    i drawn with the uniform of (seeds[i], counters[i]). Greedy (temperature 0) takes
+    the argmax and draws nothing."""
+    logp = processed_logprobs(logits, sampling)
+    if sampling.temperature == 0:
+        chosen = logp.argmax(-1)
+    else:
+        cdf = logp.double().exp().cumsum(-1)
+        total = cdf[:, -1:]
+        # u · total, kept below the total so that rounding never picks the past-the-end
+        # index; `right=True` never lands on a token of probability 0 (its cdf equals its
+        # predecessor's).
+        target = torch.minimum(
+            uniforms(seeds, counters)[:, None] * total, total.nextafter(cdf.new_zeros(()))
+        )
+        chosen = torch.searchsorted(cdf, target, right=True)[:, 0]
+    return chosen, logp.gather(-1, chosen[:, None])[:, 0]

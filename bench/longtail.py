@@ -1,0 +1,200 @@
+"""A long-tailed rollout batch through the torch engine: static batches against slots.
+
+    python bench/longtail.py [--model small] [--batch 64] [--slots 16] [--out ...]
+
+The workload is one rollout batch of `--batch` sequences, most of them short (budgets
+drawn uniformly in [`--short-min`, `--short-max`] tokens) and every `--long-every`-th
+one `--long-factor` times the mean short budget (exactly its budget: ignore_eos, one
+max length per request), in request order. Each mode generates the whole batch through
+`TorchEngine.generate_requests` and is timed (median of `--repeats` after one warm-up):
+
+- `static`: slots = batch. Every sequence starts at once and the batch runs until its
+  longest sequence ends, as the static path does (rows that have finished still ride
+  along in every decode step).
+- `continuous`: `--slots` slots, each refilled with the next request as soon as its
+  sequence ends.
+- `static_batches`: the same KV-cache rows as `continuous` used the static way: the
+  requests in consecutive batches of `--slots`, each running until its longest ends
+  (the engine's `max_batch` batching, at equal memory).
+
+Both modes use the same slot loop and per-request sampling, so the tokens are the same
+and only the scheduling differs. Reported per mode: `seconds` (the batch, prefill
+included), `tokens_per_s`, `target_forwards_per_token` (per sequence: its prefill and
+the steps that produced its tokens; 1.0 without speculation), and what the static shapes
+computed: `decode_steps`, `prefills`, `row_steps_per_token` (slots × steps / tokens: 1.0
+would waste no row). Table on stdout, JSON to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, write_json
+
+from asyncfp8.engines.base import SamplingParams
+from asyncfp8.engines.slots import SlotStats
+from asyncfp8.engines.torch_engine import TorchEngine
+from asyncfp8.models import resolve_model_dir
+from asyncfp8.tasks import ArithmeticTask
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def workload(args) -> list[int]:
+    """Per-request budgets: short ones, and every long_every-th one long_factor × the
+    mean short budget."""
+    rng = random.Random(args.seed)
+    mean_short = (args.short_min + args.short_max) / 2
+    return [
+        round(args.long_factor * mean_short)
+        if (i + 1) % args.long_every == 0
+        else rng.randint(args.short_min, args.short_max)
+        for i in range(args.batch)
+    ]
+
+
+def generate(engine: TorchEngine, prompts, budgets, sampling, chunk: int | None):
+    """All requests at once through the slots, or (chunk) in consecutive batches, each
+    finished before the next starts; request i keeps stream i either way."""
+    if chunk is None:
+        return engine.generate_requests(prompts, budgets, sampling), engine.last_stats
+    samples, total = [], SlotStats()
+    for start in range(0, len(prompts), chunk):
+        span = range(start, min(start + chunk, len(prompts)))
+        part = engine.generate_requests(
+            [prompts[i] for i in span], [budgets[i] for i in span], sampling, indices=span
+        )
+        samples += part
+        for key in ("steps", "prefills", "row_steps", "useful_forwards", "tokens"):
+            setattr(total, key, getattr(total, key) + getattr(engine.last_stats, key))
+    return samples, total
+
+
+def run_mode(engine: TorchEngine, prompts, budgets, sampling, repeats: int, chunk=None) -> dict:
+    generate(engine, prompts, budgets, sampling, chunk)  # warm-up: caches allocated
+    times, tokens = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        samples, stats = generate(engine, prompts, budgets, sampling, chunk)
+        times.append(time.perf_counter() - start)
+        tokens = [s.token_ids for s in samples]
+    total = sum(len(t) for t in tokens)
+    assert total == sum(budgets) == stats.tokens  # ignore_eos: every budget generated
+    seconds = statistics.median(times)
+    return {
+        "slots": engine.slots,
+        "seconds": seconds,
+        "tokens": total,
+        "tokens_per_s": total / seconds,
+        "target_forwards_per_token": stats.useful_forwards / total,
+        "decode_steps": stats.steps,
+        "prefills": stats.prefills,
+        "row_steps_per_token": stats.row_steps / total,
+        "times": times,
+        "_tokens": tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small", choices=["tiny", "small"])
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=sorted(DTYPES),
+        help="the engine's model dtype (float32: rows round alike whatever the batch, so "
+        "every mode samples the same tokens; bfloat16 rounds batch-dependently)",
+    )
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--slots", type=int, default=16, help="continuous mode's slots")
+    parser.add_argument("--short-min", type=int, default=8)
+    parser.add_argument("--short-max", type=int, default=24)
+    parser.add_argument("--long-every", type=int, default=8)
+    parser.add_argument("--long-factor", type=float, default=16.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
+    parser.add_argument("--out", default="bench/results/longtail-cpu.json")
+    args = parser.parse_args(argv)
+    if not 1 <= args.slots <= args.batch:
+        parser.error(f"--slots must be in 1..--batch ({args.batch}), got {args.slots}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model_dir(None, args.model, 0)
+    task = ArithmeticTask(seed=args.seed)
+    budgets = workload(args)
+    sampling = SamplingParams(temperature=1.0, seed=args.seed, ignore_eos=True)
+    rows = []
+    load_before = os.getloadavg()  # the machine may be shared: timings are read with it
+    modes = (
+        ("static", args.batch, None),
+        ("continuous", args.slots, None),
+        ("static_batches", args.slots, args.slots),
+    )
+    for mode, slots, chunk in modes:
+        engine = TorchEngine(
+            str(model_dir), args.precision, dtype=DTYPES[args.dtype], device="cpu", slots=slots
+        )
+        prompts = [engine.tokenizer(task.prompt(i).text)["input_ids"] for i in range(args.batch)]
+        row = run_mode(engine, prompts, budgets, sampling, args.repeats, chunk)
+        rows.append({"mode": mode, **row})
+        engine.close()
+    # The same requests, the same per-request streams: the same tokens in every mode.
+    same = all(row["_tokens"] == rows[0]["_tokens"] for row in rows)
+    for row in rows:
+        del row["_tokens"]
+    base = rows[0]["seconds"]
+    print(
+        f"{args.model} model, {args.precision} ({args.dtype}), batch {args.batch}: budgets "
+        f"{args.short_min}-{args.short_max} tokens, every {args.long_every}th "
+        f"{round(args.long_factor * (args.short_min + args.short_max) / 2)}; "
+        f"{sum(budgets)} tokens; same tokens in every mode: {same}"
+    )
+    print(
+        f"{'mode':<14} {'slots':>5} {'seconds':>8} {'tokens/s':>9} {'speedup':>8} "
+        f"{'fwd/token':>9} {'steps':>6} {'prefills':>8} {'row-steps/token':>15}"
+    )
+    for r in rows:
+        print(
+            f"{r['mode']:<14} {r['slots']:>5} {r['seconds']:>8.3f} {r['tokens_per_s']:>9.0f} "
+            f"{base / r['seconds']:>7.2f}x {r['target_forwards_per_token']:>9.3f} "
+            f"{r['decode_steps']:>6} {r['prefills']:>8} {r['row_steps_per_token']:>15.2f}"
+        )
+    info = machine()
+    path = write_json(
+        args.out,
+        {
+            "description": (
+                "one long-tailed rollout batch through the torch engine's slot loop: "
+                "static (slots = batch) against continuous (fewer slots, refilled)"
+            ),
+            "model": args.model,
+            "precision": args.precision,
+            "dtype": args.dtype,
+            "device": "cpu",
+            "batch": args.batch,
+            "budgets": budgets,
+            "same_tokens_in_every_mode": same,
+            "settings": {k: v for k, v in vars(args).items() if k != "out"},
+            "torch_threads": info["torch_threads"],
+            "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
+            "rows": rows,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

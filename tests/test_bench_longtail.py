@@ -1,0 +1,59 @@
+"""bench/longtail.py on the tiny model at a small shape: every mode generates every
+budget, the same tokens in FP32, and the JSON carries the rows the docs read. Durations
+are not asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_longtail_bench_writes_its_rows(tmp_path):
+    out = tmp_path / "longtail.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "longtail.py"),
+            "--model=tiny",
+            "--batch=12",
+            "--slots=3",
+            "--short-min=2",
+            "--short-max=4",
+            "--long-every=4",
+            "--long-factor=10",
+            "--repeats=1",
+            "--dtype=float32",
+            f"--out={out}",
+        ],
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        },
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["machine"]["cores"] >= 1 and data["same_tokens_in_every_mode"] is True
+    budgets = data["budgets"]
+    assert len(budgets) == 12 and budgets[3] == budgets[7] == budgets[11] == 30
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert set(rows) == {"static", "continuous", "static_batches"}
+    for row in rows.values():
+        assert row["tokens"] == sum(budgets)
+        assert row["seconds"] > 0 and row["tokens_per_s"] > 0
+        assert row["target_forwards_per_token"] == 1.0  # no speculation: one per token
+    # The static batch runs until its longest budget; three refilled slots run the long
+    # ones side by side; batches of three run until each one's longest.
+    assert rows["static"]["decode_steps"] == max(budgets) - 1
+    chunks = [budgets[i : i + 3] for i in range(0, 12, 3)]
+    assert rows["static_batches"]["decode_steps"] == sum(max(c) - 1 for c in chunks)
+    assert rows["continuous"]["decode_steps"] < rows["static_batches"]["decode_steps"]
+    assert rows["continuous"]["row_steps_per_token"] < rows["static"]["row_steps_per_token"]
+    assert "continuous" in result.stdout and "static_batches" in result.stdout
