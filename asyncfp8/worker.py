@@ -5,9 +5,9 @@ into scored trajectories.
 
 The loop: apply the newest complete version (between generations, so every sample
 comes from one version; with `run.inflight_updates` also between two decode steps of a
-generation, each token tagged with the version that produced it), ask the learner for a lease, generate `n` samples for each
-leased prompt at the lease's sampling settings, score them with the task's reward and
-push them back. When the learner says wait (the staleness bound: this worker is far
+generation, each token tagged with the version that produced it), ask the learner for a
+lease, generate `n` samples for each leased prompt at the lease's sampling settings,
+score them with the task's reward and push them back. When the learner says wait (the staleness bound: this worker is far
 enough ahead), the worker waits for the next version instead of producing samples
 that would be dropped.
 """
