@@ -164,22 +164,8 @@ class StaticDecoder:
     ):
         config = model.config
         self.model = model
-        embeddings = model.get_input_embeddings().weight
-        # The residual stream's dtype (the embeddings'), which keys and values come in.
-        self.device, dtype = embeddings.device, embeddings.dtype
-        head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
-        self.cache = StaticKVCache(
-            config.num_hidden_layers,
-            batch,
-            config.num_key_value_heads,
-            max_tokens,
-            head_dim,
-            dtype,
-            self.device,
-            kv_scales,
-        )
+        self.device = model.get_input_embeddings().weight.device
+        self.cache = StaticKVCache.for_model(model, batch, max_tokens, kv_scales)
         self.batch, self.max_tokens = batch, max_tokens
         self.kinds = sorted(set(getattr(config, "layer_types", None) or LAYER_KINDS))
         long = dict(dtype=torch.long, device=self.device)

@@ -63,6 +63,32 @@ class StaticKVCache:
         #: positions below it may be attended (decode): lets attention skip the empty tail
         self.kv_len: torch.Tensor | None = None
 
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        batch: int,
+        max_tokens: int,
+        scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> StaticKVCache:
+        """A cache shaped for a transformers causal LM, on its device, in the dtype of its
+        residual stream (the embeddings'), which keys and values come in."""
+        config = model.config
+        embeddings = model.get_input_embeddings().weight
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        return cls(
+            config.num_hidden_layers,
+            batch,
+            config.num_key_value_heads,
+            max_tokens,
+            head_dim,
+            embeddings.dtype,
+            embeddings.device,
+            scales,
+        )
+
     @property
     def fp8(self) -> bool:
         return self.scales is not None

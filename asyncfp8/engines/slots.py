@@ -81,21 +81,8 @@ class SlotDecoder:
             raise ValueError(f"need slots >= 1 and max_tokens >= 1, got {slots}, {max_tokens}")
         config = model.config
         self.model, self.kv_scales = model, kv_scales
-        embeddings = model.get_input_embeddings().weight
-        self.device, dtype = embeddings.device, embeddings.dtype
-        head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
-        self.cache = StaticKVCache(
-            config.num_hidden_layers,
-            slots,
-            config.num_key_value_heads,
-            max_tokens,
-            head_dim,
-            dtype,
-            self.device,
-            kv_scales,
-        )
+        self.device = model.get_input_embeddings().weight.device
+        self.cache = StaticKVCache.for_model(model, slots, max_tokens, kv_scales)
         self.slots, self.max_tokens = slots, max_tokens
         self.kinds = sorted(set(getattr(config, "layer_types", None) or LAYER_KINDS))
         long = dict(dtype=torch.long, device=self.device)
