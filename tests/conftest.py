@@ -19,6 +19,18 @@ def vllm_module():
     return pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny-tensor tests: on 2 shared cores a second
+    OpenMP thread costs far more than it gives."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The tiny warm-started model, built once per test session (about 10 s)."""

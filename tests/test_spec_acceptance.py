@@ -29,13 +29,8 @@ SEQUENCES = 30_000
 VOCAB = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Small tensors on 2 shared cores: a second OpenMP thread costs far more than it gives.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: one torch thread for the whole module (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def markov(seed: int, sharpness: float) -> torch.Tensor:

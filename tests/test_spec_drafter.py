@@ -18,13 +18,8 @@ from asyncfp8.speculative.drafter import Drafter
 ATOL = 1e-10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Small tensors on 2 shared cores: a second OpenMP thread costs far more than it gives.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: one torch thread for the whole module (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def qwen2(hidden=64, heads=2, kv_heads=1, vocab=96, seed=0) -> Qwen2ForCausalLM:

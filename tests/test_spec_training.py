@@ -10,14 +10,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from asyncfp8.speculative.drafter import Drafter
 from asyncfp8.speculative.training import DrafterTrainer
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny tensors on 2 shared cores: a second OpenMP thread costs far more than it gives.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: one torch thread for the whole module (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def qwen2(hidden=64, vocab=96, seed=0):
