@@ -96,6 +96,16 @@ class Version:
     transport: str = "tcp"  # how it arrived: "tcp" (any ZeroMQ transport) or "shm"
 
 
+def by_section(
+    entries: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, torch.Tensor]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """A received version's tensors split into their sections, as its entries say."""
+    sections: dict[str, dict[str, torch.Tensor]] = {section: {} for section in SECTIONS}
+    for name, entry in entries.items():
+        sections[entry["section"]][name] = tensors[name]
+    return sections
+
+
 Tagged = Iterable[tuple[str, str, torch.Tensor]]  # (section, name, tensor)
 
 
@@ -458,9 +468,7 @@ class VersionAssembler:
             f"{len(self.complete)} of {len(self.entries)} tensors complete, "
             f"total_tensors says {header['total_tensors']}",
         )
-        sections: dict[str, dict[str, torch.Tensor]] = {section: {} for section in SECTIONS}
-        for name, entry in self.entries.items():
-            sections[entry["section"]][name] = self.tensors[name]
+        sections = by_section(self.entries, self.tensors)
         return Version(
             self.version,
             sections["weights"],

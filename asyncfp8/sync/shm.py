@@ -42,7 +42,17 @@ import numpy as np
 import torch
 import xxhash
 
-from .codec import DTYPE_NAMES, DTYPES, SECTIONS, Storage, Version, byte_view, seal, unseal
+from .codec import (
+    DTYPE_NAMES,
+    DTYPES,
+    SECTIONS,
+    Storage,
+    Version,
+    by_section,
+    byte_view,
+    seal,
+    unseal,
+)
 from .limits import Limits, RejectedMessage
 
 log = logging.getLogger("asyncfp8.sync")
@@ -524,9 +534,7 @@ class ShmAssembler:
             raise RejectedMessage(
                 f"{len(self.entries)} tensors received, total_tensors says {notice['total_tensors']}"
             )
-        sections: dict[str, dict[str, torch.Tensor]] = {section: {} for section in SECTIONS}
-        for name, entry in self.entries.items():
-            sections[entry["section"]][name] = self.tensors[name]
+        sections = by_section(self.entries, self.tensors)
         return Version(
             self.version,
             sections["weights"],
