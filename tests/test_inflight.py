@@ -58,10 +58,9 @@ def test_an_update_between_steps_tags_tokens_and_keeps_the_cache(tiny_model_dir)
     sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3, ignore_eos=True)
     samples = engine.generate(PROMPTS, sampling)
     assert engine.version == 2 and engine.last_stats.versions_applied == [2]
-    # Once after every step's sampling but the last: before each of the 33 steps, and
-    # before the 2 refills that find both slots free (pairs of 12 tokens end together;
-    # no step runs then, the refill's prefill gives the logits).
-    assert engine.last_stats.steps == 3 * 11 and len(calls) == 33 + 2
+    # Once before each of the 33 steps: a refill (pairs of 12 tokens end together) runs
+    # its prefill after the same call, just before that step, under the same version.
+    assert engine.last_stats.steps == 3 * 11 and len(calls) == 33
     spanning = 0
     reference = TorchEngine(str(tiny_model_dir), "bf16", dtype=torch.float32)
     for sample in samples:

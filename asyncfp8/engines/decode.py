@@ -141,6 +141,35 @@ AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 # --- one batch --------------------------------------------------------------------------------
 
 
+def forward_static(
+    model: torch.nn.Module,
+    cache: StaticKVCache,
+    kinds: list[str],
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    keep: int = 1,
+    hidden: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One forward over a static cache: (the last hidden states [B, T, H], the LM head's
+    input, when `hidden`, else None; the logits of the last `keep` positions [B, keep, V]).
+    Masks are given per layer kind, so transformers builds none (a growing one would make
+    each step a new shape, and its checks sync with the host)."""
+    inputs = dict(
+        input_ids=input_ids,
+        attention_mask=dict.fromkeys(kinds, mask),
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        static_cache=cache,
+    )
+    if not hidden:
+        return None, model(**inputs, logits_to_keep=keep).logits
+    # The speculative drafter reads the target's features: the body, then the head.
+    states = model.model(**inputs).last_hidden_state
+    return states, model.lm_head(states[:, -keep:])
+
+
 class StaticDecoder:
     """Decode state for `batch` sequences of at most `max_tokens` positions (prompt, left
     padded, plus generated tokens) of `model`, a transformers causal LM whose attention
@@ -184,20 +213,16 @@ class StaticDecoder:
         self.next_slot = 0
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_logits: torch.Tensor | None = None
+        #: keep the last forward's hidden states in `hidden` (the slot decoder's prefill,
+        #: for a speculative drafter)
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
 
     def _forward(self, input_ids, mask, position_ids) -> torch.Tensor:
-        out = self.model(
-            input_ids=input_ids,
-            # Masks given per layer kind: transformers builds none (a growing one would
-            # make each step a new shape, and its checks sync with the host).
-            attention_mask=dict.fromkeys(self.kinds, mask),
-            position_ids=position_ids,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-            static_cache=self.cache,
+        self.hidden, logits = forward_static(
+            self.model, self.cache, self.kinds, input_ids, mask, position_ids, 1, self.keep_hidden
         )
-        return out.logits[:, -1]
+        return logits[:, -1]
 
     @torch.no_grad()
     def prefill(
@@ -227,6 +252,8 @@ class StaticDecoder:
         if rows != list(range(self.batch)):
             self.cache.copy_rows(index)
             logits = logits.index_select(0, index)
+            if self.hidden is not None:
+                self.hidden = self.hidden.index_select(0, index)
         self.kv_valid.zero_()
         self.kv_valid[:, :width] = valid.index_select(0, index)
         self.positions.copy_(positions[:, -1].index_select(0, index) + 1)

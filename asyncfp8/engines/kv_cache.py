@@ -101,9 +101,10 @@ class StaticKVCache:
         self.row_positions = None
 
     def write_rows(self, positions: torch.Tensor, visible: int | None = None) -> None:
-        """The next forward (one token per row) writes row i's token at `positions[i]`
-        (a long tensor [batch] on the cache's device): sequences of different lengths
-        share the cache, as the slot decoder's do."""
+        """The next forward writes row i's tokens at its own positions: `positions` [batch]
+        (one token per row) or [batch, T] (T tokens per row: a speculative verify step),
+        a long tensor on the cache's device. Sequences of different lengths share the
+        cache, as the slot decoder's do."""
         self.positions, self.visible = None, visible
         self.row_positions = positions
 
@@ -124,9 +125,13 @@ class StaticKVCache:
             states_bytes = states.view(torch.uint8) if self.fp8 else states.to(buffer.dtype)
             if self.row_positions is None:
                 buffer_bytes[:rows].index_copy_(2, self.positions, states_bytes)
-            else:  # [rows, heads, 1, dim] -> row i at its own position
+            elif self.row_positions.dim() == 1:  # [rows, heads, 1, dim]: row i at its position
                 index = torch.arange(rows, device=buffer.device)
                 buffer_bytes[index, :, self.row_positions[:rows]] = states_bytes[:, :, 0]
+            else:  # [rows, heads, T, dim]: token t of row i at positions[i, t]
+                index = torch.arange(rows, device=buffer.device)[:, None]
+                # Advanced indices around a slice put their dims first: [rows, T, heads, dim].
+                buffer_bytes[index, :, self.row_positions[:rows]] = states_bytes.transpose(1, 2)
         end = self.max_tokens if self.visible is None else self.visible
         return keys[:rows, :, :end], values[:rows, :, :end]
 

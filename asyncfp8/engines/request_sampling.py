@@ -43,11 +43,19 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """One float64 uniform in [0, 1) per row (53 random bits) for request keys `seeds`
-    [B] (int64, >= 0) at token indices `counters` [B]."""
+#: Streams of one request (`uniforms(..., stream=)`): the plain sample of a token, and
+#: speculative decoding's draft, acceptance coin and final (resampled or bonus) token.
+SAMPLE, DRAFT, COIN, FINAL = 0, 1, 2, 3
+
+
+def uniforms(seeds: torch.Tensor, counters: torch.Tensor, stream: int = SAMPLE) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per element (53 random bits) for request keys `seeds`
+    (int64, >= 0) at token indices `counters` (same shape, or broadcast), in one of the
+    request's independent `stream`s."""
     lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
     key = _hash32(lo ^ _hash32(hi ^ 0x5BD1E995))
+    if stream:  # stream 0's formula is the one seeded outputs were made with
+        key = _hash32(key ^ _mul32(torch.full_like(key, stream), 0x9E3779B9))
     base = _hash32(key ^ _hash32(counters & MASK32))
     first = _hash32(base ^ 0x68E31DA4)  # 32 bits
     second = _hash32(base ^ 0xB5297A4D) >> 11  # 21 bits
@@ -67,13 +75,17 @@ def sample_per_request(
     if sampling.temperature == 0:
         chosen = logp.argmax(-1)
     else:
-        cdf = logp.double().exp().cumsum(-1)
-        total = cdf[:, -1:]
-        # u · total, kept below the total so that rounding never picks the past-the-end
-        # index; `right=True` never lands on a token of probability 0 (its cdf equals its
-        # predecessor's).
-        target = torch.minimum(
-            uniforms(seeds, counters)[:, None] * total, total.nextafter(cdf.new_zeros(()))
-        )
-        chosen = torch.searchsorted(cdf, target, right=True)[:, 0]
+        chosen = inverse_cdf(logp.double().exp(), uniforms(seeds, counters))
     return chosen, logp.gather(-1, chosen[:, None])[:, 0]
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The index drawn by uniform u [...] from the unnormalized weights [..., V] (>= 0,
+    some positive): the first index whose cumulative weight exceeds u · total."""
+    cdf = weights.double().cumsum(-1)
+    total = cdf[..., -1:]
+    # u · total, kept below the total so that rounding never picks the past-the-end
+    # index; `right=True` never lands on a token of weight 0 (its cdf equals its
+    # predecessor's).
+    target = torch.minimum(u.double()[..., None] * total, total.nextafter(cdf.new_zeros(())))
+    return torch.searchsorted(cdf, target, right=True)[..., 0]

@@ -23,12 +23,20 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import time
+from typing import TYPE_CHECKING
+
 import torch
 
+from asyncfp8.speculative.acceptance import accept
+
 from .base import SamplingParams
-from .decode import LAYER_KINDS, StaticDecoder
+from .decode import LAYER_KINDS, StaticDecoder, forward_static, processed_logprobs
 from .kv_cache import StaticKVCache
-from .request_sampling import sample_per_request
+from .request_sampling import COIN, DRAFT, FINAL, sample_per_request, uniforms
+
+if TYPE_CHECKING:
+    from asyncfp8.speculative.slots import SlotSpeculation
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,9 @@ class SlotDecoder:
     """`slots` sequences of at most `max_tokens` positions each (prompt + new tokens) of
     `model`, a transformers causal LM whose attention implementation is
     `decode.ATTENTION`. `kv_scales` as for `StaticDecoder` (None: a cache in the model
-    dtype)."""
+    dtype). `record_hidden`: every forward also keeps the target's last hidden states
+    (the LM head's input) in `hidden` and, per row and position, in `hidden_states` with
+    the token fed there in `fed_tokens`: what a speculative drafter reads and trains on."""
 
     def __init__(
         self,
@@ -76,6 +86,7 @@ class SlotDecoder:
         slots: int,
         max_tokens: int,
         kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        record_hidden: bool = False,
     ):
         if slots < 1 or max_tokens < 1:
             raise ValueError(f"need slots >= 1 and max_tokens >= 1, got {slots}, {max_tokens}")
@@ -97,11 +108,21 @@ class SlotDecoder:
         #: the host's copy of each row's write position: a full row is refused, and an
         #: eager step reads only the positions some row has reached, without a sync
         self.lengths = [0] * slots
+        self.record_hidden = record_hidden
+        self.hidden: torch.Tensor | None = None  # the last forward's [rows, T, H]
+        if record_hidden:
+            size = config.hidden_size
+            dtype = model.get_input_embeddings().weight.dtype
+            self.hidden_states = torch.zeros(slots, max_tokens, size, dtype=dtype, device=self.device)
+            self.fed_tokens = torch.zeros(slots, max_tokens, **long)
 
     @torch.no_grad()
     def fill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Starts sequence `prompts[i]` in row `slots[i]` (identical prompts prefilled
-        once): returns the logits of each one's first new token [len(slots), V]."""
+        once): returns the logits of each one's first new token [len(slots), V]. With
+        `record_hidden`, `hidden` [len(slots), W, H] holds the prompts' hidden states, left
+        padded to the longest (W), and `fill_ids` / `fill_mask` [len(slots), W] their
+        tokens and real positions."""
         if len(slots) != len(prompts) or len(set(slots)) != len(slots):
             raise ValueError(f"fill needs one prompt per distinct slot: {slots}, {len(prompts)}")
         distinct: dict[tuple[int, ...], int] = {}
@@ -117,6 +138,7 @@ class SlotDecoder:
         # The prompts' own small static decoder runs the prefill (the same code as the
         # static path); its rows are then copied into the slots' rows.
         prefill = StaticDecoder(self.model, len(distinct), width, self.kv_scales)
+        prefill.keep_hidden = self.record_hidden
         logits = prefill.prefill(input_ids, mask, list(range(len(distinct))))
         target = torch.tensor(list(slots), dtype=torch.long, device=self.device)
         source = torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -136,12 +158,36 @@ class SlotDecoder:
         self.advance[target] = True
         for slot in slots:
             self.lengths[slot], self.advancing[slot] = width, True
+        if self.record_hidden:
+            self.hidden = prefill.hidden.index_select(0, source)
+            self.fill_ids = input_ids.to(self.device).index_select(0, source)
+            self.fill_mask = valid
+            self.hidden_states[target, :width] = self.hidden
+            self.fed_tokens[target, :width] = self.fill_ids
         return logits.index_select(0, source)
 
     def release(self, slot: int) -> None:
         """Row `slot` holds no sequence: its position stops advancing until it is filled."""
         self.advance[slot] = False
         self.advancing[slot] = False
+
+    def sequence(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """With `record_hidden`: row `slot`'s real positions so far, (hidden states [T, H],
+        tokens [T]), prompt padding and rejected drafts left out."""
+        end = self.lengths[slot]
+        real = self.kv_valid[slot, :end]
+        return self.hidden_states[slot, :end][real], self.fed_tokens[slot, :end][real]
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keep: int):
+        self.hidden, logits = forward_static(
+            self.model, self.cache, self.kinds, tokens, mask, positions, keep, self.record_hidden
+        )
+        if self.record_hidden:
+            where = self.write_pos[:, None] + torch.arange(tokens.shape[1], device=self.device)
+            where = where.clamp_max(self.max_tokens - 1)
+            self.hidden_states[self.rows[:, None], where] = self.hidden.to(self.hidden_states.dtype)
+            self.fed_tokens[self.rows[:, None], where] = tokens
+        return logits
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -158,21 +204,61 @@ class SlotDecoder:
         self.kv_valid[self.rows, self.write_pos] = True
         self.cache.write_rows(self.write_pos, visible)
         self.cache.kv_len = self.write_pos + 1
-        out = self.model(
-            input_ids=self.tokens[:, None],
-            attention_mask=dict.fromkeys(self.kinds, self.kv_valid[:, None, None, :visible]),
-            position_ids=self.positions[:, None],
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-            static_cache=self.cache,
+        logits = self._run(
+            self.tokens[:, None],
+            self.positions[:, None],
+            self.kv_valid[:, None, None, :visible],
+            keep=1,
         )
         step = self.advance.long()
         self.write_pos.add_(step)
         self.positions.add_(step)
         for slot in range(self.slots):
             self.lengths[slot] += self.advancing[slot]
-        return out.logits[:, -1]
+        return logits[:, -1]
+
+    @torch.no_grad()
+    def verify(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A speculative verify step: appends the T tokens of row i (tokens [slots, T]: the
+        last sampled token, then the drafts) at its next T positions, each attending to
+        the row and to the tokens before it; returns the logits after each [slots, T, V].
+        Nothing advances until `commit` says how many of them each row keeps."""
+        width = tokens.shape[1]
+        for slot in range(self.slots):
+            if self.advancing[slot] and self.lengths[slot] + width > self.max_tokens:
+                raise ValueError(
+                    f"slot {slot} has no room for {width} more positions in "
+                    f"{self.max_tokens} (a budget longer than the decoder was sized for)"
+                )
+        offsets = torch.arange(width, device=self.device)
+        # Idle rows write at their start: nothing reads them until a fill resets them.
+        base = torch.where(self.advance, self.write_pos, 0)
+        where = base[:, None] + offsets
+        visible = max(length for length, on in zip(self.lengths, self.advancing) if on) + width
+        self.kv_valid[self.rows[:, None], where] = self.advance[:, None]
+        keys = torch.arange(visible, device=self.device)
+        mask = self.kv_valid[:, None, :visible] & (keys[None, None, :] <= where[:, :, None])
+        self.cache.write_rows(where, visible)
+        self.cache.kv_len = None
+        saved, self.write_pos = self.write_pos, base  # where `_run` records hidden states
+        try:
+            logits = self._run(tokens, self.positions[:, None] + offsets, mask[:, None], width)
+        finally:
+            self.write_pos = saved
+        self._verified = (where, width)
+        return logits
+
+    def commit(self, kept: torch.Tensor, kept_host: Sequence[int]) -> None:
+        """After `verify`: row i keeps its first kept[i] positions (the last token and the
+        drafts accepted before it), the rest become holes that the next step overwrites.
+        `kept_host` is the host's copy of `kept`."""
+        where, width = self._verified
+        offsets = torch.arange(width, device=self.device)
+        self.kv_valid[self.rows[:, None], where] &= offsets[None, :] < kept[:, None]
+        self.write_pos.add_(kept)
+        self.positions.add_(kept)
+        for slot in range(self.slots):
+            self.lengths[slot] += int(kept_host[slot])
 
 
 def run_slots(
@@ -186,56 +272,95 @@ def run_slots(
     version: Callable[[], int] = lambda: -1,
     between_steps: Callable[[], None] | None = None,
     stats: SlotStats | None = None,
+    speculation: SlotSpeculation | None = None,
 ) -> list[Generated]:
     """Generates every request through the decoder's slots, refilling a slot as soon as
     its sequence ends; returns one `Generated` per request, in order.
 
     A sequence ends at `eos` (unless `sampling.ignore_eos`) or at its `max_new_tokens`.
-    Whether a row sampled eos is asked every `check_every` steps (a device sync); a
-    finished row idles until then, recording nothing, and its sample is the same.
-    `between_steps` runs after each step's tokens are recorded and before the next
-    forward; `version()` is read after it: that version's forward (and any prefill
-    then) produces the next step's logits, and the tokens sampled from them carry it."""
+    Whether a row sampled eos is asked every `check_every` plain steps (a device sync;
+    a speculative step always knows); a finished row idles until then, recording
+    nothing, and its sample is the same. `between_steps` runs before each forward;
+    `version()` is read after it: that version's forward (and any prefill then) produces
+    the next logits, and the tokens sampled from them carry it.
+
+    `speculation` (a `SlotSpeculation`, built with a decoder that records hidden states)
+    chooses per step between a plain step and drafting k tokens verified by one forward;
+    accepted tokens follow the target's processed distribution exactly and carry its
+    log-probabilities (`asyncfp8.speculative.acceptance`)."""
     if not requests:
         return []
+    if speculation is not None and not decoder.record_hidden:
+        raise ValueError("speculation needs a SlotDecoder built with record_hidden=True")
     stats = stats if stats is not None else SlotStats()
     slots, device = decoder.slots, decoder.device
     longest = max(r.max_new_tokens for r in requests)
-    out_tokens = torch.full((slots, longest), pad, dtype=torch.long, device=device)
-    out_logp = torch.zeros(slots, longest, device=device)
-    seeds = torch.zeros(slots, dtype=torch.long, device=device)
-    counters = torch.zeros(slots, dtype=torch.long, device=device)  # tokens recorded per row
+    # Room past the longest budget for the drafts a verify step writes beyond a row's end.
+    room = longest + (speculation.max_k + 1 if speculation is not None else 1)
+    long = dict(dtype=torch.long, device=device)
+    out_tokens = torch.full((slots, room), pad, **long)
+    out_logp = torch.zeros(slots, room, device=device)
+    out_version = torch.zeros(slots, room, **long)
+    seeds = torch.zeros(slots, **long)
+    budgets = torch.zeros(slots, **long)
+    counters = torch.zeros(slots, **long)  # tokens recorded per row
     live = torch.zeros(slots, dtype=torch.bool, device=device)  # holds an unfinished sequence
+    last = torch.full((slots,), pad, **long)  # each row's newest token, not yet fed
     stops = not sampling.ignore_eos
+    greedy = sampling.temperature == 0
     queue = deque(range(len(requests)))
     owner: list[int | None] = [None] * slots
-    drawn = [0] * slots  # steps each row has sampled for its request (>= its tokens)
-    started = [0] * slots  # the step of each row's first token
-    step_versions: list[int] = []  # the version that produced each step's logits
+    drawn = [0] * slots  # an upper bound of each row's tokens, known to the host
     results: list[Generated | None] = [None] * len(requests)
-    logits: torch.Tensor | None = None
-    forwards = torch.zeros((), dtype=torch.long, device=device)  # live rows fed to steps
+    forwards = torch.zeros((), **long)  # live rows fed to forwards
+    plain_steps = 0
 
-    def refill() -> None:
-        nonlocal logits
+    def record(columns: torch.Tensor, tokens, logp, current: int) -> None:
+        out_tokens.scatter_(1, columns, tokens)
+        out_logp.scatter_(1, columns, logp.to(out_logp.dtype))
+        out_version.scatter_(1, columns, torch.full_like(columns, current))
+
+    def refill(current: int) -> None:
+        """Fills every free slot it can; a sequence its first token ends is harvested at
+        once and its slot filled again (no forward is spent on it)."""
+        while fill_free(current):
+            pass
+
+    def fill_free(current: int) -> bool:
+        """Fills the free slots; whether a sequence ended at its first token."""
         free = [s for s in range(slots) if owner[s] is None][: len(queue)]
         if not free:
-            return
+            return False
         taken = [queue.popleft() for _ in free]
-        fresh = decoder.fill(free, [requests[i].prompt_ids for i in taken])
+        logits = decoder.fill(free, [requests[i].prompt_ids for i in taken])
         stats.prefills += 1
         stats.useful_forwards += len(free)
-        if logits is None:
-            logits = torch.zeros(slots, fresh.shape[-1], dtype=fresh.dtype, device=device)
-        index = torch.tensor(free, dtype=torch.long, device=device)
-        logits.index_copy_(0, index, fresh.to(logits.dtype))
-        seeds.index_copy_(0, index, torch.tensor([requests[i].seed for i in taken], device=device))
-        counters.index_fill_(0, index, 0)
-        live.index_fill_(0, index, True)
-        out_tokens.index_fill_(0, index, pad)
-        out_logp.index_fill_(0, index, 0.0)
+        index = torch.tensor(free, **long)
+        new_seeds = torch.tensor([requests[i].seed for i in taken], **long)
+        seeds.index_copy_(0, index, new_seeds)
+        budgets.index_copy_(0, index, torch.tensor([requests[i].max_new_tokens for i in taken], **long))
+        zero = torch.zeros(len(free), **long)
+        first, first_logp = sample_per_request(logits, sampling, new_seeds, zero)
+        out_tokens[index, 0] = first
+        out_logp[index, 0] = first_logp.to(out_logp.dtype)
+        out_version[index, 0] = current
+        counters.index_fill_(0, index, 1)
+        # A sequence its first token ends (eos, a budget of 1) is never fed.
+        done = budgets.index_select(0, index) <= 1
+        if stops:
+            done |= first == eos
+        live.index_copy_(0, index, ~done)
+        last.index_copy_(0, index, first)
         for slot, request in zip(free, taken, strict=True):
-            owner[slot], drawn[slot], started[slot] = request, 0, len(step_versions)
+            owner[slot], drawn[slot] = request, 1
+        if speculation is not None:
+            speculation.start_rows(
+                index, decoder.hidden, decoder.fill_ids, decoder.fill_mask, first
+            )
+        ended = [slot for slot, over in zip(free, done.tolist(), strict=True) if over]
+        for slot in ended:
+            harvest(slot)
+        return bool(ended)
 
     def harvest(slot: int) -> None:
         request = owner[slot]
@@ -243,50 +368,114 @@ def run_slots(
         results[request] = Generated(
             token_ids=out_tokens[slot, :n].tolist(),
             logprobs=out_logp[slot, :n].tolist(),
-            versions=step_versions[started[slot] : started[slot] + n],
+            versions=out_version[slot, :n].tolist(),
         )
         stats.tokens += n
+        if speculation is not None:
+            speculation.observe(*decoder.sequence(slot))
         owner[slot] = None
         live[slot] = False
         decoder.release(slot)
 
-    refill()
-    logits_version = version()  # the version whose forward produced `logits`
-    while True:
-        step_versions.append(logits_version)
+    def plain_step(current: int) -> None:
+        nonlocal plain_steps
+        fed = torch.where(live, last, pad)
+        logits = decoder.step(fed)
         chosen, chosen_logp = sample_per_request(logits, sampling, seeds, counters)
-        column = counters.clamp_max(longest - 1)[:, None]
-        kept_tokens = torch.where(live, chosen, out_tokens.gather(1, column)[:, 0])
-        kept_logp = torch.where(live, chosen_logp, out_logp.gather(1, column)[:, 0])
-        out_tokens.scatter_(1, column, kept_tokens[:, None])
-        out_logp.scatter_(1, column, kept_logp[:, None])
+        # A finished row's column is past its count: what lands there is never read.
+        record(counters[:, None], chosen[:, None], chosen_logp[:, None], current)
+        if speculation is not None:
+            speculation.add(decoder.hidden, chosen[:, None], live[:, None])
+        forwards.add_(live.sum())
         counters.add_(live.long())
+        last.copy_(torch.where(live, chosen, last))
         if stops:
-            live &= chosen != eos
-        checking = stops and (len(step_versions) % check_every == 0)
-        still = live.tolist() if checking else None
+            live.logical_and_(chosen != eos)
+        plain_steps += 1
+        for slot in range(slots):
+            drawn[slot] += owner[slot] is not None
+
+    def speculative_step(k: int, current: int) -> list[bool]:
+        offsets = torch.arange(k + 1, device=device)
+        drafts, draft_logp = speculation.draft(
+            k, sampling, lambda i: uniforms(seeds, counters + i, DRAFT)
+        )
+        fed = torch.where(live, last, pad)
+        logits = decoder.verify(torch.cat([fed[:, None], drafts], 1))
+        target_logp = processed_logprobs(logits, sampling)
+        positions = counters[:, None] + offsets
+        result = accept(
+            target_logp,
+            draft_logp,
+            drafts,
+            greedy=greedy,
+            uniforms=None
+            if greedy
+            else (uniforms(seeds[:, None], positions[:, :k], COIN), uniforms(seeds[:, None], positions, FINAL)),
+        )
+        # Kept: emitted, within the budget, not past an eos; a prefix of a sample of the
+        # target's sequence distribution is a sample of that prefix's.
+        kept_mask = (
+            (offsets < result.num_emitted[:, None])
+            & (offsets < (budgets - counters)[:, None])
+            & live[:, None]
+        )
+        if stops:
+            ends = (result.tokens == eos) & kept_mask
+            kept_mask &= (ends.long().cumsum(1) - ends.long()) == 0
+            ended = (ends & kept_mask).any(1)
+        kept = kept_mask.sum(1)
+        record(positions, result.tokens.clamp_min(0), result.logprobs, current)
+        decoder_hidden = decoder.hidden
+        kept_host = kept.tolist()
+        decoder.commit(kept, kept_host)
+        speculation.add(decoder_hidden, result.tokens.clamp_min(0), kept_mask)
+        speculation.record(result.num_accepted, k, live)
+        forwards.add_(live.sum())
+        rows = torch.arange(slots, device=device)
+        last.copy_(torch.where(kept > 0, result.tokens[rows, (kept - 1).clamp_min(0)], last))
+        counters.add_(kept)
+        if stops:
+            live.logical_and_(~ended)
+        for slot, count in zip(range(slots), counters.tolist(), strict=True):
+            if owner[slot] is not None:
+                drawn[slot] = count
+        return live.tolist()
+
+    current = version()
+    refill(current)
+    still: list[bool] | None = None  # each row's liveness, when the host knows it
+    while True:
+        if still is None and stops and plain_steps % check_every == 0:
+            still = live.tolist()
         for slot in range(slots):
             if owner[slot] is None:
                 continue
-            drawn[slot] += 1
-            budget = requests[owner[slot]].max_new_tokens
-            if drawn[slot] >= budget or (still is not None and not still[slot]):
+            if drawn[slot] >= requests[owner[slot]].max_new_tokens or (
+                still is not None and not still[slot]
+            ):
                 harvest(slot)
         if not queue and all(o is None for o in owner):
             break
         if between_steps is not None:
             between_steps()
-        logits_version = version()
-        if logits_version != step_versions[-1]:
-            stats.versions_applied.append(logits_version)
-        # The next step's logits: one forward of every row, then the prefills of freed
-        # rows (which overwrite those rows' logits), all under `logits_version`.
-        if any(o is not None for o in owner):  # else every row is refilled: no step needed
-            fed = torch.where(live, chosen, torch.full_like(chosen, pad))
-            forwards += live.sum()
-            logits = decoder.step(fed)
-            stats.steps += 1
-            stats.row_steps += slots
-        refill()
+        previous, current = current, version()
+        if current != previous:
+            stats.versions_applied.append(current)
+        refill(current)
+        active = sum(o is not None for o in owner)
+        k = speculation.choose(active) if speculation is not None else 0
+        started = time.perf_counter()
+        if k:
+            before = int(counters.sum())
+            still = speculative_step(k, current)
+            speculation.report(active, k, int(counters.sum()) - before, time.perf_counter() - started)
+        else:
+            plain_step(current)
+            still = None
+            if speculation is not None:
+                speculation.report(active, 0, active, time.perf_counter() - started)
+        stats.steps += 1
+        stats.row_steps += slots
     stats.useful_forwards += int(forwards)
     return results

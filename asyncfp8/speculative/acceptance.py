@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncfp8.engines.request_sampling import inverse_cdf
+
 PAD_TOKEN = -1
 
 
@@ -49,12 +51,15 @@ def accept(
     *,
     greedy: bool = False,
     generator: torch.Generator | None = None,
+    uniforms: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> AcceptanceResult:
     """target_logp [B, k+1, V]: the target's processed log-probs (`processed_logprobs`)
     after the last emitted token and after each draft; draft_logp [B, k, V]: the
     drafter's processed log-probs each draft was sampled from; draft_tokens [B, k].
-    `generator` draws the acceptance coins and the resampled tokens (seeded: the same
-    inputs give the same result)."""
+    The acceptance coins and the resampled tokens are drawn from `generator` (seeded:
+    the same inputs give the same result) or, given `uniforms` = (coins [B, k], finals
+    [B, k+1]) in [0, 1), from those: draft i's coin, and the uniform that picks the
+    final token when it lands at position j (the slot loop's per-request streams)."""
     if target_logp.dim() != 3 or draft_logp.dim() != 3 or draft_tokens.dim() != 2:
         raise ValueError(
             "need target_logp [B, k+1, V], draft_logp [B, k, V], draft_tokens [B, k]; got "
@@ -80,7 +85,10 @@ def accept(
     if greedy:
         accepted = drafts == target_logp[:, :k].argmax(-1)
     else:
-        coins = torch.rand(batch, k, generator=generator, device=target_logp.device)
+        if uniforms is not None:
+            coins = uniforms[0].to(target_logp.dtype)
+        else:
+            coins = torch.rand(batch, k, generator=generator, device=target_logp.device)
         p_x = logp_of_drafts.exp()
         q_x = draft_logp.gather(-1, drafts[..., None])[..., 0].exp()
         # u < p/q without dividing: p ≥ q always accepts (u < 1), p = 0 never does.
@@ -101,7 +109,10 @@ def accept(
         # rejection then has probability ~0 anyway): such rows draw from p.
         empty = residual.sum(-1) <= 0
         residual = torch.where(empty[:, None], p_last.exp(), residual)
-        final = torch.multinomial(residual, 1, generator=generator)[:, 0]
+        if uniforms is not None:
+            final = inverse_cdf(residual, uniforms[1][rows, num_accepted])
+        else:
+            final = torch.multinomial(residual, 1, generator=generator)[:, 0]
 
     positions = torch.arange(k + 1, device=target_logp.device)[None, :]
     tokens = torch.cat([drafts, drafts.new_zeros(batch, 1)], 1)

@@ -19,6 +19,8 @@ numbers of drafts roll back independently.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +33,8 @@ from transformers.models.qwen2.modeling_qwen2 import (
 )
 
 from asyncfp8.engines.base import SamplingParams
-from asyncfp8.engines.torch_engine import processed_logprobs
+from asyncfp8.engines.request_sampling import inverse_cdf
+from asyncfp8.engines.decode import processed_logprobs
 
 FORMAT = "asyncfp8-eagle-drafter-1"
 _REQUIRED = (
@@ -264,12 +267,15 @@ class Drafter(nn.Module):
         k: int,
         sampling: SamplingParams,
         generator: torch.Generator | None = None,
+        uniforms: Callable[[int], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """k tokens per row, autoregressively, from each row's `cache.last`: tokens [B, k]
         and the processed log-probs [B, k, V] they were drawn from (temperature, top-k,
-        top-p as `sampling`; greedy at temperature 0), which `accept` needs as q. The
-        cache is left as it was (its lengths and `last`): after verification the caller
-        extends it with the target's features of the accepted positions."""
+        top-p as `sampling`; greedy at temperature 0), which `accept` needs as q. Drawn
+        from `generator`, or with `uniforms(i)` [B] in [0, 1) picking draft i of each row
+        (the slot loop's per-request streams). The cache is left as it was (its lengths
+        and `last`): after verification the caller extends it with the target's features
+        of the accepted positions."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         if not bool(cache.started.all()):
@@ -282,6 +288,8 @@ class Drafter(nn.Module):
                 logp = processed_logprobs(self.logits(features), sampling)
                 if sampling.temperature == 0:
                     token = logp.argmax(-1)
+                elif uniforms is not None:
+                    token = inverse_cdf(logp.exp(), uniforms(step))
                 else:
                     token = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
                 tokens.append(token)

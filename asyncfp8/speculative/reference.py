@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from asyncfp8.engines.base import SamplingParams
-from asyncfp8.engines.torch_engine import processed_logprobs
+from asyncfp8.engines.decode import processed_logprobs
 
 from .acceptance import accept
 from .drafter import Drafter
