@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -15,6 +16,10 @@ from asyncfp8.models.loading import load_model, load_tokenizer
 from asyncfp8.precision import PrecisionPolicy, get_policy
 from asyncfp8.precision.fp8_kv import KV_SCALE_NAME, kv_scale_names
 from asyncfp8.precision.modules import QuantizedLinear, apply_policy
+from asyncfp8.speculative import DrafterTrainer, SpeculationController
+from asyncfp8.speculative.drafter import Drafter
+from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
+from asyncfp8.speculative.slots import SlotSpeculation
 
 from .base import EngineUnsupported, Sample, SamplingParams
 from .decode import ATTENTION, LAYER_KINDS, StaticDecoder, decode, processed_logprobs
@@ -70,6 +75,9 @@ class TorchEngine:
     its own stream (seeded from the call's seed and its index, so its tokens do not
     depend on N), and `between_steps` (when set) is called between decode steps:
     in-flight updates.
+    speculative: `engine.speculative` (asyncfp8.speculative.settings): speculative
+    decoding in the slot loop with a one-layer drafter trained online from this
+    engine's own rollouts (`train_steps` optimizer steps after each generate call).
     model, tokenizer: an already built model (moved to `device`, quantized in place; `dtype`
     is then its own) and its tokenizer instead of loading `model_dir` (benchmarks build
     random-init models on the GPU).
@@ -88,6 +96,7 @@ class TorchEngine:
         cache_block: int = 256,
         cuda_graph: bool = True,
         slots: int | None = None,
+        speculative: Mapping[str, Any] | None = None,
         *,
         model: torch.nn.Module | None = None,
         tokenizer=None,
@@ -111,6 +120,7 @@ class TorchEngine:
             raise ValueError(
                 f"engine.slots must be null (static batches) or an int >= 1, got {slots!r}"
             )
+        self.speculative = SpeculativeSettings.from_config(speculative, self.name, slots)
         if (model is None) != (tokenizer is None) or (model is None and model_dir is None):
             raise ValueError("TorchEngine needs model_dir, or both model and tokenizer")
         self.device = resolve_device(device, self.policy.name)
@@ -170,6 +180,64 @@ class TorchEngine:
             for name in module.expects
         }
         self._probe()
+        self.speculation: SlotSpeculation | None = None
+        if self.speculative.enabled:
+            self.speculation = self._build_speculation()
+
+    def _build_speculation(self) -> SlotSpeculation:
+        settings = self.speculative
+        if settings.init is not None:
+            check_drafter_checkpoint(settings.init, self.model.config)
+        drafter = Drafter(self.model).to(self.device)
+        trainer = DrafterTrainer(
+            drafter, lr=settings.lr, batch_size=settings.batch_size, seed=settings.seed
+        )
+        controller = None
+        if settings.mode == "adaptive":
+            controller = SpeculationController(
+                threshold=settings.threshold,
+                patience=settings.patience,
+                ks=settings.ks,
+                seed=settings.seed,
+            )
+        speculation = SlotSpeculation(
+            drafter,
+            self.slots,
+            k=settings.draft_tokens if controller is None else None,
+            controller=controller,
+            trainer=trainer,
+        )
+        if settings.init is not None:
+            self.load_drafter_state(torch.load(settings.init, map_location="cpu", weights_only=False))
+        return speculation
+
+    # -- the drafter ----------------------------------------------------------------------------
+
+    def drafter_state(self) -> dict:
+        """The online drafter's state for a worker checkpoint: the trainer's (drafter,
+        optimizer, counters, acceptance per version) and the controller's."""
+        if self.speculation is None:
+            raise ValueError("this engine has no drafter (engine.speculative.mode=none)")
+        controller = self.speculation.controller
+        return {
+            "trainer": self.speculation.trainer.state_dict(),
+            "controller": None if controller is None else controller.state_dict(),
+        }
+
+    def load_drafter_state(self, state: Mapping[str, Any]) -> None:
+        """Restores `drafter_state()`; a drafter of another model is refused before
+        anything changes."""
+        if self.speculation is None:
+            raise ValueError("this engine has no drafter (engine.speculative.mode=none)")
+        self.speculation.trainer.load_state_dict(state["trainer"])
+        controller = self.speculation.controller
+        if controller is not None and state.get("controller") is not None:
+            controller.load_state_dict(state["controller"])
+
+    def speculation_metrics(self) -> dict[str, float]:
+        """Acceptance (rate, mean accepted length), drafter losses, the fraction of steps
+        that speculated and the controller's choices; empty without a drafter."""
+        return {} if self.speculation is None else self.speculation.metrics()
 
     def _probe(self) -> None:
         """One token through the model: a kernel this device cannot run for this
@@ -228,6 +296,8 @@ class TorchEngine:
                 self.kv_scales[layer]["kv".index(part)].copy_(value)
         self._kv_scales_loaded |= set(kv)
         self.version = version
+        if self.speculation is not None:
+            self.speculation.trainer.on_new_version(version)
 
     def _rescale_live_cache(self, layer: int, part: str, new_scale: torch.Tensor) -> None:
         """An in-flight update of an e4m3 cache's scale: the bytes already written were
@@ -333,7 +403,11 @@ class TorchEngine:
         if current is None or current.max_tokens != max_tokens:
             self._slot_decoder = None
             current = self._slot_decoder = SlotDecoder(
-                self.model, self.slots, max_tokens, kv_scales
+                self.model,
+                self.slots,
+                max_tokens,
+                kv_scales,
+                record_hidden=self.speculation is not None,
             )
         return current
 
@@ -375,7 +449,8 @@ class TorchEngine:
         ]
         # An eos-finished row runs on (recording nothing) until the next check.
         positions = max(len(r.prompt_ids) for r in requests) + max(budgets)
-        decoder = self.slot_decoder(positions + self.finish_check_every)
+        drafts = 0 if self.speculation is None else self.speculation.max_k + 1
+        decoder = self.slot_decoder(positions + self.finish_check_every + drafts)
         stats = SlotStats()
         self._generating = True
         try:
@@ -389,10 +464,15 @@ class TorchEngine:
                 version=lambda: -1 if self.version is None else self.version,
                 between_steps=self.between_steps,
                 stats=stats,
+                speculation=self.speculation,
             )
         finally:
             self._generating = False
         self.last_stats = stats
+        if self.speculation is not None and self.speculative.train_steps:
+            # Online: the drafter learns from the rollouts just made, between generations.
+            with torch.enable_grad():
+                self.speculation.trainer.train(self.speculative.train_steps)
         return [
             self._sample(prompt_index, prompt_ids, g.token_ids, g.logprobs, g.versions, sampling)
             for (prompt_index, prompt_ids), g in zip(jobs, generated, strict=True)

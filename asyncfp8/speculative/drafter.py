@@ -306,16 +306,16 @@ class Drafter(nn.Module):
         return {"format": FORMAT, "target": self.signature}
 
     def set_extra_state(self, state) -> None:
-        _check_checkpoint(state, self.signature)
+        check_checkpoint(state, self.signature)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Refuses, before copying anything, a checkpoint that is not a drafter's or that
         was trained for another target model."""
-        _check_checkpoint(state_dict.get("_extra_state"), self.signature)
+        check_checkpoint(state_dict.get("_extra_state"), self.signature)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
 
-def _check_checkpoint(extra, signature: dict) -> None:
+def check_checkpoint(extra, signature: dict) -> None:
     if not isinstance(extra, dict) or extra.get("format") != FORMAT:
         raise ValueError(
             f"not an asyncfp8 drafter checkpoint (no {FORMAT!r} signature in its _extra_state)"
