@@ -21,6 +21,14 @@ import pytest
 import torch
 
 from asyncfp8.engines.base import SamplingParams
+from asyncfp8.engines.request_sampling import (
+    COIN,
+    DRAFT,
+    FINAL,
+    inverse_cdf,
+    request_seed,
+    uniforms,
+)
 from asyncfp8.engines.torch_engine import processed_logprobs
 from asyncfp8.speculative.acceptance import accept
 
@@ -70,11 +78,14 @@ def sample_chain(rows_logp, length, greedy, g, start):
     return torch.stack(out, 1)
 
 
-def speculative_generation(target_logits, draft_logits, sampling, k, length, seed, start=None):
+def speculative_generation(
+    target_logits, draft_logits, sampling, k, length, seed, start=None, streams=False
+):
     """Generations of at least `length` tokens after the `start` tokens (default:
     `SEQUENCES` zeros); each step drafts k tokens from the drafter's chain and verifies
     them against the target's. Returns tokens and logprobs [N, length], the target's
-    processed rows, and every step's AcceptanceResult."""
+    processed rows, and every step's AcceptanceResult. `streams`: every draw comes from
+    the row's own counter-based streams (the slot loop's), not a generator."""
     g = torch.Generator().manual_seed(seed)
     start = torch.zeros(SEQUENCES, dtype=torch.long) if start is None else start
     n = len(start)
@@ -88,19 +99,31 @@ def speculative_generation(target_logits, draft_logits, sampling, k, length, see
     last = start
     rows = torch.arange(n)
     results = []
+    seeds = torch.tensor([request_seed(seed, i) for i in range(n)]) if streams else None
+    offsets = torch.arange(k + 1)
     while bool((filled < length).any()):
         drafts, q, prev = [], [], last
-        for _ in range(k):
+        for j in range(k):
             logq = q_rows[prev]
-            prev = (
-                logq.argmax(-1) if greedy else torch.multinomial(logq.exp(), 1, generator=g)[:, 0]
-            )
+            if greedy:
+                prev = logq.argmax(-1)
+            elif streams:
+                prev = inverse_cdf(logq.exp(), uniforms(seeds, filled + j, DRAFT))
+            else:
+                prev = torch.multinomial(logq.exp(), 1, generator=g)[:, 0]
             drafts.append(prev)
             q.append(logq)
         drafts, q = torch.stack(drafts, 1), torch.stack(q, 1)
         # The target's distributions after last, d_1, ..., d_k: one "verify forward".
         p = p_rows[torch.cat([last[:, None], drafts], 1)]
-        result = accept(p, q, drafts, greedy=greedy, generator=g)
+        draws = None
+        if streams:
+            positions = filled[:, None] + offsets
+            draws = (
+                uniforms(seeds[:, None], positions[:, :k], COIN),
+                uniforms(seeds[:, None], positions, FINAL),
+            )
+        result = accept(p, q, drafts, greedy=greedy, generator=g, uniforms=draws)
         results.append(result)
         active = filled < length  # rows already long enough only ride along
         for j in range(k + 1):
@@ -150,6 +173,34 @@ def test_emitted_tokens_follow_the_targets_processed_distribution(sampling_name,
     zeros = torch.zeros(SEQUENCES, dtype=torch.long)
     drafted = sample_chain(q_rows, 2, False, torch.Generator().manual_seed(seed + 1), zeros)
     assert chi_square_p(pair_counts(drafted), expected) < 1e-6
+
+
+@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
+@pytest.mark.parametrize("drafter", ["close", "far"])
+def test_per_request_streams_keep_the_targets_distribution(sampling_name, drafter):
+    """The slot loop's draws: drafts, coins and final tokens from each sequence's own
+    counter-based streams (a stream per purpose, indexed by token position; indices of
+    drafts a step rejected are drawn again by the next step, which is sound because
+    nothing emitted depended on them)."""
+    sampling = SAMPLINGS[sampling_name]
+    seed = sum(map(ord, sampling_name + drafter)) + 7
+    tokens, logprobs, p_rows, results = speculative_generation(
+        TARGET, drafter_logits(drafter), sampling, k=3, length=3, seed=seed, streams=True
+    )
+    p = p_rows.exp()
+    expected = p[0][:, None] * p
+    assert chi_square_p(pair_counts(tokens), expected) > ALPHA
+    # Tokens 2 and 3 (the second comes from a later step for rows that rejected early).
+    later = torch.bincount(tokens[:, 1] * VOCAB + tokens[:, 2], minlength=VOCAB * VOCAB)
+    marginal = (p[0][:, None] * p).sum(0)
+    assert chi_square_p(later, marginal[:, None] * p) > ALPHA
+    assert torch.equal(logprobs[:, 1], p_rows[tokens[:, 0], tokens[:, 1]])
+    assert any(bool((r.num_accepted > 0).any()) for r in results)
+    # Deterministic: the same seeds give the same tokens.
+    again, *_ = speculative_generation(
+        TARGET, drafter_logits(drafter), sampling, k=3, length=3, seed=seed, streams=True
+    )
+    assert torch.equal(again, tokens)
 
 
 @pytest.mark.parametrize("sampling_name", list(SAMPLINGS))

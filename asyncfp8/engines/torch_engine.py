@@ -34,6 +34,13 @@ DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 __all__ = ["TorchEngine", "processed_logprobs", "resolve_device"]
 
 
+def load_drafter_state(speculation: SlotSpeculation, state: Mapping[str, Any]) -> None:
+    speculation.trainer.load_state_dict(state["trainer"])
+    controller = speculation.controller
+    if controller is not None and state.get("controller") is not None:
+        controller.load_state_dict(state["controller"])
+
+
 def resolve_device(device: str, precision: str) -> torch.device:
     """`auto` (the GPU when torch sees one, else the CPU), `cpu`, `cuda` or `cuda:N`;
     a GPU torch cannot see is refused, saying what runs instead."""
@@ -208,7 +215,8 @@ class TorchEngine:
             trainer=trainer,
         )
         if settings.init is not None:
-            self.load_drafter_state(torch.load(settings.init, map_location="cpu", weights_only=False))
+            state = torch.load(settings.init, map_location="cpu", weights_only=False)
+            load_drafter_state(speculation, state)
         return speculation
 
     # -- the drafter ----------------------------------------------------------------------------
@@ -229,10 +237,7 @@ class TorchEngine:
         anything changes."""
         if self.speculation is None:
             raise ValueError("this engine has no drafter (engine.speculative.mode=none)")
-        self.speculation.trainer.load_state_dict(state["trainer"])
-        controller = self.speculation.controller
-        if controller is not None and state.get("controller") is not None:
-            controller.load_state_dict(state["controller"])
+        load_drafter_state(self.speculation, state)
 
     def speculation_metrics(self) -> dict[str, float]:
         """Acceptance (rate, mean accepted length), drafter losses, the fraction of steps
