@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from asyncfp8.batches import check_split
 from asyncfp8.correction import Correction, build_correction
 from asyncfp8.losses import KL_ESTIMATORS
 from asyncfp8.precision import PrecisionPolicy, build_policy
 from asyncfp8.process import check_counts, curve, endpoints
+from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
 from asyncfp8.tasks import Task, build_task
 
 TENSORBOARD_INSTALL = 'pip install -c constraints.txt -e ".[tensorboard]"'
@@ -101,6 +102,21 @@ def check_inflight_updates(cfg: DictConfig) -> None:
         )
 
 
+def check_speculative(cfg: DictConfig, model_dir: str | Path) -> None:
+    """`engine.speculative`: a mode the engine can run (the torch engine's slots), a
+    threshold >= 1, and a starting drafter checkpoint trained for this model."""
+    node = cfg.engine.get("speculative")
+    settings = SpeculativeSettings.from_config(
+        None if node is None else OmegaConf.to_container(node),
+        cfg.engine.name,
+        cfg.engine.get("slots"),
+    )
+    if settings.enabled and settings.init is not None:
+        from transformers import AutoConfig
+
+        check_drafter_checkpoint(settings.init, AutoConfig.from_pretrained(str(model_dir)))
+
+
 def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
     """ValueError naming the setting (and what to do) for the first problem found;
     `role` is "launcher", "learner" or "worker"."""
@@ -130,6 +146,7 @@ def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
             "(or run.tensorboard=auto: use it when it is there)"
         )
     check_inflight_updates(cfg)
+    check_speculative(cfg, model_dir)
     endpoints(cfg.sync, "bind" if role == "learner" else "connect")
     curve(cfg.sync)
     policy = build_policy(cfg.precision, model_dir)

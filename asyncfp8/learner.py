@@ -646,6 +646,11 @@ class Learner:
                 metrics[f"worker/{worker}/tokens_per_s"] = rate
                 metrics[f"worker/{worker}/paused_s"] = stats.get("paused_s", 0.0)
                 metrics[f"worker/{worker}/rejected_versions"] = stats.get("rejected_versions", 0.0)
+                metrics |= {  # the online drafter's (engine.speculative)
+                    f"worker/{worker}/{key}": value
+                    for key, value in stats.items()
+                    if key.startswith(("spec/", "drafter/"))
+                }
         if tokens_per_s:
             metrics["throughput/tokens_per_s"] = sum(tokens_per_s)
         return metrics

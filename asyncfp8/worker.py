@@ -14,6 +14,7 @@ that would be dropped.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 import hydra
+import torch
 import zmq
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -42,6 +44,7 @@ from asyncfp8.sync import HandshakeWatch, Trajectory, TrajectorySender, VersionS
 
 REQUEST_AGAIN_AFTER = 5.0  # s without an answer to a lease request: ask again
 SNAPSHOT_AFTER = 2.0  # s waiting for a leased version before asking for a snapshot
+DRAFTER_SAVE_EVERY = 60.0  # s between saves of the online drafter's state
 
 
 class LearnerGone(RuntimeError):
@@ -109,6 +112,13 @@ class Worker:
             ),
             0.0,
         )
+        # The online drafter (engine.speculative): its state is this worker's checkpoint,
+        # saved under the run directory and taken up again by a worker of the same id.
+        self.drafter_path = Path(run.dir) / "drafters" / f"worker-{self.id}.pt"
+        self.drafter_saved = time.monotonic()
+        if getattr(self.engine, "speculation", None) is not None and self.drafter_path.is_file():
+            self.engine.load_drafter_state(torch.load(self.drafter_path, weights_only=False))
+            self.log.info("drafter restored from %s", self.drafter_path)
         self.log.info(
             "engine %s, precision %s (%s), %d torch threads; learner at %s",
             self.engine.name,
@@ -293,9 +303,29 @@ class Worker:
             )
             self.stats["tokens"] += len(sample.token_ids)
         self.stats["samples"] += len(samples)
+        self._drafter_checkpoint()
         self.sender.pump()
 
+    def _drafter_checkpoint(self, force: bool = False) -> None:
+        """The drafter's metrics go out with the next lease request; its state is saved
+        at most every DRAFTER_SAVE_EVERY s (and at the end), written whole then renamed."""
+        if getattr(self.engine, "speculation", None) is None:
+            return
+        self.stats |= self.engine.speculation_metrics()
+        if not force and time.monotonic() - self.drafter_saved < DRAFTER_SAVE_EVERY:
+            return
+        self.drafter_path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.drafter_path.with_suffix(".tmp")
+        torch.save(self.engine.drafter_state(), partial)
+        partial.replace(self.drafter_path)
+        acceptance = self.engine.speculation.trainer.acceptance_by_version()
+        self.drafter_path.with_suffix(".acceptance.json").write_text(
+            json.dumps({str(v): record for v, record in acceptance.items()}, indent=1)
+        )
+        self.drafter_saved = time.monotonic()
+
     def close(self) -> None:
+        self._drafter_checkpoint(force=True)
         self.subscriber.close()
         self.sender.close()
         self.watch.close()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncfp8.chaos.audit import audit
 from asyncfp8.chaos.cluster import SMALL_RUN, Cluster
@@ -299,9 +300,12 @@ def test_a_worker_with_another_model_is_refused(cluster, tmp_path, tiny_model_di
     assert "does not fit this worker's" in c.log("worker-0") and "mlp" in c.log("worker-0")
 
 
-def test_inflight_updates_run_loses_nothing(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("speculative", ["none", "adaptive"])
+def test_inflight_updates_run_loses_nothing(tmp_path, tiny_model_dir, speculative):
     """Workers with slots apply versions between decode steps: samples mixing two versions
-    reach the learner, and the audit finds nothing lost, trained twice or too stale."""
+    reach the learner, and the audit finds nothing lost, trained twice or too stale. With
+    adaptive speculation on too, the drafter trains in each worker, its acceptance reaches
+    the learner's metrics and its state is saved under the run directory."""
     run_dir, _ = launch(
         tmp_path,
         tiny_model_dir,
@@ -309,6 +313,9 @@ def test_inflight_updates_run_loses_nothing(tmp_path, tiny_model_dir):
         "run.workers=2",
         "engine.slots=2",  # 2 groups of 4 per lease: slots are refilled
         "run.inflight_updates=true",
+        f"engine.speculative.mode={speculative}",
+        "engine.speculative.threshold=2",
+        "engine.speculative.patience=1",
     )
     check_run(run_dir, 8, max_staleness=1)
     result = audit(run_dir, group_size=4, max_staleness=1)
@@ -324,3 +331,22 @@ def test_inflight_updates_run_loses_nothing(tmp_path, tiny_model_dir):
     # The learner publishes a version per step while the workers decode: some land
     # between two decode steps.
     assert sum(inflight) > 0, inflight
+    if speculative != "none":
+        records = [
+            json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        ]
+        speculating = [
+            value
+            for record in records
+            for key, value in record.items()
+            if key.endswith("spec/fraction_steps_speculating")
+        ]
+        assert speculating and max(speculating) > 0
+        assert any(key.endswith("drafter/steps") for record in records for key in record)
+        for worker in (0, 1):
+            saved = torch.load(run_dir / "drafters" / f"worker-{worker}.pt", weights_only=False)
+            assert saved["trainer"]["steps"] > 0
+            acceptance = json.loads(
+                (run_dir / "drafters" / f"worker-{worker}.acceptance.json").read_text()
+            )
+            assert sum(r["verify_steps"] for r in acceptance.values()) > 0

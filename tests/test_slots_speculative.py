@@ -126,7 +126,7 @@ def test_sampled_tokens_follow_the_targets_distribution(tiny_model_dir, trained)
         support = first.nonzero()[:, 0].tolist()
         expected, cells = [], []
         for a in support:
-            after = model(torch.tensor([prompt + [a]])).logits[0, -1]
+            after = model(torch.tensor([[*prompt, a]])).logits[0, -1]
             second = processed_logprobs(after, sampling).exp()
             for b in second.nonzero()[:, 0].tolist():
                 expected.append(float(first[a] * second[b]))
@@ -153,9 +153,7 @@ def test_sampled_tokens_follow_the_targets_distribution(tiny_model_dir, trained)
     assert math.isfinite(stat)
 
 
-def test_drafter_state_round_trips_and_another_models_is_refused(
-    tiny_model_dir, trained, tmp_path
-):
+def test_drafter_state_round_trips_and_another_models_is_refused(tiny_model_dir, trained, tmp_path):
     path = tmp_path / "drafter.pt"
     torch.save(trained.drafter_state(), path)
     e = engine(tiny_model_dir, speculative={**FIXED, "init": str(path)})

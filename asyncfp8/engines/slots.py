@@ -19,11 +19,10 @@ static KV cache, each refilled with the next request as soon as its sequence end
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -113,7 +112,9 @@ class SlotDecoder:
         if record_hidden:
             size = config.hidden_size
             dtype = model.get_input_embeddings().weight.dtype
-            self.hidden_states = torch.zeros(slots, max_tokens, size, dtype=dtype, device=self.device)
+            self.hidden_states = torch.zeros(
+                slots, max_tokens, size, dtype=dtype, device=self.device
+            )
             self.fed_tokens = torch.zeros(slots, max_tokens, **long)
 
     @torch.no_grad()
@@ -234,7 +235,10 @@ class SlotDecoder:
         # Idle rows write at their start: nothing reads them until a fill resets them.
         base = torch.where(self.advance, self.write_pos, 0)
         where = base[:, None] + offsets
-        visible = max(length for length, on in zip(self.lengths, self.advancing) if on) + width
+        visible = (
+            max(length for length, on in zip(self.lengths, self.advancing, strict=True) if on)
+            + width
+        )
         self.kv_valid[self.rows[:, None], where] = self.advance[:, None]
         keys = torch.arange(visible, device=self.device)
         mask = self.kv_valid[:, None, :visible] & (keys[None, None, :] <= where[:, :, None])
@@ -338,7 +342,9 @@ def run_slots(
         index = torch.tensor(free, **long)
         new_seeds = torch.tensor([requests[i].seed for i in taken], **long)
         seeds.index_copy_(0, index, new_seeds)
-        budgets.index_copy_(0, index, torch.tensor([requests[i].max_new_tokens for i in taken], **long))
+        budgets.index_copy_(
+            0, index, torch.tensor([requests[i].max_new_tokens for i in taken], **long)
+        )
         zero = torch.zeros(len(free), **long)
         first, first_logp = sample_per_request(logits, sampling, new_seeds, zero)
         out_tokens[index, 0] = first
@@ -411,7 +417,10 @@ def run_slots(
             greedy=greedy,
             uniforms=None
             if greedy
-            else (uniforms(seeds[:, None], positions[:, :k], COIN), uniforms(seeds[:, None], positions, FINAL)),
+            else (
+                uniforms(seeds[:, None], positions[:, :k], COIN),
+                uniforms(seeds[:, None], positions, FINAL),
+            ),
         )
         # Kept: emitted, within the budget, not past an eos; a prefix of a sample of the
         # target's sequence distribution is a sample of that prefix's.
@@ -469,7 +478,9 @@ def run_slots(
         if k:
             before = int(counters.sum())
             still = speculative_step(k, current)
-            speculation.report(active, k, int(counters.sum()) - before, time.perf_counter() - started)
+            speculation.report(
+                active, k, int(counters.sum()) - before, time.perf_counter() - started
+            )
         else:
             plain_step(current)
             still = None

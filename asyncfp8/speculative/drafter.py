@@ -33,8 +33,8 @@ from transformers.models.qwen2.modeling_qwen2 import (
 )
 
 from asyncfp8.engines.base import SamplingParams
-from asyncfp8.engines.request_sampling import inverse_cdf
 from asyncfp8.engines.decode import processed_logprobs
+from asyncfp8.engines.request_sampling import inverse_cdf
 
 FORMAT = "asyncfp8-eagle-drafter-1"
 _REQUIRED = (

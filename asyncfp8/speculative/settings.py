@@ -74,14 +74,24 @@ class SpeculativeSettings:
                 f"engine.speculative.threshold must be a batch size >= 1, got {threshold!r} "
                 "(speculation would never switch on)"
             )
-        if not settings.ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in settings.ks):
-            raise ValueError(f"engine.speculative.ks must be draft lengths >= 0, got {list(settings.ks)}")
+        if not settings.ks or any(
+            isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in settings.ks
+        ):
+            raise ValueError(
+                f"engine.speculative.ks must be draft lengths >= 0, got {list(settings.ks)}"
+            )
         if len(set(settings.ks)) != len(settings.ks) or max(settings.ks) < 1:
             raise ValueError(
                 f"engine.speculative.ks must be distinct with at least one k >= 1, got {list(settings.ks)}"
             )
-        if isinstance(settings.train_steps, bool) or not isinstance(settings.train_steps, int) or settings.train_steps < 0:
-            raise ValueError(f"engine.speculative.train_steps must be an int >= 0, got {settings.train_steps!r}")
+        if (
+            isinstance(settings.train_steps, bool)
+            or not isinstance(settings.train_steps, int)
+            or settings.train_steps < 0
+        ):
+            raise ValueError(
+                f"engine.speculative.train_steps must be an int >= 0, got {settings.train_steps!r}"
+            )
         if not settings.lr > 0:
             raise ValueError(f"engine.speculative.lr must be > 0, got {settings.lr!r}")
         if settings.init is not None and not Path(settings.init).is_file():

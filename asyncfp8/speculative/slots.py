@@ -74,9 +74,10 @@ class SlotSpeculation:
     def report(self, active: int, k: int, tokens: int, seconds: float) -> None:
         """What a step of draft length k over `active` sequences emitted, and how long it
         took: the controller's bandit learns tokens/s per bucket from it."""
-        if self.controller is not None and k in self.controller.ks and seconds > 0:
-            if k > 0 or self.controller.speculating:
-                self.controller.report(active, k, tokens, seconds)
+        # A plain step is the bandit's arm k = 0 only when the controller chose it.
+        chosen = self.controller is not None and self.controller.speculating
+        if chosen and k in self.controller.ks and seconds > 0:
+            self.controller.report(active, k, tokens, seconds)
 
     def draft(
         self, k: int, sampling: SamplingParams, uniforms: Callable[[int], torch.Tensor]
