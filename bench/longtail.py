@@ -16,13 +16,23 @@ max length per request), in request order. Each mode generates the whole batch t
 - `static_batches`: the same KV-cache rows as `continuous` used the static way: the
   requests in consecutive batches of `--slots`, each running until its longest ends
   (the engine's `max_batch` batching, at equal memory).
+- `speculative`: `continuous` + speculative decoding at every step, `--draft-tokens`
+  drafted by the online drafter and verified in one target forward.
+- `adaptive`: `continuous` + TLT's adaptive speculation: on once the active batch has
+  been at or below `--threshold` for `--patience` steps, the draft length per batch-size
+  bucket chosen among `--ks` by the bandit.
 
-Both modes use the same slot loop and per-request sampling, so the tokens are the same
-and only the scheduling differs. Reported per mode: `seconds` (the batch, prefill
-included), `tokens_per_s`, `target_forwards_per_token` (per sequence: its prefill and
-the steps that produced its tokens; 1.0 without speculation), and what the static shapes
-computed: `decode_steps`, `prefills`, `row_steps_per_token` (slots × steps / tokens: 1.0
-would waste no row). Table on stdout, JSON to `--out`.
+The drafter is trained first, as a worker trains it: `--train-rounds` generations of
+the workload (another seed), `--train-steps` optimizer steps after each; the timed runs
+then keep it frozen. Without speculation the modes use the same slot loop and
+per-request sampling, so the tokens are the same and only the scheduling differs (with
+it, each request still has its own streams, and its tokens follow the same
+distribution). Reported per mode: `seconds` (the batch, prefill included),
+`tokens_per_s`, `target_forwards_per_token` (per sequence: its prefill and the forwards
+that produced its tokens; 1.0 without speculation), `mean_accepted_length` (tokens per
+verify forward per sequence), and what the static shapes computed: `decode_steps`,
+`prefills`, `row_steps_per_token` (slots × steps / tokens: 1.0 would waste no row).
+Table on stdout, JSON to `--out`.
 """
 
 from __future__ import annotations
@@ -82,7 +92,11 @@ def generate(engine: TorchEngine, prompts, budgets, sampling, chunk: int | None)
 def run_mode(engine: TorchEngine, prompts, budgets, sampling, repeats: int, chunk=None) -> dict:
     generate(engine, prompts, budgets, sampling, chunk)  # warm-up: caches allocated
     times, tokens = [], None
+    speculation = engine.speculation
     for _ in range(repeats):
+        if speculation is not None:  # acceptance of the timed runs only
+            speculation.verify_rows = speculation.accepted = speculation.drafted = 0
+            speculation.steps = speculation.speculative_steps = 0
         start = time.perf_counter()
         samples, stats = generate(engine, prompts, budgets, sampling, chunk)
         times.append(time.perf_counter() - start)
@@ -90,7 +104,17 @@ def run_mode(engine: TorchEngine, prompts, budgets, sampling, repeats: int, chun
     total = sum(len(t) for t in tokens)
     assert total == sum(budgets) == stats.tokens  # ignore_eos: every budget generated
     seconds = statistics.median(times)
+    extra = {}
+    if speculation is not None:
+        metrics = speculation.metrics()
+        extra = {
+            "mean_accepted_length": speculation.mean_accepted_length,
+            "acceptance_rate": metrics["spec/acceptance_rate"],
+            "fraction_steps_speculating": metrics["spec/fraction_steps_speculating"],
+            "controller": {k: v for k, v in metrics.items() if k.startswith("spec/") and "batch" in k},
+        }
     return {
+        **extra,
         "slots": engine.slots,
         "seconds": seconds,
         "tokens": total,
@@ -102,6 +126,32 @@ def run_mode(engine: TorchEngine, prompts, budgets, sampling, repeats: int, chun
         "times": times,
         "_tokens": tokens,
     }
+
+
+def train_drafter(args, model_dir, task, budgets) -> tuple[dict, dict]:
+    """The drafter's trainer state after `--train-rounds` generations of the workload's
+    shape on other prompts and another seed, `--train-steps` optimizer steps after each
+    (what a worker does between generations), and its last losses."""
+    engine = TorchEngine(
+        str(model_dir),
+        args.precision,
+        dtype=DTYPES[args.dtype],
+        device="cpu",
+        slots=args.slots,
+        speculative={"mode": "fixed", "train_steps": args.train_steps},
+    )
+    sampling = SamplingParams(temperature=1.0, seed=args.seed + 1000, ignore_eos=True)
+    for round_ in range(args.train_rounds):
+        offset = (round_ + 1) * args.batch
+        prompts = [
+            engine.tokenizer(task.prompt(offset + i).text)["input_ids"] for i in range(args.batch)
+        ]
+        engine.generate_requests(prompts, budgets, sampling)
+    state = engine.drafter_state()["trainer"]
+    training = {k: v for k, v in engine.speculation_metrics().items() if k.startswith("drafter/")}
+    training["spec/mean_accepted_length_last_round"] = engine.speculation.mean_accepted_length
+    engine.close()
+    return state, training
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,6 +172,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-every", type=int, default=8)
     parser.add_argument("--long-factor", type=float, default=16.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--draft-tokens", type=int, default=3, help="speculative mode's k")
+    parser.add_argument("--threshold", type=int, default=8, help="adaptive: batch threshold")
+    parser.add_argument("--patience", type=int, default=4, help="adaptive: steps at or below")
+    parser.add_argument("--ks", default="0,1,2,3,4", help="adaptive: draft lengths to choose from")
+    parser.add_argument("--train-rounds", type=int, default=4, help="drafter training generations")
+    parser.add_argument("--train-steps", type=int, default=100, help="drafter steps per round")
+    parser.add_argument(
+        "--modes",
+        default="static,continuous,static_batches,speculative,adaptive",
+        help="comma-separated modes to run",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
@@ -138,21 +199,48 @@ def main(argv: list[str] | None = None) -> None:
     sampling = SamplingParams(temperature=1.0, seed=args.seed, ignore_eos=True)
     rows = []
     load_before = os.getloadavg()  # the machine may be shared: timings are read with it
-    modes = (
-        ("static", args.batch, None),
-        ("continuous", args.slots, None),
-        ("static_batches", args.slots, args.slots),
-    )
-    for mode, slots, chunk in modes:
+    fixed = {"mode": "fixed", "draft_tokens": args.draft_tokens, "train_steps": 0}
+    adaptive = {
+        "mode": "adaptive",
+        "threshold": args.threshold,
+        "patience": args.patience,
+        "ks": [int(k) for k in args.ks.split(",")],
+        "train_steps": 0,
+    }
+    modes = {
+        "static": (args.batch, None, None),
+        "continuous": (args.slots, None, None),
+        "static_batches": (args.slots, args.slots, None),
+        "speculative": (args.slots, None, fixed),
+        "adaptive": (args.slots, None, adaptive),
+    }
+    wanted = args.modes.split(",")
+    if unknown := set(wanted) - set(modes):
+        parser.error(f"unknown --modes {sorted(unknown)}; choose from {list(modes)}")
+    drafter = None
+    if {"speculative", "adaptive"} & set(wanted):
+        drafter, training = train_drafter(args, model_dir, task, budgets)
+        print(f"drafter trained: {training}")
+    for mode in wanted:
+        slots, chunk, speculative = modes[mode]
         engine = TorchEngine(
-            str(model_dir), args.precision, dtype=DTYPES[args.dtype], device="cpu", slots=slots
+            str(model_dir),
+            args.precision,
+            dtype=DTYPES[args.dtype],
+            device="cpu",
+            slots=slots,
+            speculative=speculative,
         )
+        if speculative is not None:
+            engine.load_drafter_state({"trainer": drafter})
         prompts = [engine.tokenizer(task.prompt(i).text)["input_ids"] for i in range(args.batch)]
         row = run_mode(engine, prompts, budgets, sampling, args.repeats, chunk)
         rows.append({"mode": mode, **row})
         engine.close()
-    # The same requests, the same per-request streams: the same tokens in every mode.
-    same = all(row["_tokens"] == rows[0]["_tokens"] for row in rows)
+    # The same requests, the same per-request streams: the same tokens in every mode
+    # without speculation.
+    plain = [row for row in rows if row["mode"] not in ("speculative", "adaptive")]
+    same = all(row["_tokens"] == plain[0]["_tokens"] for row in plain)
     for row in rows:
         del row["_tokens"]
     base = rows[0]["seconds"]
@@ -163,14 +251,16 @@ def main(argv: list[str] | None = None) -> None:
         f"{sum(budgets)} tokens; same tokens in every mode: {same}"
     )
     print(
-        f"{'mode':<14} {'slots':>5} {'seconds':>8} {'tokens/s':>9} {'speedup':>8} "
-        f"{'fwd/token':>9} {'steps':>6} {'prefills':>8} {'row-steps/token':>15}"
+        f"{'mode':<14} {'slots':>5} {'seconds':>8} {'tokens/s':>9} {'vs static':>9} "
+        f"{'fwd/token':>9} {'accepted':>8} {'steps':>6} {'prefills':>8} {'row-steps/token':>15}"
     )
     for r in rows:
+        accepted = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
         print(
             f"{r['mode']:<14} {r['slots']:>5} {r['seconds']:>8.3f} {r['tokens_per_s']:>9.0f} "
-            f"{base / r['seconds']:>7.2f}x {r['target_forwards_per_token']:>9.3f} "
-            f"{r['decode_steps']:>6} {r['prefills']:>8} {r['row_steps_per_token']:>15.2f}"
+            f"{r['seconds'] / base:>8.2f}x {r['target_forwards_per_token']:>9.3f} "
+            f"{accepted:>8} {r['decode_steps']:>6} {r['prefills']:>8} "
+            f"{r['row_steps_per_token']:>15.2f}"
         )
     info = machine()
     path = write_json(
@@ -178,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
         {
             "description": (
                 "one long-tailed rollout batch through the torch engine's slot loop: "
-                "static (slots = batch) against continuous (fewer slots, refilled)"
+                "static (slots = batch) against continuous (fewer slots, refilled), "
+                "with speculation (fixed k) and adaptive speculation"
             ),
             "model": args.model,
             "precision": args.precision,

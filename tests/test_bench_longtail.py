@@ -28,6 +28,10 @@ def test_longtail_bench_writes_its_rows(tmp_path):
             "--long-factor=10",
             "--repeats=1",
             "--dtype=float32",
+            "--train-rounds=2",
+            "--train-steps=40",
+            "--threshold=2",
+            "--patience=1",
             f"--out={out}",
         ],
         env={
@@ -44,11 +48,18 @@ def test_longtail_bench_writes_its_rows(tmp_path):
     budgets = data["budgets"]
     assert len(budgets) == 12 and budgets[3] == budgets[7] == budgets[11] == 30
     rows = {r["mode"]: r for r in data["rows"]}
-    assert set(rows) == {"static", "continuous", "static_batches"}
-    for row in rows.values():
+    assert set(rows) == {"static", "continuous", "static_batches", "speculative", "adaptive"}
+    for mode, row in rows.items():
         assert row["tokens"] == sum(budgets)
         assert row["seconds"] > 0 and row["tokens_per_s"] > 0
-        assert row["target_forwards_per_token"] == 1.0  # no speculation: one per token
+        if mode in ("speculative", "adaptive"):
+            # The trained drafter's drafts are accepted: fewer target forwards per token.
+            assert row["mean_accepted_length"] > 1.0
+            assert row["target_forwards_per_token"] < 1.0
+            assert 0 < row["fraction_steps_speculating"] <= 1.0
+        else:
+            assert row["target_forwards_per_token"] == 1.0  # no speculation: one per token
+    assert rows["speculative"]["fraction_steps_speculating"] == 1.0
     # The static batch runs until its longest budget; three refilled slots run the long
     # ones side by side; batches of three run until each one's longest.
     assert rows["static"]["decode_steps"] == max(budgets) - 1
@@ -56,4 +67,4 @@ def test_longtail_bench_writes_its_rows(tmp_path):
     assert rows["static_batches"]["decode_steps"] == sum(max(c) - 1 for c in chunks)
     assert rows["continuous"]["decode_steps"] < rows["static_batches"]["decode_steps"]
     assert rows["continuous"]["row_steps_per_token"] < rows["static"]["row_steps_per_token"]
-    assert "continuous" in result.stdout and "static_batches" in result.stdout
+    assert "continuous" in result.stdout and "adaptive" in result.stdout
