@@ -35,6 +35,9 @@ from .kv_cache import StaticKVCache
 ATTENTION = "asyncfp8_static"
 #: Layer kinds the decoder builds masks for (no sliding windows).
 LAYER_KINDS = ("full_attention",)
+#: Forwards of at most this many tokens per row (speculative verify steps) fold a KV
+#: head's query heads into rows instead of copying the cache per query head.
+FOLD_TOKENS = 16
 
 
 def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -86,6 +89,14 @@ def grouped_attention(
         rows = query.reshape(batch, kv_heads, group, dim)
         out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale)
         return out.reshape(batch, 1, q_heads, dim)
+    if group > 1 and mask is not None and tokens <= FOLD_TOKENS:
+        # A speculative verify step (a few tokens over a long cache): the same fold, the
+        # mask's rows repeated per query head of the group (row g·T + t is token t's).
+        rows = query.reshape(batch, kv_heads, group * tokens, dim)
+        out = F.scaled_dot_product_attention(
+            rows, key, value, attn_mask=mask.repeat(1, 1, group, 1), scale=scale
+        )
+        return out.reshape(batch, q_heads, tokens, dim).transpose(1, 2)
     if group > 1:  # prefill: once per generation, the prompt's keys repeated per query head
         key = key.repeat_interleave(group, dim=1)
         value = value.repeat_interleave(group, dim=1)

@@ -26,6 +26,10 @@ from .adaptive import SpeculationController
 from .drafter import Drafter
 from .training import DrafterTrainer
 
+#: Forwards whose features may wait for the drafter: a plain-decoding stretch longer
+#: than this feeds them in batches of it.
+MAX_PENDING = 64
+
 
 class SlotSpeculation:
     """Speculation over `slots` slots with `drafter`: a fixed draft length `k`, or
@@ -97,7 +101,8 @@ class SlotSpeculation:
     ) -> None:
         """Slots `rows` [n] start new prompts: hidden [n, W, H] and prompt_ids / prompt_mask
         [n, W] (left padded), first [n] the token sampled after each prompt."""
-        self.flush()  # pairs of the rows' previous sequences go before the rows are emptied
+        for _, _, mask in self.pending:  # the rows' previous sequences are done
+            mask[rows] = False
         lengths = self.cache.lengths.clone()
         lengths[rows] = 0
         self.cache.truncate(lengths)
@@ -113,8 +118,10 @@ class SlotSpeculation:
 
     def add(self, hidden: torch.Tensor, following: torch.Tensor, mask: torch.Tensor) -> None:
         """A forward's features hidden [slots, T, H], the token after each position
-        [slots, T], and the pairs that are real [slots, T]."""
-        self.pending.append((hidden, following, mask))
+        [slots, T], and the pairs that are real [slots, T] (kept as they are now)."""
+        self.pending.append((hidden, following.clone(), mask.clone()))
+        if len(self.pending) >= MAX_PENDING:  # bounded memory while nothing drafts
+            self.flush()
 
     def flush(self) -> None:
         if not self.pending:
