@@ -109,7 +109,7 @@ def run_mode(engine: TorchEngine, prompts, budgets, sampling, repeats: int, chun
         metrics = speculation.metrics()
         extra = {
             "mean_accepted_length": speculation.mean_accepted_length,
-            "acceptance_rate": metrics["spec/acceptance_rate"],
+            "acceptance_rate": metrics["spec/total/acceptance_rate"],
             "fraction_steps_speculating": metrics["spec/fraction_steps_speculating"],
             "controller": {
                 k: v for k, v in metrics.items() if k.startswith("spec/") and "batch" in k

@@ -72,7 +72,7 @@ def test_greedy_speculation_gives_plain_decodings_tokens(tiny_model_dir, trained
         )
     metrics = e.speculation_metrics()
     assert metrics["spec/fraction_steps_speculating"] > 0
-    assert metrics["spec/mean_accepted_length"] > 1.5  # the trained drafter is used
+    assert metrics["spec/total/mean_accepted_length"] > 1.5  # the trained drafter is used
     if settings is FIXED:  # (the adaptive bandit also tries plain steps, k = 0)
         stats = e.last_stats
         assert stats.useful_forwards / stats.tokens < 0.85
@@ -97,7 +97,7 @@ def test_sampled_logprobs_are_the_targets_and_tokens_do_not_depend_on_slots(
         e = engine(tiny_model_dir, slots=slots, speculative={**FIXED, "train_steps": 0})
         e.load_drafter_state(state)
         runs.append(e.generate(PROMPTS, sampling))
-        assert e.speculation_metrics()["spec/acceptance_rate"] > 0.2
+        assert e.speculation_metrics()["spec/total/acceptance_rate"] > 0.2
     # Each request draws from its own streams at its own token indices.
     assert [s.token_ids for s in runs[0]] == [s.token_ids for s in runs[1]]
     reference = engine(tiny_model_dir, slots=None)
@@ -118,7 +118,7 @@ def test_sampled_tokens_follow_the_targets_distribution(tiny_model_dir, trained)
     e = engine(tiny_model_dir, slots=64, speculative={**FIXED, "draft_tokens": 2, "train_steps": 0})
     e.load_drafter_state({"trainer": trained.drafter_state()["trainer"]})
     samples = e.generate(["1+2="], sampling)
-    assert e.speculation_metrics()["spec/acceptance_rate"] > 0.1
+    assert e.speculation_metrics()["spec/total/acceptance_rate"] > 0.1
     prompt = samples[0].prompt_ids
     model = e.model
     with torch.no_grad():

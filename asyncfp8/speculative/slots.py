@@ -152,12 +152,15 @@ class SlotSpeculation:
         return (self.accepted + self.verify_rows) / self.verify_rows if self.verify_rows else 0.0
 
     def metrics(self) -> dict[str, float]:
+        """Since this object was made: `spec/fraction_steps_speculating` and
+        `spec/total/*`; the trainer's `spec/acceptance_rate` and
+        `spec/mean_accepted_length` are the current version's, with its `drafter/*`."""
         out = {
             "spec/fraction_steps_speculating": self.speculative_steps / self.steps
             if self.steps
             else 0.0,
-            "spec/acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-            "spec/mean_accepted_length": self.mean_accepted_length,
+            "spec/total/acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "spec/total/mean_accepted_length": self.mean_accepted_length,
         }
         if self.controller is not None:
             out |= self.controller.metrics()
