@@ -72,7 +72,8 @@ def test_greedy_speculation_gives_plain_decodings_tokens(tiny_model_dir, trained
         )
     metrics = e.speculation_metrics()
     assert metrics["spec/fraction_steps_speculating"] > 0
-    assert metrics["spec/total/mean_accepted_length"] > 1.5  # the trained drafter is used
+    # The trained drafter is used (the adaptive bandit also spends steps on k = 0 and 2).
+    assert metrics["spec/total/mean_accepted_length"] > (1.5 if settings is FIXED else 1.1)
     if settings is FIXED:  # (the adaptive bandit also tries plain steps, k = 0)
         stats = e.last_stats
         assert stats.useful_forwards / stats.tokens < 0.85

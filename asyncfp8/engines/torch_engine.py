@@ -195,7 +195,9 @@ class TorchEngine:
         settings = self.speculative
         if settings.init is not None:
             check_drafter_checkpoint(settings.init, self.model.config)
-        drafter = Drafter(self.model).to(self.device)
+        with torch.random.fork_rng(devices=[]):  # its init: the seed's, not the global stream's
+            torch.manual_seed(settings.seed)
+            drafter = Drafter(self.model).to(self.device)
         trainer = DrafterTrainer(
             drafter, lr=settings.lr, batch_size=settings.batch_size, seed=settings.seed
         )
