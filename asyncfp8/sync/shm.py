@@ -40,7 +40,6 @@ from typing import Any
 import msgpack
 import numpy as np
 import torch
-import xxhash
 
 from .codec import (
     DTYPE_NAMES,
@@ -53,6 +52,7 @@ from .codec import (
     seal,
     unseal,
 )
+from .copyhash import copy_xxh3
 from .limits import Limits, RejectedMessage
 
 log = logging.getLogger("asyncfp8.sync")
@@ -61,7 +61,6 @@ FORMAT = 1
 MAGIC = b"AFP8SHM1"
 HEADER_BYTES = 4096  # magic, sequence number, version; the tensors start on the next page
 ALIGN = 64
-BLOCK = 1 << 20  # copied and hashed together, while the block is still in cache
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -70,13 +69,9 @@ class ShmUnavailable(RuntimeError):
 
 
 def copy_hashed(source: memoryview, target: memoryview) -> int:
-    """Copies `source` into `target` block by block; the xxh3-64 of what `target` holds."""
-    digest = xxhash.xxh3_64()
-    for start in range(0, len(source), BLOCK):
-        stop = min(start + BLOCK, len(source))
-        target[start:stop] = source[start:stop]
-        digest.update(target[start:stop])
-    return digest.intdigest()
+    """Copies `source` into `target`; the xxh3-64 of the bytes, hashed from the registers
+    they are stored from (one read and one write per byte: `copyhash`)."""
+    return copy_xxh3(source, target)
 
 
 def seal_notice(notice: dict[str, Any]) -> bytes:
