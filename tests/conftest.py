@@ -45,6 +45,7 @@ def pytest_collection_modifyitems(config, items):
     """The tests that start vLLM in this process run first. vLLM's CPU platform, when an
     engine starts, scans every loaded module for kernels to override and trips over
     llvmlite's FFI wrapper (`'_lib_fn_wrapper' object has no attribute 'get'`); llvmlite is
-    loaded with numba by the first weight delta (asyncfp8.sync.delta). A worker starts its
+    loaded with numba by the first weight delta (asyncfp8.sync.delta) or the first version
+    copied through shared memory (asyncfp8.sync.copyhash). A worker starts its
     engine before it decodes any delta, so only a test session mixing both meets this."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is None)

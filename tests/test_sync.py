@@ -103,6 +103,31 @@ def test_a_dense_change_goes_full_and_chunks_respect_the_size():
     assert all(bits_equal(version.weights[k], new[k]) for k in new)
 
 
+def test_a_full_tensor_is_checked_part_by_part_and_a_spoiled_part_is_refused():
+    """A full tensor carries no checksum of its own (format 3): each part of it has one,
+    copied and hashed in one pass by the sender, and the parts must arrive in order."""
+    tensor = torch.randn(64, 333).to(torch.bfloat16)  # 42,624 bytes: parts in 3 chunks
+    messages = encode_version(0, [("w", tensor)], chunk_bytes=16_000)
+    assert len(messages) == 3
+    headers = [msgpack.unpackb(m[0][HEADER_AT:]) for m in messages]
+    assert all(e["result_checksum"] is None for h in headers for e in h["tensors"])
+    assert bits_equal(decode_version(messages).weights["w"], tensor)
+    spoiled = [list(m) for m in messages]
+    payload = bytearray(spoiled[1][1])
+    payload[1234] ^= 0x01
+    spoiled[1][1] = bytes(payload)
+    with pytest.raises(RejectedMessage, match="w: payload checksum mismatch"):
+        decode_version(spoiled)
+    with pytest.raises(RejectedMessage, match="chunk 2 arrived, 1 expected"):
+        decode_version([messages[0], messages[2]])
+    # A header claiming a whole-tensor checksum for a full tensor does not parse.
+    header = headers[0]
+    header["tensors"][0]["result_checksum"] = 5
+    forged = VERSION_TOPIC + seal(msgpack.packb(header))
+    with pytest.raises(RejectedMessage, match="unexpected result checksum"):
+        decode_version([[forged, messages[0][1]]])
+
+
 def test_a_patch_against_the_wrong_base_is_refused():
     base = {"w": torch.zeros(1000)}
     new = {"w": torch.zeros(1000)}

@@ -380,3 +380,59 @@ def test_fuzzed_notices_through_a_real_socket_are_all_rejected_then_a_good_one_a
         rogue.close(linger=0)
         snapshots.close(linger=0)
         writer.close()
+
+
+def test_a_large_tensor_goes_in_aligned_pieces_and_a_spoiled_piece_is_refused():
+    """A tensor larger than a group is announced piece by piece (the worker copies the
+    first pieces while the learner writes the next); every piece starts 64-byte aligned
+    and has its own checksum, so a corrupted byte in a later piece is caught too."""
+    from asyncfp8.sync.limits import Limits
+    from asyncfp8.sync.shm import (
+        SegmentReader,
+        SegmentWriter,
+        ShmAssembler,
+        ShmCorrupt,
+        parse_notice,
+    )
+
+    g = torch.Generator().manual_seed(3)
+    weights = {
+        "big": torch.randn(100, 333, generator=g).to(torch.bfloat16),  # 66,600 bytes
+        "odd": torch.randn(7, generator=g).to(torch.bfloat16),
+        "empty": torch.empty(0, 5, dtype=torch.bfloat16),
+    }
+    writer = SegmentWriter("pieces", chunk_bytes=10_000)
+    reader = SegmentReader()
+    try:
+        frames = []
+        for version in range(3):  # version 0 makes the segments, 1 and 2 are written live
+            writer.begin(version)
+            frames = [f for name, t in weights.items() for f in writer.put("weights", name, t)]
+            frames.append(writer.commit("bf16", {}))
+        notices = [parse_notice(frame, Limits()) for frame in frames]
+        pieces = [p for notice in notices for p in notice["tensors"] if p["name"] == "big"]
+        assert len(notices) > 6 and len(pieces) > 6
+        assert all(p["at"] % 64 == 0 for p in pieces)
+        assert sum(p["length"] for p in pieces) == 66_600
+        first = notices[0]
+        reader.attach(first["address"], first["generation"], first["segment_bytes"])
+        assembler = ShmAssembler(reader)
+        version = None
+        for notice, frame in zip(notices, frames, strict=True):
+            version = assembler.feed(notice, len(frame))
+        assert version is not None and version.number == 2
+        assert {k: bits(v) for k, v in version.weights.items()} == {
+            k: bits(v) for k, v in weights.items()
+        }
+        # A byte of the fourth piece spoiled in the segment: that piece fails its checksum.
+        segment = writer.maps[writer.latest]
+        spoiled = pieces[3]["offset"] + pieces[3]["at"] + 5
+        segment[spoiled] ^= 0x10
+        assembler = ShmAssembler(reader)
+        with pytest.raises(ShmCorrupt, match="big: checksum mismatch"):
+            for notice, frame in zip(notices, frames, strict=True):
+                assembler.feed(notice, len(frame))
+        segment[spoiled] ^= 0x10
+    finally:
+        reader.release()
+        writer.close()

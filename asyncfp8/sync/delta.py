@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import zstandard
 
+from .copyhash import copy_xxh3
 from .limits import RejectedMessage
 
 ESCAPE = -128
@@ -161,6 +162,14 @@ def copy_bits(target: torch.Tensor, source: torch.Tensor) -> None:
     np.copyto(element_view(target), element_view(source.contiguous()))
 
 
+def copy_whole(target: torch.Tensor, source: torch.Tensor) -> None:
+    """`copy_bits` in one pass with non-temporal stores (`copy_xxh3`, its digest unused):
+    numpy's copy of a tensor of a few MB writes with ordinary stores, ~6.8 GB/s here
+    against ~12 (a publisher keeping its base for the next delta copies the whole model)."""
+    source_bytes = memoryview(element_view(source.contiguous())).cast("B")
+    copy_xxh3(source_bytes, memoryview(element_view(target)).cast("B"))
+
+
 def clearly_whole(new: np.ndarray, base: np.ndarray) -> bool:
     """Whether a strided sample says the delta's raw streams would exceed the tensor
     (fresh weights, a new layer): then the tensor goes whole without a full scan. An
@@ -192,7 +201,7 @@ def encode_delta(
     words_b = b[: whole_words * 8 // b.itemsize].view(np.uint64)
     if clearly_whole(a, b):
         if update_base:
-            copy_bits(base, new)
+            copy_whole(base, new)
         return None
     escapes = np.empty(a.size, dtype=a.dtype)
     deltas = np.empty(a.size, dtype=np.int8)
@@ -203,7 +212,7 @@ def encode_delta(
     )
     if changes < 0:
         if update_base:
-            copy_bits(base, new)
+            copy_whole(base, new)
         return None
     streams = b"".join(
         (escapes[:n_escapes].tobytes(), deltas[:changes].tobytes(), gaps[:gap_bytes].tobytes())

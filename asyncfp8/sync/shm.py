@@ -40,7 +40,6 @@ from typing import Any
 import msgpack
 import numpy as np
 import torch
-import xxhash
 
 from .codec import (
     DTYPE_NAMES,
@@ -53,15 +52,15 @@ from .codec import (
     seal,
     unseal,
 )
+from .copyhash import copy_xxh3
 from .limits import Limits, RejectedMessage
 
 log = logging.getLogger("asyncfp8.sync")
 SHM_TOPIC = b"S"
-FORMAT = 1
+FORMAT = 2  # 2: notices name pieces of tensors (at, length, checksum of the piece)
 MAGIC = b"AFP8SHM1"
 HEADER_BYTES = 4096  # magic, sequence number, version; the tensors start on the next page
 ALIGN = 64
-BLOCK = 1 << 20  # copied and hashed together, while the block is still in cache
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -70,13 +69,9 @@ class ShmUnavailable(RuntimeError):
 
 
 def copy_hashed(source: memoryview, target: memoryview) -> int:
-    """Copies `source` into `target` block by block; the xxh3-64 of what `target` holds."""
-    digest = xxhash.xxh3_64()
-    for start in range(0, len(source), BLOCK):
-        stop = min(start + BLOCK, len(source))
-        target[start:stop] = source[start:stop]
-        digest.update(target[start:stop])
-    return digest.intdigest()
+    """Copies `source` into `target`; the xxh3-64 of the bytes, hashed from the registers
+    they are stored from (one read and one write per byte: `copyhash`)."""
+    return copy_xxh3(source, target)
 
 
 def seal_notice(notice: dict[str, Any]) -> bytes:
@@ -109,6 +104,7 @@ class SegmentWriter:
 
     def begin(self, version: int) -> None:
         self.version, self.written, self.pending, self.held = version, {}, [], []
+        self.pieces: list[dict[str, Any]] = []  # every piece written, in order
         self.target = None
         self.since_notice, self.chunk = 0, 0
         self.bytes_moved = 0  # tensor bytes written into the segment, plus the notices
@@ -135,13 +131,40 @@ class SegmentWriter:
         if self.target is None or not fits:
             self._hold(section, name, tensor)
             return []
+        return self._write(name, entry, byte_view(tensor))
+
+    def _write(
+        self, name: str, entry: dict[str, Any], source: memoryview, notify: bool = True
+    ) -> list[bytes]:
+        """Copies a tensor into the segment piece by piece: a notice goes out whenever
+        `chunk_bytes` have been written, in the middle of a tensor too, so that a worker
+        copies the first pieces of a large tensor while the learner writes the next. Pieces
+        start at multiples of 64 bytes into the tensor (aligned copies). Without `notify`
+        every piece waits for the final notice."""
         target = self._view(self.target, entry["offset"], entry["bytes"])
-        self.written[name] = entry | {"checksum": copy_hashed(byte_view(tensor), target)}
-        self.pending.append(name)
-        self.since_notice += entry["bytes"]
-        if self.since_notice < self.chunk_bytes:
-            return []
-        return [self._notice(final=False)]
+        self.written[name] = entry
+        notices, at = [], 0
+        while True:
+            if notify and self.since_notice >= self.chunk_bytes:
+                notices.append(self._notice(final=False))
+            length = entry["bytes"] - at
+            if notify:  # up to the end of the group, rounded up to keep pieces aligned
+                room = self.chunk_bytes - self.since_notice
+                length = min(length, -(-room // ALIGN) * ALIGN)
+            piece = entry | {
+                "at": at,
+                "length": length,
+                "checksum": copy_hashed(source[at : at + length], target[at : at + length]),
+            }
+            self.pieces.append(piece)
+            self.pending.append(piece)
+            self.since_notice += length
+            at += length
+            if at >= entry["bytes"]:
+                break
+        if notify and self.since_notice >= self.chunk_bytes:
+            notices.append(self._notice(final=False))
+        return notices
 
     def _hold(self, section: str, name: str, tensor: torch.Tensor) -> None:
         """A tensor the segments have no place for (first version, or a new layout): the
@@ -156,7 +179,7 @@ class SegmentWriter:
             for written in self.written.values():
                 view = self._tensor_view(self.target, written)
                 self.held.append((written["section"], written["name"], view.clone()))
-            self.target, self.written, self.pending = None, {}, []
+            self.target, self.written, self.pending, self.pieces = None, {}, [], []
         if tensor.dtype not in DTYPE_NAMES:
             raise ValueError(f"{name}: dtype {tensor.dtype} cannot be sent")
         self.held.append((section, name, tensor))
@@ -175,10 +198,7 @@ class SegmentWriter:
             self._make_segments(self.held)
             self._open_target()
             for _, name, tensor in self.held:
-                entry = self.layout[name]
-                target = self._view(self.target, entry["offset"], entry["bytes"])
-                self.written[name] = entry | {"checksum": copy_hashed(byte_view(tensor), target)}
-                self.pending.append(name)
+                self._write(name, self.layout[name], byte_view(tensor), notify=False)
             self.held = []
         self._write_header(self.target, self.seq + 1, self.version)
         self.latest = self.target
@@ -190,7 +210,7 @@ class SegmentWriter:
         for written in self.written.values():
             view = self._tensor_view(self.target, written)
             self.held.append((written["section"], written["name"], view.clone()))
-        self.target, self.written, self.pending = None, {}, []
+        self.target, self.written, self.pending, self.pieces = None, {}, [], []
 
     def abort(self) -> None:
         """The version was not completed (an exception while publishing): the target
@@ -222,21 +242,21 @@ class SegmentWriter:
         notice = self._base_notice() | {
             "chunk": self.chunk,
             "final": final,
-            "tensors": [self.written[name] for name in self.pending],
+            "tensors": self.pending,
             "total_tensors": len(self.written) if final else None,
             **fields,
         }
         self.pending, self.since_notice = [], 0
         self.chunk += 1
         frame = seal_notice(notice)
-        self.bytes_moved += len(frame) + sum(entry["bytes"] for entry in notice["tensors"])
+        self.bytes_moved += len(frame) + sum(piece["length"] for piece in notice["tensors"])
         return frame
 
     def _full_notice(self, policy: str, engine_config: dict[str, Any]) -> dict[str, Any]:
         return self._base_notice() | {
             "chunk": 0,
             "final": True,
-            "tensors": list(self.written.values()),
+            "tensors": list(self.pieces),
             "total_tensors": len(self.written),
             "policy": policy,
             "engine_config": engine_config,
@@ -395,7 +415,7 @@ def parse_notice(frame: bytes, limits: Limits) -> dict[str, Any]:
             isinstance(shape, list) and len(shape) <= limits.max_ndim and all(map(count, shape)),
             f"{name}: bad shape",
         )
-        for key in ("offset", "bytes", "checksum"):
+        for key in ("offset", "bytes", "at", "length", "checksum"):
             check(count(entry.get(key)), f"{name}: {key} missing or not a count")
         nbytes = DTYPES[entry["dtype"]].itemsize
         for d in shape:
@@ -405,6 +425,11 @@ def parse_notice(frame: bytes, limits: Limits) -> dict[str, Any]:
             entry["offset"] >= HEADER_BYTES
             and entry["offset"] + entry["bytes"] <= notice["segment_bytes"],
             f"{name}: outside the segment",
+        )
+        check(
+            entry["at"] + entry["length"] <= entry["bytes"]
+            and (entry["length"] > 0 or entry["bytes"] == 0),
+            f"{name}: piece outside the tensor",
         )
     return notice
 
@@ -496,8 +521,10 @@ class ShmAssembler:
         self.first: dict[str, Any] | None = None
         self.version: int | None = None
         self.next_chunk = 0
-        self.entries: dict[str, dict[str, Any]] = {}
+        self.entries: dict[str, dict[str, Any]] = {}  # name -> its first piece
         self.tensors: dict[str, torch.Tensor] = {}
+        self.received: dict[str, int] = {}  # bytes of each tensor copied so far
+        self.complete: set[str] = set()
         self.wire_bytes = 0
 
     def feed(self, notice: dict[str, Any], frame_bytes: int) -> Version | None:
@@ -512,27 +539,46 @@ class ShmAssembler:
         self.next_chunk += 1
         self.wire_bytes += frame_bytes
         segment = notice["segment"]
-        for entry in notice["tensors"]:
-            name = entry["name"]
-            if name in self.entries:
-                raise RejectedMessage(f"notice names {name} twice")
-            tensor = self.storage(name, DTYPES[entry["dtype"]], tuple(entry["shape"]))
-            source = self.reader.view(segment, entry["offset"], entry["bytes"])
-            digest = copy_hashed(source, byte_view(tensor))
-            if digest != entry["checksum"]:
+        for piece in notice["tensors"]:
+            name = piece["name"]
+            entry = self.entries.get(name)
+            if entry is None:
+                if piece["at"] != 0:
+                    raise RejectedMessage(f"{name}: first piece starts at byte {piece['at']}")
+                entry = self.entries[name] = piece
+                self.tensors[name] = self.storage(
+                    name, DTYPES[entry["dtype"]], tuple(entry["shape"])
+                )
+                self.received[name] = 0
+            elif (
+                name in self.complete
+                or piece["at"] != self.received[name]
+                or any(
+                    piece[key] != entry[key]
+                    for key in ("section", "dtype", "shape", "offset", "bytes")
+                )
+            ):
+                raise RejectedMessage(f"notice names {name} twice, or its pieces do not follow")
+            at, length = piece["at"], piece["length"]
+            source = self.reader.view(segment, entry["offset"] + at, length)
+            target = byte_view(self.tensors[name])[at : at + length]
+            if copy_hashed(source, target) != piece["checksum"]:
                 if self.reader.seq(segment) > notice["seq"] + 1:
                     raise Lapped()
                 raise ShmCorrupt(f"{name}: checksum mismatch in shared segment {segment}")
-            self.entries[name], self.tensors[name] = entry, tensor
+            self.received[name] += length
+            if self.received[name] == entry["bytes"]:
+                self.complete.add(name)
         # The notice's seq is the odd number of the write; the writer makes it even (+1)
         # when the version is complete, and odd again (+2) when it starts rewriting.
         if self.reader.seq(segment) > notice["seq"] + 1:
             raise Lapped()
         if not notice["final"]:
             return None
-        if notice["total_tensors"] != len(self.entries):
+        if not notice["total_tensors"] == len(self.entries) == len(self.complete):
             raise RejectedMessage(
-                f"{len(self.entries)} tensors received, total_tensors says {notice['total_tensors']}"
+                f"{len(self.complete)} of {len(self.entries)} tensors complete, total_tensors "
+                f"says {notice['total_tensors']}"
             )
         sections = by_section(self.entries, self.tensors)
         return Version(
