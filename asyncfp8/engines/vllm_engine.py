@@ -153,7 +153,8 @@ class VLLMEngine:
             # on llvmlite's FFI wrapper ("'_lib_fn_wrapper' object has no attribute 'get'").
             raise EngineUnsupported(
                 "engine vllm (the CPU wheel) cannot start in a process that has loaded "
-                "numba / llvmlite (asyncfp8 loads them with the first weight delta): start "
+                "numba / llvmlite (asyncfp8 loads them with the first version it encodes or "
+                "decodes): start "
                 "the engine first, as the worker does"
             )
         # In-process engine (so collective_rpc reaches the model), and on CPU a bounded
