@@ -179,13 +179,13 @@ class SlotDecoder:
         real = self.kv_valid[slot, :end]
         return self.hidden_states[slot, :end][real], self.fed_tokens[slot, :end][real]
 
-    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keep: int):
+    def _run(self, tokens, positions, mask, keep: int, where: torch.Tensor) -> torch.Tensor:
+        """The forward of tokens [slots, T] written at cache positions `where` [slots, T]
+        (the hidden states are recorded there too)."""
         self.hidden, logits = forward_static(
             self.model, self.cache, self.kinds, tokens, mask, positions, keep, self.record_hidden
         )
         if self.record_hidden:
-            where = self.write_pos[:, None] + torch.arange(tokens.shape[1], device=self.device)
-            where = where.clamp_max(self.max_tokens - 1)
             self.hidden_states[self.rows[:, None], where] = self.hidden.to(self.hidden_states.dtype)
             self.fed_tokens[self.rows[:, None], where] = tokens
         return logits
@@ -210,6 +210,7 @@ class SlotDecoder:
             self.positions[:, None],
             self.kv_valid[:, None, None, :visible],
             keep=1,
+            where=self.write_pos[:, None],
         )
         step = self.advance.long()
         self.write_pos.add_(step)
@@ -244,11 +245,7 @@ class SlotDecoder:
         mask = self.kv_valid[:, None, :visible] & (keys[None, None, :] <= where[:, :, None])
         self.cache.write_rows(where, visible)
         self.cache.kv_len = None
-        saved, self.write_pos = self.write_pos, base  # where `_run` records hidden states
-        try:
-            logits = self._run(tokens, self.positions[:, None] + offsets, mask[:, None], width)
-        finally:
-            self.write_pos = saved
+        logits = self._run(tokens, self.positions[:, None] + offsets, mask[:, None], width, where)
         self._verified = (where, width)
         return logits
 
