@@ -84,6 +84,44 @@ def test_embeddings_and_head_are_the_targets_shared_and_frozen(target):
             target.lm_head.weight.div_(2.0)
 
 
+def reference_layer(drafter: Drafter, hidden, tokens):
+    """The drafter's causal forward written out as the EAGLE layer is specified: each
+    query head h attends with KV head h // (heads / kv_heads) (transformers' repeat_kv),
+    by an explicit softmax: the independent check of the drafter's folded attention."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb, repeat_kv
+
+    fused = drafter.fc(torch.cat([drafter.embed(tokens), hidden], -1))
+    batch, length, _ = fused.shape
+    d = drafter.head_dim
+    q = drafter.q_proj(fused).view(batch, length, drafter.heads, d).transpose(1, 2)
+    k = drafter.k_proj(fused).view(batch, length, drafter.kv_heads, d).transpose(1, 2)
+    v = drafter.v_proj(fused).view(batch, length, drafter.kv_heads, d).transpose(1, 2)
+    cos, sin = drafter.rotary(v, torch.arange(length).expand(batch, length))
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    groups = drafter.heads // drafter.kv_heads
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    scores = q @ k.transpose(-1, -2) / d**0.5
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    attn = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+    h = fused + drafter.o_proj(attn.transpose(1, 2).reshape(batch, length, -1))
+    return h + drafter.mlp(drafter.post_attention_layernorm(h))
+
+
+def test_grouped_query_attention_reads_each_heads_own_kv_head():
+    """4 query heads over 2 KV heads: the training forward and the cached extends equal
+    the written-out layer (a fold that paired a query head with the wrong KV head, or
+    masked the wrong rows, would not)."""
+    target = qwen2(hidden=128, heads=4, kv_heads=2)
+    drafter = make_drafter(target)
+    hidden, tokens = features(2, 9, hidden=128)
+    expected = reference_layer(drafter, hidden, tokens)
+    assert torch.allclose(drafter(hidden, tokens), expected, atol=ATOL)
+    cache = drafter.new_cache(2)
+    drafter.extend(cache, hidden[:, :4], tokens[:, :4])
+    out = drafter.extend(cache, hidden[:, 4:], tokens[:, 4:])
+    assert torch.allclose(out, expected[:, 4:], atol=ATOL)
+
+
 def test_cache_extends_equal_the_full_causal_forward(target):
     """Feeding a sequence in chunks of different sizes per row (masks with holes and left
     padding) gives the features of one causal forward over the whole sequence."""

@@ -29,7 +29,6 @@ from transformers.models.qwen2.modeling_qwen2 import (
     Qwen2RMSNorm,
     Qwen2RotaryEmbedding,
     apply_rotary_pos_emb,
-    repeat_kv,
 )
 
 from asyncfp8.engines.base import SamplingParams
@@ -181,11 +180,18 @@ class Drafter(nn.Module):
         return q, k, v
 
     def _attend_and_finish(self, fused, q, k, v, allowed):
-        groups = self.heads // self.kv_heads
-        attn = F.scaled_dot_product_attention(
-            q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=allowed
-        )
+        """Attention of q [B, heads, T, D] over k, v [B, kv_heads, S, D] under `allowed`
+        ([T, S], or [B, 1, T, S]), then the rest of the layer."""
         batch, length, _ = fused.shape
+        groups = self.heads // self.kv_heads
+        # The query heads that share a KV head are folded into its rows (head h reads KV
+        # head h // groups, as repeat_kv's order has it): attention reads the cache as it
+        # is, instead of a copy of it per query head.
+        q = q.reshape(batch, self.kv_heads, groups * length, self.head_dim)
+        allowed = allowed.unsqueeze(-3).expand(*allowed.shape[:-2], groups, *allowed.shape[-2:])
+        allowed = allowed.reshape(*allowed.shape[:-3], groups * length, allowed.shape[-1])
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        attn = attn.view(batch, self.heads, length, self.head_dim)
         h = fused + self.o_proj(attn.transpose(1, 2).reshape(batch, length, -1))
         return h + self.mlp(self.post_attention_layernorm(h))
 
