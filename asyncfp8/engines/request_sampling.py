@@ -48,18 +48,31 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 SAMPLE, DRAFT, COIN, FINAL = 0, 1, 2, 3
 
 
-def uniforms(seeds: torch.Tensor, counters: torch.Tensor, stream: int = SAMPLE) -> torch.Tensor:
-    """One float64 uniform in [0, 1) per element (53 random bits) for request keys `seeds`
-    (int64, >= 0) at token indices `counters` (same shape, or broadcast), in one of the
-    request's independent `stream`s."""
+def stream_keys(seeds: torch.Tensor, stream: int = SAMPLE) -> torch.Tensor:
+    """The 32-bit key of each request's `stream` (int64, in [0, 2^32)) for request keys
+    `seeds` (int64, >= 0): what `draw` hashes with a token index. A caller that draws
+    every step keeps it per row instead of hashing the seed again each time."""
     lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
     key = _hash32(lo ^ _hash32(hi ^ 0x5BD1E995))
     if stream:  # stream 0's formula is the one seeded outputs were made with
         key = _hash32(key ^ _mul32(torch.full_like(key, stream), 0x9E3779B9))
-    base = _hash32(key ^ _hash32(counters & MASK32))
+    return key
+
+
+def draw(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per element (53 random bits) for stream keys `keys`
+    (from `stream_keys`) at token indices `counters` (same shape, or broadcast)."""
+    base = _hash32(keys ^ _hash32(counters & MASK32))
     first = _hash32(base ^ 0x68E31DA4)  # 32 bits
     second = _hash32(base ^ 0xB5297A4D) >> 11  # 21 bits
     return ((first << 21) | second).double() / float(1 << 53)
+
+
+def uniforms(seeds: torch.Tensor, counters: torch.Tensor, stream: int = SAMPLE) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per element (53 random bits) for request keys `seeds`
+    (int64, >= 0) at token indices `counters` (same shape, or broadcast), in one of the
+    request's independent `stream`s."""
+    return draw(stream_keys(seeds, stream), counters)
 
 
 def sample_per_request(
@@ -67,15 +80,19 @@ def sample_per_request(
     sampling: SamplingParams,
     seeds: torch.Tensor,
     counters: torch.Tensor,
+    *,
+    keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(next token [B], its processed log-probability [B] fp32) for logits [B, V], row
-    i drawn with the uniform of (seeds[i], counters[i]). Greedy (temperature 0) takes
-    the argmax and draws nothing."""
+    i drawn with the uniform of (seeds[i], counters[i]) (`keys`: the rows' SAMPLE stream
+    keys, when the caller keeps them; `seeds` is then not read). Greedy (temperature 0)
+    takes the argmax and draws nothing."""
     logp = processed_logprobs(logits, sampling)
     if sampling.temperature == 0:
         chosen = logp.argmax(-1)
     else:
-        chosen = inverse_cdf(logp.double().exp(), uniforms(seeds, counters))
+        keys = stream_keys(seeds) if keys is None else keys
+        chosen = inverse_cdf(logp.double().exp(), draw(keys, counters))
     return chosen, logp.gather(-1, chosen[:, None])[:, 0]
 
 

@@ -32,7 +32,7 @@ from asyncfp8.speculative.acceptance import accept
 from .base import SamplingParams
 from .decode import LAYER_KINDS, StaticDecoder, forward_static, processed_logprobs
 from .kv_cache import StaticKVCache
-from .request_sampling import COIN, DRAFT, FINAL, sample_per_request, uniforms
+from .request_sampling import COIN, DRAFT, FINAL, SAMPLE, draw, sample_per_request, stream_keys
 
 if TYPE_CHECKING:
     from asyncfp8.speculative.slots import SlotSpeculation
@@ -302,7 +302,9 @@ def run_slots(
     out_tokens = torch.full((slots, room), pad, **long)
     out_logp = torch.zeros(slots, room, device=device)
     out_version = torch.zeros(slots, room, **long)
-    seeds = torch.zeros(slots, **long)
+    # Each row's stream keys (SAMPLE, DRAFT, COIN, FINAL), hashed from its request's seed
+    # once at refill rather than at every draw.
+    keys = torch.zeros(slots, FINAL + 1, **long)
     budgets = torch.zeros(slots, **long)
     counters = torch.zeros(slots, **long)  # tokens recorded per row
     live = torch.zeros(slots, dtype=torch.bool, device=device)  # holds an unfinished sequence
@@ -338,12 +340,15 @@ def run_slots(
         stats.useful_forwards += len(free)
         index = torch.tensor(free, **long)
         new_seeds = torch.tensor([requests[i].seed for i in taken], **long)
-        seeds.index_copy_(0, index, new_seeds)
+        new_keys = torch.stack([stream_keys(new_seeds, s) for s in range(FINAL + 1)], 1)
+        keys.index_copy_(0, index, new_keys)
         budgets.index_copy_(
             0, index, torch.tensor([requests[i].max_new_tokens for i in taken], **long)
         )
         zero = torch.zeros(len(free), **long)
-        first, first_logp = sample_per_request(logits, sampling, new_seeds, zero)
+        first, first_logp = sample_per_request(
+            logits, sampling, new_seeds, zero, keys=new_keys[:, SAMPLE]
+        )
         out_tokens[index, 0] = first
         out_logp[index, 0] = first_logp.to(out_logp.dtype)
         out_version[index, 0] = current
@@ -384,7 +389,9 @@ def run_slots(
         nonlocal plain_steps
         fed = torch.where(live, last, pad)
         logits = decoder.step(fed)
-        chosen, chosen_logp = sample_per_request(logits, sampling, seeds, counters)
+        chosen, chosen_logp = sample_per_request(
+            logits, sampling, None, counters, keys=keys[:, SAMPLE]
+        )
         # A finished row's column is past its count: what lands there is never read.
         record(counters[:, None], chosen[:, None], chosen_logp[:, None], current)
         if speculation is not None:
@@ -400,13 +407,13 @@ def run_slots(
 
     def speculative_step(k: int, current: int) -> list[bool]:
         offsets = torch.arange(k + 1, device=device)
-        drafts, draft_logp = speculation.draft(
-            k, sampling, lambda i: uniforms(seeds, counters + i, DRAFT)
-        )
+        positions = counters[:, None] + offsets
+        # The k drafts' uniforms in one draw, as k draws of counters + i would give them.
+        draft_u = None if greedy else draw(keys[:, DRAFT, None], positions[:, :k])
+        drafts, draft_logp = speculation.draft(k, sampling, lambda i: draft_u[:, i])
         fed = torch.where(live, last, pad)
         logits = decoder.verify(torch.cat([fed[:, None], drafts], 1))
         target_logp = processed_logprobs(logits, sampling)
-        positions = counters[:, None] + offsets
         result = accept(
             target_logp,
             draft_logp,
@@ -415,8 +422,8 @@ def run_slots(
             uniforms=None
             if greedy
             else (
-                uniforms(seeds[:, None], positions[:, :k], COIN),
-                uniforms(seeds[:, None], positions, FINAL),
+                draw(keys[:, COIN, None], positions[:, :k]),
+                draw(keys[:, FINAL, None], positions),
             ),
         )
         # Kept: emitted, within the budget, not past an eos; a prefix of a sample of the
