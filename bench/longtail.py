@@ -6,7 +6,9 @@ The workload is one rollout batch of `--batch` sequences, most of them short (bu
 drawn uniformly in [`--short-min`, `--short-max`] tokens) and every `--long-every`-th
 one `--long-factor` times the mean short budget (exactly its budget: ignore_eos, one
 max length per request), in request order. Each mode generates the whole batch through
-`TorchEngine.generate_requests` and is timed (median of `--repeats` after one warm-up):
+`TorchEngine.generate_requests` and is timed (median of `--repeats` after one warm-up;
+the modes take turns, repeat by repeat, so that load on a shared machine falls on all
+of them alike):
 
 - `static`: slots = batch. Every sequence starts at once and the batch runs until its
   longest sequence ends, as the static path does (rows that have finished still ride
@@ -89,22 +91,26 @@ def generate(engine: TorchEngine, prompts, budgets, sampling, chunk: int | None)
     return samples, total
 
 
-def run_mode(engine: TorchEngine, prompts, budgets, sampling, repeats: int, chunk=None) -> dict:
-    generate(engine, prompts, budgets, sampling, chunk)  # warm-up: caches allocated
-    times, tokens = [], None
+def timed_run(engine: TorchEngine, prompts, budgets, sampling, chunk=None) -> tuple:
+    """One timed generation of the batch: (seconds, tokens per request, stats)."""
     speculation = engine.speculation
-    for _ in range(repeats):
-        if speculation is not None:  # acceptance of the timed runs only
-            speculation.verify_rows = speculation.accepted = speculation.drafted = 0
-            speculation.steps = speculation.speculative_steps = 0
-        start = time.perf_counter()
-        samples, stats = generate(engine, prompts, budgets, sampling, chunk)
-        times.append(time.perf_counter() - start)
-        tokens = [s.token_ids for s in samples]
+    if speculation is not None:  # acceptance of the timed runs only
+        speculation.verify_rows = speculation.accepted = speculation.drafted = 0
+        speculation.steps = speculation.speculative_steps = 0
+    start = time.perf_counter()
+    samples, stats = generate(engine, prompts, budgets, sampling, chunk)
+    return time.perf_counter() - start, [s.token_ids for s in samples], stats
+
+
+def summarize(engine: TorchEngine, runs: list[tuple], budgets) -> dict:
+    """A mode's row from its timed runs (the median time; the counts of the last run)."""
+    times = [seconds for seconds, _, _ in runs]
+    _, tokens, stats = runs[-1]
     total = sum(len(t) for t in tokens)
     assert total == sum(budgets) == stats.tokens  # ignore_eos: every budget generated
     seconds = statistics.median(times)
     extra = {}
+    speculation = engine.speculation
     if speculation is not None:
         metrics = speculation.metrics()
         extra = {
@@ -223,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     if {"speculative", "adaptive"} & set(wanted):
         drafter, training = train_drafter(args, model_dir, task, budgets)
         print(f"drafter trained: {training}")
+    engines = {}
     for mode in wanted:
         slots, chunk, speculative = modes[mode]
         engine = TorchEngine(
@@ -236,8 +243,18 @@ def main(argv: list[str] | None = None) -> None:
         if speculative is not None:
             engine.load_drafter_state({"trainer": drafter})
         prompts = [engine.tokenizer(task.prompt(i).text)["input_ids"] for i in range(args.batch)]
-        row = run_mode(engine, prompts, budgets, sampling, args.repeats, chunk)
-        rows.append({"mode": mode, **row})
+        generate(engine, prompts, budgets, sampling, chunk)  # warm-up: caches allocated
+        engines[mode] = (engine, prompts, chunk)
+    # Round robin: repeat r of every mode runs before repeat r + 1 of any, so a load that
+    # comes and goes on a shared machine falls on every mode alike.
+    runs = {mode: [] for mode in wanted}
+    for _ in range(args.repeats):
+        for mode in wanted:
+            engine, prompts, chunk = engines[mode]
+            runs[mode].append(timed_run(engine, prompts, budgets, sampling, chunk))
+    for mode in wanted:
+        engine = engines[mode][0]
+        rows.append({"mode": mode, **summarize(engine, runs[mode], budgets)})
         engine.close()
     # The same requests, the same per-request streams: the same tokens in every mode
     # without speculation.
