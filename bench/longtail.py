@@ -146,7 +146,13 @@ def train_drafter(args, model_dir, task, budgets) -> tuple[dict, dict]:
         dtype=DTYPES[args.dtype],
         device="cpu",
         slots=args.slots,
-        speculative={"mode": "fixed", "train_steps": args.train_steps},
+        # Every step, however long: the timed runs measure a drafter trained this much
+        # (a worker's train_time_fraction only changes how soon it gets there).
+        speculative={
+            "mode": "fixed",
+            "train_steps": args.train_steps,
+            "train_time_fraction": None,
+        },
     )
     sampling = SamplingParams(temperature=1.0, seed=args.seed + 1000, ignore_eos=True)
     for round_ in range(args.train_rounds):

@@ -18,8 +18,9 @@ from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
 
 PROMPTS = ["1+2=", "what is 13*7?", "3", "hello there, how are you today", "9-4=", "12*12="]
-FIXED = {"mode": "fixed", "draft_tokens": 3, "train_steps": 60}
-ADAPTIVE = {"mode": "adaptive", "threshold": 4, "patience": 1, "ks": [0, 2, 3], "train_steps": 60}
+# All 60 steps whatever they take: the tests ask what a trained drafter achieves.
+FIXED = {"mode": "fixed", "draft_tokens": 3, "train_steps": 60, "train_time_fraction": None}
+ADAPTIVE = {**FIXED, "mode": "adaptive", "threshold": 4, "patience": 1, "ks": [0, 2, 3]}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -187,11 +188,26 @@ def test_drafter_state_round_trips_and_another_models_is_refused(tiny_model_dir,
         ({"mode": "on"}, "torch", 4, "mode must be one of"),
         ({"mode": "fixed", "init": "/nonexistent/d.pt"}, "torch", 4, "no drafter checkpoint"),
         ({"mode": "fixed", "drafter": 1}, "torch", 4, "unknown settings"),
+        ({"mode": "fixed", "train_time_fraction": 0}, "torch", 4, "train_time_fraction must"),
+        ({"mode": "fixed", "train_time_fraction": "1"}, "torch", 4, "train_time_fraction must"),
     ],
 )
 def test_bad_speculative_settings_are_refused(node, engine_name, slots, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeSettings.from_config(node, engine_name, slots)
+
+
+def test_training_after_a_generate_keeps_to_its_time_budget(tiny_model_dir):
+    """A budget no step fits in: one step per generate call, each call counted as cut
+    short; without a budget every step is made."""
+    tight = engine(tiny_model_dir, speculative={**FIXED, "train_time_fraction": 1e-9})
+    train(tight, rounds=2)
+    metrics = tight.speculation_metrics()
+    assert metrics["drafter/steps"] == 2 and metrics["drafter/train_calls_cut_short"] == 2
+    assert metrics["drafter/steps_last"] == 1
+    free = engine(tiny_model_dir, speculative=FIXED)
+    train(free, rounds=1)
+    assert free.speculation_metrics()["drafter/steps"] == 60
 
 
 def test_mode_none_needs_nothing():

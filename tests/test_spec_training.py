@@ -3,6 +3,8 @@ target: the buffer, the loss going down, checkpoints, per-version acceptance met
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -80,6 +82,18 @@ def test_training_lowers_the_loss_and_leaves_the_target_alone(target):
         assert torch.equal(param, before[name]) and param.grad is None, name
     assert trainer.metrics()["drafter/steps"] == 91
     assert trainer.train(0) == {} and DrafterTrainer(Drafter(target)).train(5) == {}
+
+
+def test_a_deadline_cuts_training_short_after_at_least_one_step(target):
+    trainer = DrafterTrainer(Drafter(target), lr=3e-3, batch_size=8, seed=0)
+    trainer.observe(*rollouts(target, batch=4))
+    passed = trainer.train(50, deadline=time.perf_counter())  # already passed
+    assert passed["steps_last"] == 1 and trainer.steps == 1
+    assert trainer.metrics()["drafter/train_calls_cut_short"] == 1
+    ample = trainer.train(5, deadline=time.perf_counter() + 600)
+    assert ample["steps_last"] == 5 and trainer.steps == 6
+    assert trainer.metrics()["drafter/train_calls_cut_short"] == 1
+    assert ample["train_seconds"] > 0
 
 
 def test_loss_terms_match_an_independent_computation(target):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -84,7 +85,8 @@ class TorchEngine:
     in-flight updates.
     speculative: `engine.speculative` (asyncfp8.speculative.settings): speculative
     decoding in the slot loop with a one-layer drafter trained online from this
-    engine's own rollouts (`train_steps` optimizer steps after each generate call).
+    engine's own rollouts (`train_steps` optimizer steps after each generate call, for at
+    most `train_time_fraction` of its time).
     model, tokenizer: an already built model (moved to `device`, quantized in place; `dtype`
     is then its own) and its tokenizer instead of loading `model_dir` (benchmarks build
     random-init models on the GPU).
@@ -460,6 +462,7 @@ class TorchEngine:
         decoder = self.slot_decoder(positions + self.finish_check_every + drafts)
         stats = SlotStats()
         self._generating = True
+        started = time.perf_counter()
         try:
             generated = run_slots(
                 decoder,
@@ -477,9 +480,13 @@ class TorchEngine:
             self._generating = False
         self.last_stats = stats
         if self.speculation is not None and self.speculative.train_steps:
-            # Online: the drafter learns from the rollouts just made, between generations.
+            # Online: the drafter learns from the rollouts just made, between generations,
+            # for at most train_time_fraction of the time they took.
+            fraction = self.speculative.train_time_fraction
+            now = time.perf_counter()
+            deadline = None if fraction is None else now + fraction * (now - started)
             with torch.enable_grad():
-                self.speculation.trainer.train(self.speculative.train_steps)
+                self.speculation.trainer.train(self.speculative.train_steps, deadline)
         return [
             self._sample(prompt_index, prompt_ids, g.token_ids, g.logprobs, g.versions, sampling)
             for (prompt_index, prompt_ids), g in zip(jobs, generated, strict=True)

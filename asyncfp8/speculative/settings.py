@@ -23,6 +23,9 @@ class SpeculativeSettings:
     ks: tuple[int, ...] = (0, 1, 2, 3, 4)
     #: drafter optimizer steps after each generate call (online training; 0: frozen)
     train_steps: int = 20
+    #: the most those steps may take, as a fraction of the generate call's own time (at
+    #: least one step is made); None: all `train_steps`, however long they take
+    train_time_fraction: float | None = 0.25
     lr: float = 1e-3
     batch_size: int = 16
     #: a drafter checkpoint to start from (`TorchEngine.drafter_state()` as saved by a
@@ -91,6 +94,14 @@ class SpeculativeSettings:
         ):
             raise ValueError(
                 f"engine.speculative.train_steps must be an int >= 0, got {settings.train_steps!r}"
+            )
+        fraction = settings.train_time_fraction
+        if fraction is not None and (
+            isinstance(fraction, bool) or not isinstance(fraction, int | float) or not fraction > 0
+        ):
+            raise ValueError(
+                "engine.speculative.train_time_fraction must be a number > 0 (a fraction of "
+                f"each generate call's time) or null, got {fraction!r}"
             )
         if not settings.lr > 0:
             raise ValueError(f"engine.speculative.lr must be > 0, got {settings.lr!r}")

@@ -2,8 +2,9 @@
 
 The engine records, while it generates, the target's last hidden states (the LM head's
 input) and the tokens at the same positions, and hands them to `observe`; a bounded FIFO
-buffer keeps the most recent. `train(steps)` runs between generations or while the batch
-is small. The objective is fastrl's: 0.5 × smooth L1 between the drafter's feature and
+buffer keeps the most recent. `train(steps, deadline)` runs between generations or while
+the batch is small, within a time budget when given one (nothing is idle on a worker whose
+only device also generates: the budget bounds what online training costs its rollouts). The objective is fastrl's: 0.5 × smooth L1 between the drafter's feature and
 the target's next hidden state + 0.5 × cross-entropy of the drafter's distribution to the
 target's (both through the target's LM head at temperature 1; since lm_head(h) are the
 target's logits, recorded hidden states are all the target information training needs).
@@ -16,6 +17,7 @@ the acceptance metrics are kept per version so that one sees whether the drafter
 from __future__ import annotations
 
 import copy
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -90,6 +92,7 @@ class DrafterTrainer:
         self.buffered = 0
         self.version = -1
         self.steps = 0
+        self.cut_short = 0  # train calls that stopped at their deadline
         self.last: dict[str, float] = {}
         self.acceptance: dict[int, _Acceptance] = {}
 
@@ -161,18 +164,25 @@ class DrafterTrainer:
 
     # -- training ---------------------------------------------------------------------------
 
-    def train(self, steps: int) -> dict[str, float]:
-        """`steps` optimizer steps on the buffer; the means of the losses over them (an
-        empty dict when the buffer holds nothing to train on)."""
+    def train(self, steps: int, deadline: float | None = None) -> dict[str, float]:
+        """`steps` optimizer steps on the buffer, fewer if `time.perf_counter()` passes
+        `deadline` (at least one is made); the means of the losses over the steps made
+        (an empty dict when the buffer holds nothing to train on)."""
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         if not self.buffer or steps == 0:
             return {}
+        started = time.perf_counter()
+        made = 0
         was_training = self.drafter.training
         self.drafter.train()
         totals: dict[str, float] = {}
         try:
             for _ in range(steps):
+                if made and deadline is not None and time.perf_counter() >= deadline:
+                    self.cut_short += 1
+                    break
+                made += 1
                 h_in, t_next, h_next, valid = self._batch()
                 features = self.drafter(h_in, t_next)
                 weight = valid.to(features.dtype)
@@ -208,7 +218,9 @@ class DrafterTrainer:
                     totals[key] = totals.get(key, 0.0) + value
         finally:
             self.drafter.train(was_training)
-        self.last = {key: value / steps for key, value in totals.items()}
+        self.last = {key: value / made for key, value in totals.items()}
+        self.last["train_seconds"] = time.perf_counter() - started
+        self.last["steps_last"] = made
         return dict(self.last)
 
     def on_new_version(self, version: int) -> None:
@@ -238,6 +250,7 @@ class DrafterTrainer:
         out = {f"drafter/{key}": value for key, value in self.last.items()}
         out |= {
             "drafter/steps": self.steps,
+            "drafter/train_calls_cut_short": self.cut_short,
             "drafter/buffer_tokens": self.buffered,
             "drafter/version": self.version,
         }
