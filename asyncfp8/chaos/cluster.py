@@ -79,7 +79,15 @@ class Cluster:
                 os.killpg(process.pid, signal.SIGKILL)
             else:
                 process.kill()
-        process.wait()
+        try:
+            # SIGKILL cannot be caught: a process still there after a minute is stuck in
+            # the kernel, and the suite should say so rather than hang to its timeout.
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(
+                f"pid {process.pid} ({' '.join(map(str, process.args))[:200]}) is still "
+                "running 60 s after SIGKILL"
+            ) from None
 
     def worker(self, index: int, *overrides: str, log_name: str | None = None) -> subprocess.Popen:
         return self.start(
