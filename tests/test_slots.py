@@ -9,7 +9,15 @@ import torch
 
 from asyncfp8.engines import SamplingParams
 from asyncfp8.engines.decode import processed_logprobs
-from asyncfp8.engines.request_sampling import request_seed, sample_per_request, uniforms
+from asyncfp8.engines.request_sampling import (
+    COIN,
+    DRAFT,
+    draw,
+    request_seed,
+    sample_per_request,
+    stream_keys,
+    uniforms,
+)
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.precision.fp8_kv import kv_scale_names
 
@@ -109,7 +117,7 @@ def test_per_request_sampling_follows_the_processed_distribution():
     draws = 40_000
     seeds = torch.tensor([request_seed(3, i) for i in range(draws)])
     chosen, logp = sample_per_request(
-        logits.expand(draws, -1), sampling, seeds, torch.zeros(draws, dtype=torch.long)
+        logits.expand(draws, -1), sampling, stream_keys(seeds), torch.zeros(draws, dtype=torch.long)
     )
     counts = torch.bincount(chosen, minlength=12).double()
     assert counts[p == 0].sum() == 0  # never a token top-k removed
@@ -123,6 +131,13 @@ def test_per_request_sampling_follows_the_processed_distribution():
     u = uniforms(torch.full((draws,), request_seed(5, 0)), torch.arange(draws))
     assert u.min() >= 0 and u.max() < 1
     assert abs(u.mean().item() - 0.5) < 4 * math.sqrt(1 / 12 / draws)
+    # The slot loop draws a row's k drafts at once from its stream key: the same numbers
+    # as k draws of its seed.
+    seeds, counters = seeds[:5], torch.tensor([0, 3, 9, 1, 40])
+    at_once = draw(stream_keys(seeds, DRAFT)[:, None], counters[:, None] + torch.arange(4))
+    for i in range(4):
+        assert torch.equal(at_once[:, i], uniforms(seeds, counters + i, DRAFT))
+    assert not torch.equal(at_once[:, 0], uniforms(seeds, counters, COIN))
 
 
 @pytest.mark.parametrize("slots", [0, -2, True, 2.5])

@@ -78,20 +78,16 @@ def uniforms(seeds: torch.Tensor, counters: torch.Tensor, stream: int = SAMPLE) 
 def sample_per_request(
     logits: torch.Tensor,
     sampling: SamplingParams,
-    seeds: torch.Tensor,
+    keys: torch.Tensor,
     counters: torch.Tensor,
-    *,
-    keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(next token [B], its processed log-probability [B] fp32) for logits [B, V], row
-    i drawn with the uniform of (seeds[i], counters[i]) (`keys`: the rows' SAMPLE stream
-    keys, when the caller keeps them; `seeds` is then not read). Greedy (temperature 0)
-    takes the argmax and draws nothing."""
+    i drawn with the uniform of its SAMPLE stream `keys[i]` (`stream_keys`) at token
+    index `counters[i]`. Greedy (temperature 0) takes the argmax and draws nothing."""
     logp = processed_logprobs(logits, sampling)
     if sampling.temperature == 0:
         chosen = logp.argmax(-1)
     else:
-        keys = stream_keys(seeds) if keys is None else keys
         chosen = inverse_cdf(logp.double().exp(), draw(keys, counters))
     return chosen, logp.gather(-1, chosen[:, None])[:, 0]
 

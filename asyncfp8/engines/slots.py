@@ -346,9 +346,7 @@ def run_slots(
             0, index, torch.tensor([requests[i].max_new_tokens for i in taken], **long)
         )
         zero = torch.zeros(len(free), **long)
-        first, first_logp = sample_per_request(
-            logits, sampling, new_seeds, zero, keys=new_keys[:, SAMPLE]
-        )
+        first, first_logp = sample_per_request(logits, sampling, new_keys[:, SAMPLE], zero)
         out_tokens[index, 0] = first
         out_logp[index, 0] = first_logp.to(out_logp.dtype)
         out_version[index, 0] = current
@@ -389,9 +387,7 @@ def run_slots(
         nonlocal plain_steps
         fed = torch.where(live, last, pad)
         logits = decoder.step(fed)
-        chosen, chosen_logp = sample_per_request(
-            logits, sampling, None, counters, keys=keys[:, SAMPLE]
-        )
+        chosen, chosen_logp = sample_per_request(logits, sampling, keys[:, SAMPLE], counters)
         # A finished row's column is past its count: what lands there is never read.
         record(counters[:, None], chosen[:, None], chosen_logp[:, None], current)
         if speculation is not None:
