@@ -10,9 +10,10 @@ max length per request), in request order. Each mode generates the whole batch t
 the modes take turns, repeat by repeat, so that load on a shared machine falls on all
 of them alike):
 
-- `static`: slots = batch. Every sequence starts at once and the batch runs until its
-  longest sequence ends, as the static path does (rows that have finished still ride
-  along in every decode step).
+- `static`: today's static path: the requests in batches of up to `--max-batch` (the
+  engine's `max_batch`, 64; one batch when the rollout batch is no larger), every
+  sequence of a batch started at once and the batch run until its longest sequence ends
+  (rows that have finished still ride along in every decode step).
 - `continuous`: `--slots` slots, each refilled with the next request as soon as its
   sequence ends.
 - `static_batches`: the same KV-cache rows as `continuous` used the static way: the
@@ -181,6 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--slots", type=int, default=16, help="continuous mode's slots")
+    parser.add_argument(
+        "--max-batch", type=int, default=64, help="static mode's batches (engine.max_batch)"
+    )
     parser.add_argument("--short-min", type=int, default=8)
     parser.add_argument("--short-max", type=int, default=24)
     parser.add_argument("--long-every", type=int, default=8)
@@ -205,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 1 <= args.slots <= args.batch:
         parser.error(f"--slots must be in 1..--batch ({args.batch}), got {args.slots}")
+    if args.max_batch < 1:
+        parser.error(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(None, args.model, 0)
@@ -222,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         "train_steps": 0,
     }
     modes = {
-        "static": (args.batch, None, None),
+        "static": (min(args.batch, args.max_batch), min(args.batch, args.max_batch), None),
         "continuous": (args.slots, None, None),
         "static_batches": (args.slots, args.slots, None),
         "speculative": (args.slots, None, fixed),
