@@ -14,6 +14,7 @@ import torch
 
 from asyncfp8.engines import SamplingParams
 from asyncfp8.engines.decode import processed_logprobs
+from asyncfp8.engines.slots import SlotDecoder
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
 
@@ -208,6 +209,45 @@ def test_training_after_a_generate_keeps_to_its_time_budget(tiny_model_dir):
     free = engine(tiny_model_dir, speculative=FIXED)
     train(free, rounds=1)
     assert free.speculation_metrics()["drafter/steps"] == 60
+
+
+def test_draft_feeds_live_rows_their_real_positions_paired_with_the_next_token(tiny_model_dir):
+    """The drafter's rows are fed from the slot decoder's records: after a prefill, a
+    plain step and a verify that kept 1, 3 and 2 of 3 positions, a live row's drafter
+    row equals one extend of its sequence's (hidden state, next token) pairs, the last
+    paired with the token sampled after it; a row that is not live is left alone."""
+    e = engine(tiny_model_dir, slots=3, speculative={**FIXED, "train_steps": 0})
+    spec, drafter = e.speculation, e.speculation.drafter
+    decoder = SlotDecoder(e.model, 3, 64, record_hidden=True)
+    prompts = [e.tokenizer(text)["input_ids"] for text in ("1+2=", "hello there", "37*2")]
+    decoder.fill([0, 1, 2], prompts)
+    spec.start_rows([0, 1, 2])
+    last = torch.tensor([5, 6, 7])
+    spec.sync(decoder, last, [True, True, True])
+    decoder.step(last)
+    last = torch.tensor([8, 9, 10])
+    drafts = torch.tensor([[11, 12], [13, 14], [15, 16]])
+    decoder.verify(torch.cat([last[:, None], drafts], 1))
+    decoder.commit(torch.tensor([1, 3, 2]), [1, 3, 2])
+    last = torch.tensor([20, 21, 22])
+    spec.sync(decoder, last, [True, True, False])
+    for row in (0, 1):
+        hidden, tokens = decoder.sequence(row)
+        fed = [[5, 8], [6, 9, 13, 14]][row]  # after the prompt: its tokens as kept
+        assert tokens.tolist() == prompts[row] + fed
+        reference = drafter.new_cache(1)
+        following = torch.cat([tokens[1:], last[row : row + 1]])
+        drafter.extend(reference, hidden[None], following[None])
+        n = len(tokens)
+        assert int(spec.cache.lengths[row]) == n
+        torch.testing.assert_close(spec.cache.last[row], reference.last[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            spec.cache.k[row, :, :n], reference.k[0, :, :n], atol=1e-5, rtol=1e-5
+        )
+    # Row 2 took in its prompt and first token at the first draft, nothing since.
+    assert int(spec.cache.lengths[2]) == len(prompts[2])
+    # (decoder positions: the prompts were left padded to the longest)
+    assert spec.synced == [decoder.lengths[0], decoder.lengths[1], max(map(len, prompts))]
 
 
 def test_mode_none_needs_nothing():

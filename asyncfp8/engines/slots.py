@@ -121,9 +121,8 @@ class SlotDecoder:
     def fill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Starts sequence `prompts[i]` in row `slots[i]` (identical prompts prefilled
         once): returns the logits of each one's first new token [len(slots), V]. With
-        `record_hidden`, `hidden` [len(slots), W, H] holds the prompts' hidden states, left
-        padded to the longest (W), and `fill_ids` / `fill_mask` [len(slots), W] their
-        tokens and real positions."""
+        `record_hidden`, the prompts' hidden states and tokens are recorded at their
+        positions (left padded to the longest)."""
         if len(slots) != len(prompts) or len(set(slots)) != len(slots):
             raise ValueError(f"fill needs one prompt per distinct slot: {slots}, {len(prompts)}")
         distinct: dict[tuple[int, ...], int] = {}
@@ -161,10 +160,8 @@ class SlotDecoder:
             self.lengths[slot], self.advancing[slot] = width, True
         if self.record_hidden:
             self.hidden = prefill.hidden.index_select(0, source)
-            self.fill_ids = input_ids.to(self.device).index_select(0, source)
-            self.fill_mask = valid
-            self.hidden_states[target, :width] = self.hidden
-            self.fed_tokens[target, :width] = self.fill_ids
+            self.hidden_states[target, :width] = self.hidden.to(self.hidden_states.dtype)
+            self.fed_tokens[target, :width] = input_ids.to(self.device).index_select(0, source)
         return logits.index_select(0, source)
 
     def release(self, slot: int) -> None:
@@ -360,9 +357,7 @@ def run_slots(
         for slot, request in zip(free, taken, strict=True):
             owner[slot], drawn[slot] = request, 1
         if speculation is not None:
-            speculation.start_rows(
-                index, decoder.hidden, decoder.fill_ids, decoder.fill_mask, first
-            )
+            speculation.start_rows(free)
         ended = [slot for slot, over in zip(free, done.tolist(), strict=True) if over]
         for slot in ended:
             harvest(slot)
@@ -390,8 +385,6 @@ def run_slots(
         chosen, chosen_logp = sample_per_request(logits, sampling, keys[:, SAMPLE], counters)
         # A finished row's column is past its count: what lands there is never read.
         record(counters[:, None], chosen[:, None], chosen_logp[:, None], current)
-        if speculation is not None:
-            speculation.add(decoder.hidden, chosen[:, None], live[:, None])
         forwards.add_(live.sum())
         counters.add_(live.long())
         last.copy_(torch.where(live, chosen, last))
@@ -406,7 +399,9 @@ def run_slots(
         positions = counters[:, None] + offsets
         # The k drafts' uniforms in one draw, as k draws of counters + i would give them.
         draft_u = None if greedy else draw(keys[:, DRAFT, None], positions[:, :k])
-        drafts, draft_logp = speculation.draft(k, sampling, lambda i: draft_u[:, i])
+        drafts, draft_logp = speculation.draft(
+            k, sampling, lambda i: draft_u[:, i], decoder, last, [o is not None for o in owner]
+        )
         fed = torch.where(live, last, pad)
         logits = decoder.verify(torch.cat([fed[:, None], drafts], 1))
         target_logp = processed_logprobs(logits, sampling)
@@ -435,10 +430,8 @@ def run_slots(
             ended = (ends & kept_mask).any(1)
         kept = kept_mask.sum(1)
         record(positions, result.tokens.clamp_min(0), result.logprobs, current)
-        decoder_hidden = decoder.hidden
         kept_host = kept.tolist()
         decoder.commit(kept, kept_host)
-        speculation.add(decoder_hidden, result.tokens.clamp_min(0), kept_mask)
         speculation.record(result.num_accepted, k, live)
         forwards.add_(live.sum())
         rows = torch.arange(slots, device=device)

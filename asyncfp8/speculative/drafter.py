@@ -226,17 +226,20 @@ class Drafter(nn.Module):
         hidden: torch.Tensor,
         tokens: torch.Tensor,
         mask: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Appends (hidden[b, t], tokens[b, t]) pairs to each row of `cache`: the target's
-        h_t and the token after it. `mask` [B, T] picks the valid pairs (any pattern, e.g.
-        left padding or the positions a verify step accepted); they are appended in order
-        and a row with none stays as it was. Returns the drafter's features [B, T, H] with
-        each row's valid entries packed first, and sets `cache.last`."""
+        """Appends (hidden[b, t], tokens[b, t]) pairs to each row of `cache` (or to cache
+        rows `rows[b]`, distinct, when given): the target's h_t and the token after it.
+        `mask` [B, T] picks the valid pairs (any pattern, e.g. left padding or the
+        positions a verify step accepted); they are appended in order and a row with none
+        stays as it was. Returns the drafter's features [B, T, H] with each row's valid
+        entries packed first, and sets `cache.last`."""
         batch, length = tokens.shape
-        if batch != cache.batch or tuple(hidden.shape[:2]) != (batch, length):
+        expected = cache.batch if rows is None else rows.numel()
+        if batch != expected or tuple(hidden.shape[:2]) != (batch, length):
             raise ValueError(
-                f"cache holds {cache.batch} rows; hidden is {tuple(hidden.shape)}, tokens "
-                f"{tuple(tokens.shape)}"
+                f"extending {expected} of the cache's {cache.batch} rows; hidden is "
+                f"{tuple(hidden.shape)}, tokens {tuple(tokens.shape)}"
             )
         if mask is None:
             counts = torch.full((batch,), length, dtype=torch.long, device=tokens.device)
@@ -247,23 +250,37 @@ class Drafter(nn.Module):
             order = torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices
             tokens = tokens.gather(1, order)
             hidden = hidden.gather(1, order[..., None].expand_as(hidden))
+        lengths = cache.lengths if rows is None else cache.lengths[rows]
         fused = self._fuse(hidden, tokens)
-        positions = cache.lengths[:, None] + torch.arange(length, device=fused.device)
+        positions = lengths[:, None] + torch.arange(length, device=fused.device)
         q, k, v = self._qkv(fused, positions)
-        span = int(cache.lengths.max()) + length
+        span = int(lengths.max()) + length
         cache.reserve(span)
+        # Some rows: their keys and values are gathered (up to `span`), extended, and put back.
+        keys_all = cache.k if rows is None else cache.k[rows, :, :span]
+        values_all = cache.v if rows is None else cache.v[rows, :, :span]
         where = positions[:, None, :, None].expand(-1, self.kv_heads, -1, self.head_dim)
-        cache.k.scatter_(2, where, k.to(cache.k.dtype))
-        cache.v.scatter_(2, where, v.to(cache.v.dtype))
+        keys_all.scatter_(2, where, k.to(keys_all.dtype))
+        values_all.scatter_(2, where, v.to(values_all.dtype))
         # Entry j of row b sits at lengths[b] + j and sees the row's entries up to itself.
         keys = torch.arange(span, device=fused.device)
         allowed = (keys[None, None, None, :] <= positions[:, None, :, None]).expand(-1, 1, -1, -1)
-        out = self._attend_and_finish(fused, q, cache.k[:, :, :span], cache.v[:, :, :span], allowed)
+        out = self._attend_and_finish(
+            fused, q, keys_all[:, :, :span], values_all[:, :, :span], allowed
+        )
         took = counts > 0
-        rows = torch.arange(batch, device=fused.device)
-        cache.last[took] = out[rows, (counts - 1).clamp_min(0)][took].to(cache.last.dtype)
-        cache.started |= took
-        cache.lengths = cache.lengths + counts
+        picked = torch.arange(batch, device=fused.device)
+        last = out[picked, (counts - 1).clamp_min(0)].to(cache.last.dtype)
+        if rows is None:
+            cache.last[took] = last[took]
+            cache.started |= took
+            cache.lengths = cache.lengths + counts
+        else:
+            cache.k[rows, :, :span] = keys_all
+            cache.v[rows, :, :span] = values_all
+            cache.last[rows] = torch.where(took[:, None], last, cache.last[rows])
+            cache.started[rows] |= took
+            cache.lengths = cache.lengths.index_add(0, rows, counts)
         return out
 
     @torch.no_grad()

@@ -3,20 +3,24 @@
 `SlotSpeculation` is what the loop asks and tells: per step, how many tokens to draft
 (`choose`: a fixed k, or TLT's adaptive control: none while the active batch is large, a
 bandit's k per batch-size bucket when it is small); the drafts (`draft`), drawn from the
-per-request streams so that a sample does not depend on its slot; the target's features
-after every forward (`add`), fed to the drafter's cache lazily, in one batched call when
-a draft needs them (a plain step costs no drafter forward); acceptance counts per
+per-request streams so that a sample does not depend on its slot; acceptance counts per
 version; and every finished sequence's hidden states and tokens (`observe`) for the
 online trainer, which trains between generations (`train`).
 
-The drafter's cache has one row per slot. A refilled slot's row is emptied and extended
-with the new prompt's (hidden state, next token) pairs, the first sampled token last.
-Rows that hold no sequence draft tokens nobody reads.
+The drafter's cache has one row per slot, fed from what the slot decoder records anyway
+(the target's last hidden state and the token at every position of every row): when a
+draft is asked for, each live row takes in its positions since the last draft, each
+paired with the token after it (the next real position's, or the token sampled last and
+not fed yet). Nothing is fed while no row drafts, and a sequence that ends before the
+next draft is never fed at all: plain steps (the adaptive mode at a large batch) cost no
+drafter work, and a row refilled meanwhile is only emptied. Rows that hold no live
+sequence draft tokens nobody reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,9 +30,8 @@ from .adaptive import SpeculationController
 from .drafter import Drafter
 from .training import DrafterTrainer
 
-#: Forwards whose features may wait for the drafter: a plain-decoding stretch longer
-#: than this feeds them in batches of it.
-MAX_PENDING = 64
+if TYPE_CHECKING:
+    from asyncfp8.engines.slots import SlotDecoder
 
 
 class SlotSpeculation:
@@ -52,9 +55,8 @@ class SlotSpeculation:
         self.drafter, self.k, self.controller, self.trainer = drafter, k, controller, trainer
         self.max_k = k if controller is None else max(controller.ks)
         self.cache = drafter.new_cache(slots)
-        # Rows that never held a sequence draft from a zero feature: nobody reads them.
-        self.cache.started.fill_(True)
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        #: per row, the decoder cache positions its drafter row has taken in (host)
+        self.synced = [0] * slots
         self.steps = 0  # forwards the loop asked about
         self.speculative_steps = 0
         self.verify_rows = 0  # live rows over speculative steps
@@ -84,51 +86,77 @@ class SlotSpeculation:
             self.controller.report(active, k, tokens, seconds)
 
     def draft(
-        self, k: int, sampling: SamplingParams, uniforms: Callable[[int], torch.Tensor]
+        self,
+        k: int,
+        sampling: SamplingParams,
+        uniforms: Callable[[int], torch.Tensor],
+        decoder: SlotDecoder,
+        last: torch.Tensor,
+        live: Sequence[bool],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.flush()
+        """k drafts per row [slots, k] and their processed log-probs, after the `live`
+        rows have taken in `decoder`'s positions since their last draft (`last` [slots]:
+        each row's sampled token not yet fed)."""
+        self.sync(decoder, last, live)
+        # Rows without a live sequence draft from whatever their row holds: unread.
+        self.cache.started |= ~torch.tensor(live, device=self.cache.started.device)
         return self.drafter.draft(self.cache, k, sampling, uniforms=uniforms)
 
     # -- what the loop tells ------------------------------------------------------------------
 
-    def start_rows(
-        self,
-        rows: torch.Tensor,
-        hidden: torch.Tensor,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        first: torch.Tensor,
-    ) -> None:
-        """Slots `rows` [n] start new prompts: hidden [n, W, H] and prompt_ids / prompt_mask
-        [n, W] (left padded), first [n] the token sampled after each prompt."""
-        for _, _, mask in self.pending:  # the rows' previous sequences are done
-            mask[rows] = False
+    def start_rows(self, rows: Sequence[int]) -> None:
+        """Slots `rows` start new sequences: their drafter rows are emptied (the next
+        draft feeds them from the decoder, prompt first)."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.cache.lengths.device)
         lengths = self.cache.lengths.clone()
-        lengths[rows] = 0
+        lengths[index] = 0
         self.cache.truncate(lengths)
-        self.cache.started[rows] = False
-        slots, width = self.cache.batch, prompt_ids.shape[1]
-        full = hidden.new_zeros(slots, width, hidden.shape[-1])
-        full[rows] = hidden
-        following = torch.zeros(slots, width, dtype=torch.long, device=hidden.device)
-        following[rows] = torch.cat([prompt_ids[:, 1:], first[:, None]], 1)
-        mask = torch.zeros(slots, width, dtype=torch.bool, device=hidden.device)
-        mask[rows] = prompt_mask
-        self.pending.append((full, following, mask))
+        for row in rows:
+            self.synced[row] = 0
 
-    def add(self, hidden: torch.Tensor, following: torch.Tensor, mask: torch.Tensor) -> None:
-        """A forward's features hidden [slots, T, H], the token after each position
-        [slots, T], and the pairs that are real [slots, T] (kept as they are now)."""
-        self.pending.append((hidden, following.clone(), mask.clone()))
-        if len(self.pending) >= MAX_PENDING:  # bounded memory while nothing drafts
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.pending:
+    @torch.no_grad()
+    def sync(self, decoder: SlotDecoder, last: torch.Tensor, live: Sequence[bool]) -> None:
+        """Feeds each live row the (hidden state, next token) pairs of the decoder's
+        positions [synced, length): its real positions (not prompt padding), each paired
+        with the token of the next real position, the last one with `last` (sampled
+        after it, not fed yet). The positions below a row's length are final: rejected
+        drafts only ever sit past it."""
+        rows = [
+            row for row, on in enumerate(live) if on and self.synced[row] < decoder.lengths[row]
+        ]
+        if not rows:
             return
-        hidden, following, mask = (torch.cat(parts, 1) for parts in zip(*self.pending, strict=True))
-        self.pending = []
-        self.drafter.extend(self.cache, hidden, following, mask)
+        device = self.cache.lengths.device
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        starts = torch.tensor([self.synced[r] for r in rows], dtype=torch.long, device=device)
+        ends = [decoder.lengths[r] for r in rows]
+        spans = torch.tensor(ends, dtype=torch.long, device=device) - starts
+        width = max(end - self.synced[r] for r, end in zip(rows, ends, strict=True))
+        offsets = torch.arange(width + 1, device=device)
+        columns = (starts[:, None] + offsets).clamp_max(decoder.max_tokens - 1)
+        inside = offsets < spans[:, None]
+        valid = decoder.kv_valid[index[:, None], columns] & inside
+        # Column `span` of each row holds its pending token: the one after its last position.
+        pending = offsets == spans[:, None]
+        tokens = torch.where(
+            pending, last[index][:, None], decoder.fed_tokens[index[:, None], columns]
+        )
+        # following[p]: the token of the first column after p that is real or pending.
+        beyond = width + 1
+        present = torch.where(valid | pending, offsets, beyond)
+        first_at_or_after = present.flip(-1).cummin(-1).values.flip(-1)
+        after = torch.cat([first_at_or_after[:, 1:], torch.full_like(spans[:, None], beyond)], 1)
+        following = tokens.gather(1, after.clamp_max(width))
+        hidden = decoder.hidden_states[index[:, None], columns[:, :width]]
+        self.drafter.extend(
+            self.cache,
+            hidden,
+            following[:, :width],
+            valid[:, :width],
+            rows=None if len(rows) == self.cache.batch else index,
+        )
+        for row, end in zip(rows, ends, strict=True):
+            self.synced[row] = end
 
     def record(self, num_accepted: torch.Tensor, k: int, live: torch.Tensor) -> None:
         accepted = int(num_accepted[live].sum())
