@@ -89,11 +89,13 @@ def test_patch_is_lossless_bit_for_bit_including_signed_zeros_and_nan():
 
 
 def test_a_dense_change_goes_full_and_chunks_respect_the_size():
-    base = {f"w{i}": torch.randn(64, 64) for i in range(6)}
+    base = {f"w{i}": torch.randn(64, 64) for i in range(3)}  # 16 KiB each
+    base |= {"big": torch.randn(25_000), "small": torch.randn(250)}  # 100,000 and 1,000 bytes
     new = {k: v + 1 for k, v in base.items()}
     messages = encode_version(2, new.items(), base=base, base_version=1, chunk_bytes=40_000)
-    assert len(messages) == 3  # 6 x 16 KiB, tensors split across chunks of 40,000 bytes
-    assert [len(m[1]) for m in messages] == [40_000, 40_000, 6 * 16_384 - 80_000]
+    # A tensor that does not fit in the room left starts a chunk; one that spans chunks
+    # has them to itself (each part is received in place), and what follows starts anew.
+    assert [len(m[1]) for m in messages] == [32_768, 16_384, 40_000, 40_000, 20_000, 1_000]
     assert all(
         e["encoding"] == "full"
         for m in messages
@@ -219,6 +221,48 @@ def test_a_subscriber_that_missed_the_first_version_on_pub_still_gets_it():
     finally:
         subscriber.close()
         silent_pub.close()
+        publisher.close()
+        context.term()
+
+
+def test_chunks_queued_for_a_stalled_subscriber_never_change_under_it():
+    """Full tensors go out zero-copy from the publisher's state. A subscriber that stops
+    reading keeps them queued; the next version must not be written into them: the
+    publisher copies its state instead, and every chunk of the old version still arrives
+    as it was sent."""
+    context = zmq.Context()
+    publisher = VersionPublisher(LOOPBACK, LOOPBACK, chunk_bytes=64 << 10, context=context)
+    stalled = context.socket(zmq.SUB)
+    stalled.rcvhwm, stalled.rcvbuf = 1, 64 << 10
+    stalled.setsockopt(zmq.SUBSCRIBE, VERSION_TOPIC)
+    stalled.connect(publisher.publish_address)
+    time.sleep(0.3)
+    g = torch.Generator().manual_seed(3)
+    versions = [
+        {f"w{i}": torch.randn(1 << 20, generator=g).to(torch.bfloat16) for i in range(24)}
+        for _ in range(3)
+    ]  # 48 MiB each: more than loopback buffers hold
+    versions[2] = {k: v.clone() for k, v in versions[1].items()}
+    versions[2]["w0"][:1000] += 1  # a delta: written into the base in place
+    try:
+        publisher.publish(0, versions[0].items())
+        queued = publisher.state["w23"].data_ptr()
+        assert any(not tracker.done for tracker in publisher._sending)
+        publisher.publish(1, versions[1].items())
+        assert publisher.state["w23"].data_ptr() != queued  # copied, not written over
+        publisher.publish(2, versions[2].items())
+        assert all(bits_equal(publisher.state[k], v) for k, v in versions[2].items())
+        received: dict[int, list] = {0: [], 1: [], 2: []}
+        while len(received[2]) == 0 or not msgpack.unpackb(received[2][-1][0][HEADER_AT:])["final"]:
+            frames = stalled.recv_multipart()
+            received[msgpack.unpackb(frames[0][HEADER_AT:])["version"]].append(frames)
+        previous = None
+        for number, messages in received.items():
+            got = decode_version(messages, base=previous, base_version=number - 1)
+            assert all(bits_equal(got.weights[k], v) for k, v in versions[number].items())
+            previous = got.weights
+    finally:
+        stalled.close()
         publisher.close()
         context.term()
 

@@ -141,6 +141,9 @@ class VersionPublisher:
         self.state: dict[str, torch.Tensor] = {}  # the latest version: the base of deltas
         self.sections: dict[str, str] = {}
         self._state_in_shm = False  # state views the latest segment rather than own copies
+        # Frames sent zero-copy from `state` (a full tensor's chunks): ZeroMQ reads them
+        # until these say done, and `state` must not change under them (`_settle_state`).
+        self._sending: list[zmq.MessageTracker] = []
         self.stream = uuid.uuid4().hex[:12]  # this publisher: chunks of two never mix
         self.shm: SegmentWriter | None = None  # made when a local worker first subscribes
         self.version: int | None = None
@@ -204,6 +207,7 @@ class VersionPublisher:
             to_tcp = self._wanted(VERSION_TOPIC)
             base_version = self.version
             self.version = None  # until the whole version is out, no snapshot may mix two versions
+            self._settle_state(base_version)
             if not to_shm and self._state_in_shm:
                 # The latest segment is read by workers: deltas must not update it in place.
                 self.state = {name: t.clone() for name, t in self.state.items()}
@@ -212,6 +216,7 @@ class VersionPublisher:
                 to_shm = self._make_writer()
             tagged = self._into_segment(version, tag_sections(weights, extra), to_shm)
             wire, sent = 0, 0
+            update_base = not self._state_in_shm and not to_shm
             try:
                 if to_tcp:
                     for message in encode_tagged(
@@ -222,13 +227,16 @@ class VersionPublisher:
                         policy=policy,
                         engine_config=engine_config,
                         chunk_bytes=self.chunk_bytes,
-                        update_base=not self._state_in_shm and not to_shm,
+                        update_base=update_base,
                         stream=self.stream,
                         zstd_level=self.zstd_level,
+                        share_base=update_base,
                     ):
                         if sent:
                             failpoint("publish.between_chunks")
-                        self.pub.send_multipart(message, copy=False)
+                        tracker = self.pub.send_multipart(message, copy=False, track=True)
+                        if not tracker.done:
+                            self._sending.append(tracker)
                         wire += sum(len(frame) for frame in message)
                         sent += 1
                 elif to_shm:
@@ -253,6 +261,24 @@ class VersionPublisher:
         media = ("tcp",) * to_tcp + ("shm",) * to_shm
         shm_bytes = self.shm.bytes_moved if to_shm else 0
         return PublishStats(version, wire, sent, time.perf_counter() - started, media, shm_bytes)
+
+    def _settle_state(self, latest: int | None) -> None:
+        """Lets `state` change in place again (call with the lock held, before anything
+        writes into it). The chunks of full tensors go out zero-copy from `state`; ZeroMQ
+        is normally done with them long before the next version (the bench: always), but
+        a subscriber that stalls keeps them queued (up to the send high-water mark). Then
+        the state moves to fresh copies, and the queued frames keep the old memory alive
+        until ZeroMQ drops or sends them: a frame never changes after it was sent."""
+        busy = [tracker for tracker in self._sending if not tracker.done]
+        self._sending = []
+        if busy and not self._state_in_shm:
+            log.debug(
+                "%d chunks of version %s still queued for a slow subscriber: copying the "
+                "publisher's state rather than updating it under them",
+                len(busy),
+                latest,
+            )
+            self.state = {name: tensor.clone() for name, tensor in self.state.items()}
 
     def _make_writer(self) -> bool:
         """The shared segments' writer, made when a local worker first wants it; False
