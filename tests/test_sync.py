@@ -432,6 +432,50 @@ def test_fuzzed_frames_through_real_sockets_never_stop_either_receiver():
         context.term()
 
 
+def test_a_spoiled_chunk_received_in_place_is_refused():
+    """A chunk that is one slice of one tensor is copied out of ZeroMQ's message into
+    the tensor and hashed in the same pass: a flipped bit, a short or a long payload is
+    still refused, and the next good version arrives whole."""
+    context = zmq.Context()
+    rogue_pub = context.socket(zmq.PUB)
+    rogue_pub.bind(LOOPBACK)
+    snapshot_router = context.socket(zmq.ROUTER)
+    snapshot_router.bind(LOOPBACK)
+    subscriber = VersionSubscriber(
+        rogue_pub.getsockopt_string(zmq.LAST_ENDPOINT),
+        snapshot_router.getsockopt_string(zmq.LAST_ENDPOINT),
+        context=context,
+        transport="tcp",
+    )
+    time.sleep(0.3)
+    weights = {"w": torch.randn(4000), "v": torch.randn(3000)}  # parts of 4,000 bytes
+    try:
+        for number, spoil in enumerate(["flip", "short", "long"], start=1):
+            messages = encode_version(number, weights.items(), chunk_bytes=4000)
+            frames = [bytearray(f) for f in messages[2]]
+            if spoil == "flip":
+                frames[1][1234] ^= 0x10
+            elif spoil == "short":
+                frames[1] = frames[1][:-8]
+            else:
+                frames[1] += b"12345678"
+            messages[2] = [bytes(f) for f in frames]
+            for message in messages:
+                rogue_pub.send_multipart(message)
+        good = encode_version(4, weights.items(), chunk_bytes=4000)
+        assert all(len(m[1]) == 4000 for m in good[:-1])
+        for message in good:
+            rogue_pub.send_multipart(message)
+        got = wait_for(subscriber, 4)
+        assert [v.number for v in got] == [4] and subscriber.rejected == 3
+        assert all(bits_equal(got[0].weights[k], weights[k]) for k in weights)
+    finally:
+        for socket in (rogue_pub, snapshot_router):
+            socket.close(linger=0)
+        subscriber.close()
+        context.term()
+
+
 def test_oversized_and_wrongly_versioned_messages_are_rejected():
     limits = Limits(max_message_bytes=2_000, max_tensors=2)
     messages = encode_version(0, toy_model().items())

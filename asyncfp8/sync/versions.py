@@ -42,6 +42,7 @@ from .codec import (
     parse_header,
     tag_sections,
 )
+from .copyhash import copy_xxh3
 from .delta import copy_bits
 from .limits import Limits, RejectedMessage, RejectionLog
 from .security import Curve, HandshakeWatch, secure_client, secure_server
@@ -537,23 +538,36 @@ class VersionSubscriber:
             dropped += 1
         return dropped
 
-    def _payload_into(self, sock: zmq.Socket, buffer: memoryview | None, size: int) -> memoryview:
+    def _payload_into(
+        self, sock: zmq.Socket, buffer: memoryview | None, size: int
+    ) -> tuple[memoryview, int | None]:
         """Receives the payload frame into `buffer` (or the scratch buffer), checking that
-        it is exactly `size` bytes and the last frame of the message."""
+        it is exactly `size` bytes and the last frame of the message; returns it and,
+        when it went into `buffer`, the XXH3-64 of its bytes: those are copied out of
+        ZeroMQ's message and hashed in one pass (`copy_xxh3`), not copied by `recv_into`
+        then read again for the checksum."""
         if not sock.rcvmore:
             raise RejectedMessage("expected 2 frames (header, payload), got 1")
-        if buffer is None:
-            if self._scratch.size < size:
-                self._scratch = np.empty(size, dtype=np.uint8)
-            buffer = memoryview(self._scratch)[:size]
-        received = sock.recv_into(buffer) if size else len(sock.recv(copy=False))
+        digest = None
+        if buffer is not None and size:
+            frame = sock.recv(copy=False)
+            received = len(frame.buffer)
+            if received == size:
+                digest = copy_xxh3(frame.buffer, buffer)
+            del frame
+        else:
+            if buffer is None:
+                if self._scratch.size < size:
+                    self._scratch = np.empty(size, dtype=np.uint8)
+                buffer = memoryview(self._scratch)[:size]
+            received = sock.recv_into(buffer) if size else len(sock.recv(copy=False))
         extra = self._rest(sock)
         if received != size or extra:
             raise RejectedMessage(
                 f"payload of {received} bytes in {2 + extra} frames, the header says "
                 f"{size} bytes in 2"
             )
-        return buffer
+        return buffer, digest
 
     def _on_live(self) -> Version | None:
         first = self.sub.recv(copy=False).bytes
@@ -615,8 +629,8 @@ class VersionSubscriber:
                 return None
             self._live = VersionAssembler(self.tensors, self.version, self.limits, self._storage)
         header, destination = self._live.begin(first)
-        payload = self._payload_into(self.sub, destination, header["payload_bytes"])
-        version = self._live.finish(payload)
+        payload, digest = self._payload_into(self.sub, destination, header["payload_bytes"])
+        version = self._live.finish(payload, digest)
         if version is not None:
             self._live = None
         return version
@@ -630,7 +644,7 @@ class VersionSubscriber:
         )
 
     def _on_notice(self, first: bytes, sock: zmq.Socket, snapshot: bool = False):
-        payload = self._payload_into(sock, None, 0)  # a notice's second frame is empty
+        payload, _ = self._payload_into(sock, None, 0)  # a notice's second frame is empty
         notice = parse_notice(first, self.limits)
         if self.version is not None and notice["version"] <= self.version:
             return None
@@ -702,8 +716,8 @@ class VersionSubscriber:
             if self._snapshot is None:
                 self._snapshot = VersionAssembler(limits=self.limits)
             header, destination = self._snapshot.begin(first)
-            payload = self._payload_into(self.dealer, destination, header["payload_bytes"])
-            version = self._snapshot.finish(payload)
+            payload, digest = self._payload_into(self.dealer, destination, header["payload_bytes"])
+            version = self._snapshot.finish(payload, digest)
         except RejectedMessage as err:
             self._rest(self.dealer)
             self._snapshot, self._snapshot_pending = None, False
