@@ -14,8 +14,9 @@ from `VersionPublisher.publish` (the policy's quantization included) until a
 
 Versions, per precision: over shared memory every version goes whole (deltas are for
 the network); the first two allocate the receiver's buffers, later ones land in
-buffers it already has. Over TCP, versions 0-2 are whole (new random weights each:
-the receiver's buffers exist from version 2 on), 3-5 deltas after one step at `--lr`.
+buffers it already has. Over TCP, versions 0-4 are whole (new random weights each:
+the receiver's buffers exist from version 2 on, so three preallocated full versions make
+the median), 5-7 deltas after one step at `--lr`.
 Throughput = model bytes in BF16 / (publish start → applied). memcpy = one `copy_` of
 that many bytes; bare ZeroMQ = PUSH → PULL of the model in `--chunk-mb` frames between
 two processes, received into a preallocated buffer (`recv_into`), the ceiling any
@@ -135,7 +136,7 @@ def zmq_ceiling(context, nbytes: int, chunk_bytes: int) -> float:
 
 def versions_for(transport: str) -> list[str]:
     """What each version is made of: fresh random weights ("new") or one Adam step."""
-    return ["new"] * 4 if transport == "shm" else ["new"] * 3 + ["step"] * 3
+    return ["new"] * 4 if transport == "shm" else ["new"] * 5 + ["step"] * 3
 
 
 def run_precision(args, precision, context, memcpy, ceiling, model_bytes) -> list[dict]:

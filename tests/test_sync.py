@@ -89,11 +89,13 @@ def test_patch_is_lossless_bit_for_bit_including_signed_zeros_and_nan():
 
 
 def test_a_dense_change_goes_full_and_chunks_respect_the_size():
-    base = {f"w{i}": torch.randn(64, 64) for i in range(6)}
+    base = {f"w{i}": torch.randn(64, 64) for i in range(3)}  # 16 KiB each
+    base |= {"big": torch.randn(25_000), "small": torch.randn(250)}  # 100,000 and 1,000 bytes
     new = {k: v + 1 for k, v in base.items()}
     messages = encode_version(2, new.items(), base=base, base_version=1, chunk_bytes=40_000)
-    assert len(messages) == 3  # 6 x 16 KiB, tensors split across chunks of 40,000 bytes
-    assert [len(m[1]) for m in messages] == [40_000, 40_000, 6 * 16_384 - 80_000]
+    # A tensor that does not fit in the room left starts a chunk; one that spans chunks
+    # has them to itself (each part is received in place), and what follows starts anew.
+    assert [len(m[1]) for m in messages] == [32_768, 16_384, 40_000, 40_000, 20_000, 1_000]
     assert all(
         e["encoding"] == "full"
         for m in messages
@@ -219,6 +221,48 @@ def test_a_subscriber_that_missed_the_first_version_on_pub_still_gets_it():
     finally:
         subscriber.close()
         silent_pub.close()
+        publisher.close()
+        context.term()
+
+
+def test_chunks_queued_for_a_stalled_subscriber_never_change_under_it():
+    """Full tensors go out zero-copy from the publisher's state. A subscriber that stops
+    reading keeps them queued; the next version must not be written into them: the
+    publisher copies its state instead, and every chunk of the old version still arrives
+    as it was sent."""
+    context = zmq.Context()
+    publisher = VersionPublisher(LOOPBACK, LOOPBACK, chunk_bytes=64 << 10, context=context)
+    stalled = context.socket(zmq.SUB)
+    stalled.rcvhwm, stalled.rcvbuf = 1, 64 << 10
+    stalled.setsockopt(zmq.SUBSCRIBE, VERSION_TOPIC)
+    stalled.connect(publisher.publish_address)
+    time.sleep(0.3)
+    g = torch.Generator().manual_seed(3)
+    versions = [
+        {f"w{i}": torch.randn(1 << 20, generator=g).to(torch.bfloat16) for i in range(24)}
+        for _ in range(3)
+    ]  # 48 MiB each: more than loopback buffers hold
+    versions[2] = {k: v.clone() for k, v in versions[1].items()}
+    versions[2]["w0"][:1000] += 1  # a delta: written into the base in place
+    try:
+        publisher.publish(0, versions[0].items())
+        queued = publisher.state["w23"].data_ptr()
+        assert any(not tracker.done for tracker in publisher._sending)
+        publisher.publish(1, versions[1].items())
+        assert publisher.state["w23"].data_ptr() != queued  # copied, not written over
+        publisher.publish(2, versions[2].items())
+        assert all(bits_equal(publisher.state[k], v) for k, v in versions[2].items())
+        received: dict[int, list] = {0: [], 1: [], 2: []}
+        while len(received[2]) == 0 or not msgpack.unpackb(received[2][-1][0][HEADER_AT:])["final"]:
+            frames = stalled.recv_multipart()
+            received[msgpack.unpackb(frames[0][HEADER_AT:])["version"]].append(frames)
+        previous = None
+        for number, messages in received.items():
+            got = decode_version(messages, base=previous, base_version=number - 1)
+            assert all(bits_equal(got.weights[k], v) for k, v in versions[number].items())
+            previous = got.weights
+    finally:
+        stalled.close()
         publisher.close()
         context.term()
 
@@ -385,6 +429,50 @@ def test_fuzzed_frames_through_real_sockets_never_stop_either_receiver():
             socket.close(linger=0)
         subscriber.close()
         receiver.close()
+        context.term()
+
+
+def test_a_spoiled_chunk_received_in_place_is_refused():
+    """A chunk that is one slice of one tensor is copied out of ZeroMQ's message into
+    the tensor and hashed in the same pass: a flipped bit, a short or a long payload is
+    still refused, and the next good version arrives whole."""
+    context = zmq.Context()
+    rogue_pub = context.socket(zmq.PUB)
+    rogue_pub.bind(LOOPBACK)
+    snapshot_router = context.socket(zmq.ROUTER)
+    snapshot_router.bind(LOOPBACK)
+    subscriber = VersionSubscriber(
+        rogue_pub.getsockopt_string(zmq.LAST_ENDPOINT),
+        snapshot_router.getsockopt_string(zmq.LAST_ENDPOINT),
+        context=context,
+        transport="tcp",
+    )
+    time.sleep(0.3)
+    weights = {"w": torch.randn(4000), "v": torch.randn(3000)}  # parts of 4,000 bytes
+    try:
+        for number, spoil in enumerate(["flip", "short", "long"], start=1):
+            messages = encode_version(number, weights.items(), chunk_bytes=4000)
+            frames = [bytearray(f) for f in messages[2]]
+            if spoil == "flip":
+                frames[1][1234] ^= 0x10
+            elif spoil == "short":
+                frames[1] = frames[1][:-8]
+            else:
+                frames[1] += b"12345678"
+            messages[2] = [bytes(f) for f in frames]
+            for message in messages:
+                rogue_pub.send_multipart(message)
+        good = encode_version(4, weights.items(), chunk_bytes=4000)
+        assert all(len(m[1]) == 4000 for m in good[:-1])
+        for message in good:
+            rogue_pub.send_multipart(message)
+        got = wait_for(subscriber, 4)
+        assert [v.number for v in got] == [4] and subscriber.rejected == 3
+        assert all(bits_equal(got[0].weights[k], weights[k]) for k in weights)
+    finally:
+        for socket in (rogue_pub, snapshot_router):
+            socket.close(linger=0)
+        subscriber.close()
         context.term()
 
 

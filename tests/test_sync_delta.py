@@ -9,7 +9,15 @@ import torch
 import zstandard
 
 from asyncfp8.sync import RejectedMessage, decode_version, encode_version
-from asyncfp8.sync.delta import apply_delta, element_view, encode_delta
+from asyncfp8.sync.codec import encode_tagged, tag_sections
+from asyncfp8.sync.delta import (
+    PROBE,
+    _clearly_whole_numpy,
+    apply_delta,
+    clearly_whole,
+    element_view,
+    encode_delta,
+)
 
 DTYPES = [
     torch.bfloat16,
@@ -99,6 +107,77 @@ def test_update_base_leaves_the_new_bits_in_the_base_delta_or_not():
     dense = random_tensor(torch.bfloat16, (64, 33), rng)
     assert encode_delta(dense, kept, update_base=True) is None  # every element changed
     assert bits(kept) == bits(dense)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8, torch.int64], ids=str)
+@pytest.mark.parametrize("n", [0, 1, 999, PROBE, 5 * PROBE + 3])
+def test_the_compiled_sample_decides_as_the_numpy_one(dtype, n):
+    """`clearly_whole` (a numba loop) takes the decision the numpy code took, on sparse
+    updates, fresh values, and changes near the threshold (all escapes, or all small)."""
+    rng = torch.Generator().manual_seed(n)
+    base = random_tensor(dtype, (n,), rng)
+    small = base.clone()
+    words = element_view(small)
+    words[::2] = (words[::2].astype(np.int64) + 3) % (1 << (8 * words.itemsize))
+    cases = [base.clone(), random_tensor(dtype, (n,), rng), small]
+    if n:
+        cases.append(changed_copy(base, rng))
+    for fraction in (0.2, 0.45, 0.5, 0.55, 0.8):  # around the threshold (escapes if wide)
+        new = base.clone()
+        words = element_view(new)
+        pick = np.random.default_rng(7).random(words.size) < fraction
+        words[pick] ^= np.array(1 << (8 * words.itemsize - 2), dtype=words.dtype)
+        cases.append(new)
+    decisions = []
+    for new in cases:
+        a, b = element_view(new), element_view(base)
+        decisions.append(clearly_whole(a, b))
+        assert decisions[-1] == _clearly_whole_numpy(a, b)
+    if n > 999:
+        assert decisions[:2] == [False, True] and decisions[-1] and not decisions[-5]
+
+
+def test_a_sending_base_holds_every_version_bit_for_bit_and_payloads_share_it():
+    """`encode_tagged` with `update_base` and `share_base` (the publisher): whole tensors
+    are copied into the base and their messages in one pass, a chunk that is one slice of
+    one tensor is a view of the base; after every version, full or delta, the base holds
+    its bits exactly, and the messages decode to it."""
+    rng = torch.Generator().manual_seed(6)
+    shapes = {"embed": (300, 64), "w.a": (40, 64), "w.b": (7, 13), "scale": (), "big": (5000,)}
+    state = {k: random_tensor(torch.bfloat16, s, rng) for k, s in shapes.items()}
+    state["e4m3"] = random_tensor(torch.float8_e4m3fn, (77, 31), rng)
+    sender: dict[str, torch.Tensor] = {}
+    receiver, receiver_version, shared = None, None, 0
+    plan = ["new", "step", "step", "new", "step", "grow", "step"]
+    for number, made in enumerate(plan):
+        if made == "new":
+            state = {k: random_tensor(v.dtype, tuple(v.shape), rng) for k, v in state.items()}
+        elif made == "step":
+            state = {k: changed_copy(v, rng, fraction=0.02) for k, v in state.items()}
+        else:  # a tensor the base does not have yet
+            state["late"] = random_tensor(torch.bfloat16, (3000,), rng)
+        messages = list(
+            encode_tagged(
+                number,
+                tag_sections(state.items(), None),
+                base=sender,
+                base_version=number - 1 if number else None,
+                update_base=True,
+                share_base=True,
+                chunk_bytes=4096,
+            )
+        )
+        assert {k: bits(v) for k, v in sender.items()} == {k: bits(v) for k, v in state.items()}
+        for _, payload in messages:
+            if len(payload) and isinstance(payload, memoryview):
+                at = np.frombuffer(payload, np.uint8)
+                shared += any(np.shares_memory(at, element_view(t)) for t in sender.values())
+        version = decode_version(messages, base=receiver, base_version=receiver_version)
+        assert {k: bits(v) for k, v in version.weights.items()} == {
+            k: bits(v) for k, v in state.items()
+        }
+        receiver, receiver_version = version.weights, number
+    assert shared  # the zero-copy path was taken
 
 
 def test_versions_of_every_policy_dtype_survive_fifty_delta_rounds():

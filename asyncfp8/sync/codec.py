@@ -173,22 +173,38 @@ def encode_tagged(
     update_base: bool = False,
     stream: str = "",
     zstd_level: int = 1,
+    share_base: bool = False,
 ) -> Iterator[list[bytes]]:
-    """`encode_chunks` over (section, name, tensor) triples."""
+    """`encode_chunks` over (section, name, tensor) triples. With `update_base`, a tensor
+    that goes whole is copied into `base` and into its message in one pass (read once).
+    With `share_base` too, a chunk that is one slice of one such tensor is not copied a
+    second time: its payload frame is a view of `base` (the caller must then keep `base`
+    from changing until ZeroMQ has sent those frames: `VersionPublisher` tracks them)."""
     chunk_bytes = max(1, chunk_bytes)
-    pending: list[tuple[dict, memoryview]] = []  # (part, its bytes)
+    # (part, its bytes, where in `base` they also go or None)
+    pending: list[tuple[dict, memoryview, memoryview | None]] = []
     entries: dict[str, dict[str, Any]] = {}  # name -> its entry in this chunk
     size, chunk_index, names = 0, 0, set()
+    cut = False  # the next full tensor starts a new chunk
 
     def message(final: bool) -> list[bytes]:
-        payload = aligned_empty(size)
-        target = memoryview(payload)
-        cursor = 0
-        for part, data in pending:
-            # One pass: the bytes are hashed from the registers they are copied from.
-            digest = copy_xxh3(data, target[cursor : cursor + len(data)])
-            part |= {"offset": cursor, "checksum": digest}
-            cursor += len(data)
+        if share_base and len(pending) == 1 and pending[0][2] is not None:
+            # One slice of one tensor: copied (and hashed, one pass) into the base only,
+            # and sent from there.
+            part, data, into = pending[0]
+            part |= {"offset": 0, "checksum": copy_xxh3(data, into)}
+            payload = into
+        else:
+            payload = aligned_empty(size)
+            target = memoryview(payload)
+            cursor = 0
+            for part, data, into in pending:
+                # One pass: the bytes are hashed from the registers they are copied from.
+                written = target[cursor : cursor + len(data)]
+                part |= {"offset": cursor, "checksum": copy_xxh3(data, written)}
+                if into is not None and len(into):
+                    into[:] = written
+                cursor += len(data)
         header = {
             "format": FORMAT_VERSION,
             "kind": "version",
@@ -205,10 +221,12 @@ def encode_tagged(
         }
         return [VERSION_TOPIC + seal(msgpack.packb(header, use_bin_type=True)), payload]
 
-    def add(entry: dict[str, Any], part: dict[str, Any], data: memoryview) -> None:
+    def add(
+        entry: dict[str, Any], part: dict[str, Any], data: memoryview, into: memoryview | None
+    ) -> None:
         nonlocal size
         entries.setdefault(entry["name"], entry | {"parts": []})["parts"].append(part)
-        pending.append((part, data))
+        pending.append((part, data, into))
         size += len(data)
 
     for section, name, tensor in tagged:
@@ -226,13 +244,28 @@ def encode_tagged(
             "result_checksum": None,  # a full tensor's parts each have theirs
         }
         old = None if base is None else base.get(name)
-        delta = None
+        delta, keep = None, None  # keep: the base tensor a whole tensor is also copied into
         if old is not None and old.dtype == tensor.dtype and old.shape == tensor.shape:
-            delta = encode_delta(tensor, old, zstd_level, update_base=update_base)
+            delta = encode_delta(
+                tensor, old, zstd_level, update_base=update_base, defer_whole=update_base
+            )
             if delta is not None:
                 entry["result_checksum"] = checksum(tensor)
+            elif update_base:
+                keep = old
         elif update_base and base is not None:
-            base[name] = tensor.clone()
+            keep = base[name] = torch.empty(tensor.shape, dtype=tensor.dtype)
+        data = memoryview(delta.blob) if delta is not None else byte_view(tensor)
+        # A full tensor that does not fit in the room left starts a chunk, and one that
+        # spans chunks ends its last one: each part of it is then a chunk of its own,
+        # which the receiver takes straight into its tensor (`recv_into`) and the
+        # publisher sends from its base, with no copy through a scratch or message buffer.
+        spans = delta is None and len(data) > chunk_bytes
+        if size and (cut or spans or (delta is None and size + len(data) > chunk_bytes)):
+            yield message(final=False)
+            pending, entries, size = [], {}, 0
+            chunk_index += 1
+        cut = spans
         if delta is not None:
             part = {
                 "role": "delta",
@@ -242,9 +275,10 @@ def encode_tagged(
                 "gap_bytes": delta.gap_bytes,
                 "raw_bytes": delta.raw_bytes,
             }
-            add(entry | {"encoding": "delta"}, part, memoryview(delta.blob))
+            add(entry | {"encoding": "delta"}, part, data, None)
         else:
-            data, at = byte_view(tensor), 0
+            at = 0
+            kept = None if keep is None else byte_view(keep)
             while True:
                 if size >= chunk_bytes:
                     yield message(final=False)
@@ -255,6 +289,7 @@ def encode_tagged(
                     entry | {"encoding": "full"},
                     {"role": "data", "at": at, "length": length},
                     data[at : at + length],
+                    None if kept is None else kept[at : at + length],
                 )
                 at += length
                 if at >= len(data):
@@ -451,9 +486,11 @@ class VersionAssembler:
                 return header, view[part["at"] : part["at"] + part["length"]]
         return header, None
 
-    def finish(self, payload: memoryview | bytes) -> Version | None:
+    def finish(self, payload: memoryview | bytes, digest: int | None = None) -> Version | None:
         """Checks the chunk's payload (in the buffer `begin` named, or anywhere) and
-        rebuilds its tensors; the Version after the final chunk, else None."""
+        rebuilds its tensors; the Version after the final chunk, else None. `digest`:
+        the XXH3-64 of the payload's bytes where the receiver computed it while copying
+        them (then a chunk that is one part is not read again to check it)."""
         header, self._chunk = self._chunk, None
         _check(header is not None, "payload without a header")
         view = memoryview(payload).cast("B")
@@ -465,11 +502,13 @@ class VersionAssembler:
             self._header_bytes + len(view) <= self.limits.max_message_bytes,
             "message exceeds max_message_bytes",
         )
+        whole = len(header["tensors"]) == 1 and header["tensors"][0]["parts"][0]["offset"] == 0
         for entry in header["tensors"]:
             part = entry["parts"][0]
             data = view[part["offset"] : part["offset"] + part["length"]]
+            known = digest is not None and whole and part["length"] == len(view)
             _check(
-                xxhash.xxh3_64_intdigest(data) == part["checksum"],
+                (digest if known else xxhash.xxh3_64_intdigest(data)) == part["checksum"],
                 f"{entry['name']}: payload checksum mismatch",
             )
         for entry in header["tensors"]:

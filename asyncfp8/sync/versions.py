@@ -42,6 +42,7 @@ from .codec import (
     parse_header,
     tag_sections,
 )
+from .copyhash import copy_xxh3
 from .delta import copy_bits
 from .limits import Limits, RejectedMessage, RejectionLog
 from .security import Curve, HandshakeWatch, secure_client, secure_server
@@ -141,6 +142,9 @@ class VersionPublisher:
         self.state: dict[str, torch.Tensor] = {}  # the latest version: the base of deltas
         self.sections: dict[str, str] = {}
         self._state_in_shm = False  # state views the latest segment rather than own copies
+        # Frames sent zero-copy from `state` (a full tensor's chunks): ZeroMQ reads them
+        # until these say done, and `state` must not change under them (`_settle_state`).
+        self._sending: list[zmq.MessageTracker] = []
         self.stream = uuid.uuid4().hex[:12]  # this publisher: chunks of two never mix
         self.shm: SegmentWriter | None = None  # made when a local worker first subscribes
         self.version: int | None = None
@@ -204,6 +208,7 @@ class VersionPublisher:
             to_tcp = self._wanted(VERSION_TOPIC)
             base_version = self.version
             self.version = None  # until the whole version is out, no snapshot may mix two versions
+            self._settle_state(base_version)
             if not to_shm and self._state_in_shm:
                 # The latest segment is read by workers: deltas must not update it in place.
                 self.state = {name: t.clone() for name, t in self.state.items()}
@@ -212,6 +217,7 @@ class VersionPublisher:
                 to_shm = self._make_writer()
             tagged = self._into_segment(version, tag_sections(weights, extra), to_shm)
             wire, sent = 0, 0
+            update_base = not self._state_in_shm and not to_shm
             try:
                 if to_tcp:
                     for message in encode_tagged(
@@ -222,13 +228,16 @@ class VersionPublisher:
                         policy=policy,
                         engine_config=engine_config,
                         chunk_bytes=self.chunk_bytes,
-                        update_base=not self._state_in_shm and not to_shm,
+                        update_base=update_base,
                         stream=self.stream,
                         zstd_level=self.zstd_level,
+                        share_base=update_base,
                     ):
                         if sent:
                             failpoint("publish.between_chunks")
-                        self.pub.send_multipart(message, copy=False)
+                        tracker = self.pub.send_multipart(message, copy=False, track=True)
+                        if not tracker.done:
+                            self._sending.append(tracker)
                         wire += sum(len(frame) for frame in message)
                         sent += 1
                 elif to_shm:
@@ -253,6 +262,24 @@ class VersionPublisher:
         media = ("tcp",) * to_tcp + ("shm",) * to_shm
         shm_bytes = self.shm.bytes_moved if to_shm else 0
         return PublishStats(version, wire, sent, time.perf_counter() - started, media, shm_bytes)
+
+    def _settle_state(self, latest: int | None) -> None:
+        """Lets `state` change in place again (call with the lock held, before anything
+        writes into it). The chunks of full tensors go out zero-copy from `state`; ZeroMQ
+        is normally done with them long before the next version (the bench: always), but
+        a subscriber that stalls keeps them queued (up to the send high-water mark). Then
+        the state moves to fresh copies, and the queued frames keep the old memory alive
+        until ZeroMQ drops or sends them: a frame never changes after it was sent."""
+        busy = [tracker for tracker in self._sending if not tracker.done]
+        self._sending = []
+        if busy and not self._state_in_shm:
+            log.debug(
+                "%d chunks of version %s still queued for a slow subscriber: copying the "
+                "publisher's state rather than updating it under them",
+                len(busy),
+                latest,
+            )
+            self.state = {name: tensor.clone() for name, tensor in self.state.items()}
 
     def _make_writer(self) -> bool:
         """The shared segments' writer, made when a local worker first wants it; False
@@ -511,23 +538,36 @@ class VersionSubscriber:
             dropped += 1
         return dropped
 
-    def _payload_into(self, sock: zmq.Socket, buffer: memoryview | None, size: int) -> memoryview:
+    def _payload_into(
+        self, sock: zmq.Socket, buffer: memoryview | None, size: int
+    ) -> tuple[memoryview, int | None]:
         """Receives the payload frame into `buffer` (or the scratch buffer), checking that
-        it is exactly `size` bytes and the last frame of the message."""
+        it is exactly `size` bytes and the last frame of the message; returns it and,
+        when it went into `buffer`, the XXH3-64 of its bytes: those are copied out of
+        ZeroMQ's message and hashed in one pass (`copy_xxh3`), not copied by `recv_into`
+        then read again for the checksum."""
         if not sock.rcvmore:
             raise RejectedMessage("expected 2 frames (header, payload), got 1")
-        if buffer is None:
-            if self._scratch.size < size:
-                self._scratch = np.empty(size, dtype=np.uint8)
-            buffer = memoryview(self._scratch)[:size]
-        received = sock.recv_into(buffer) if size else len(sock.recv(copy=False))
+        digest = None
+        if buffer is not None and size:
+            frame = sock.recv(copy=False)
+            received = len(frame.buffer)
+            if received == size:
+                digest = copy_xxh3(frame.buffer, buffer)
+            del frame
+        else:
+            if buffer is None:
+                if self._scratch.size < size:
+                    self._scratch = np.empty(size, dtype=np.uint8)
+                buffer = memoryview(self._scratch)[:size]
+            received = sock.recv_into(buffer) if size else len(sock.recv(copy=False))
         extra = self._rest(sock)
         if received != size or extra:
             raise RejectedMessage(
                 f"payload of {received} bytes in {2 + extra} frames, the header says "
                 f"{size} bytes in 2"
             )
-        return buffer
+        return buffer, digest
 
     def _on_live(self) -> Version | None:
         first = self.sub.recv(copy=False).bytes
@@ -589,8 +629,8 @@ class VersionSubscriber:
                 return None
             self._live = VersionAssembler(self.tensors, self.version, self.limits, self._storage)
         header, destination = self._live.begin(first)
-        payload = self._payload_into(self.sub, destination, header["payload_bytes"])
-        version = self._live.finish(payload)
+        payload, digest = self._payload_into(self.sub, destination, header["payload_bytes"])
+        version = self._live.finish(payload, digest)
         if version is not None:
             self._live = None
         return version
@@ -604,7 +644,7 @@ class VersionSubscriber:
         )
 
     def _on_notice(self, first: bytes, sock: zmq.Socket, snapshot: bool = False):
-        payload = self._payload_into(sock, None, 0)  # a notice's second frame is empty
+        payload, _ = self._payload_into(sock, None, 0)  # a notice's second frame is empty
         notice = parse_notice(first, self.limits)
         if self.version is not None and notice["version"] <= self.version:
             return None
@@ -676,8 +716,8 @@ class VersionSubscriber:
             if self._snapshot is None:
                 self._snapshot = VersionAssembler(limits=self.limits)
             header, destination = self._snapshot.begin(first)
-            payload = self._payload_into(self.dealer, destination, header["payload_bytes"])
-            version = self._snapshot.finish(payload)
+            payload, digest = self._payload_into(self.dealer, destination, header["payload_bytes"])
+            version = self._snapshot.finish(payload, digest)
         except RejectedMessage as err:
             self._rest(self.dealer)
             self._snapshot, self._snapshot_pending = None, False
