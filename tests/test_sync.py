@@ -386,9 +386,9 @@ def test_fuzzed_version_messages_are_all_rejected_and_good_ones_still_pass():
     assert all(bits_equal(version.weights[k], new[k]) for k in new)
 
 
-def test_fuzzed_frames_through_real_sockets_never_stop_either_receiver():
-    rng = random.Random(1)
-    context = zmq.Context()
+def subscriber_of_a_rogue_publisher(context):
+    """A PUB socket anyone can send anything through, a ROUTER standing in for the
+    snapshot service, and a TCP VersionSubscriber connected to both."""
     rogue_pub = context.socket(zmq.PUB)
     rogue_pub.bind(LOOPBACK)
     snapshot_router = context.socket(zmq.ROUTER)
@@ -399,6 +399,13 @@ def test_fuzzed_frames_through_real_sockets_never_stop_either_receiver():
         context=context,
         transport="tcp",
     )
+    return rogue_pub, snapshot_router, subscriber
+
+
+def test_fuzzed_frames_through_real_sockets_never_stop_either_receiver():
+    rng = random.Random(1)
+    context = zmq.Context()
+    rogue_pub, snapshot_router, subscriber = subscriber_of_a_rogue_publisher(context)
     receiver = TrajectoryReceiver(LOOPBACK, context=context)
     rogue_dealer = context.socket(zmq.DEALER)
     rogue_dealer.connect(receiver.address)
@@ -437,16 +444,7 @@ def test_a_spoiled_chunk_received_in_place_is_refused():
     the tensor and hashed in the same pass: a flipped bit, a short or a long payload is
     still refused, and the next good version arrives whole."""
     context = zmq.Context()
-    rogue_pub = context.socket(zmq.PUB)
-    rogue_pub.bind(LOOPBACK)
-    snapshot_router = context.socket(zmq.ROUTER)
-    snapshot_router.bind(LOOPBACK)
-    subscriber = VersionSubscriber(
-        rogue_pub.getsockopt_string(zmq.LAST_ENDPOINT),
-        snapshot_router.getsockopt_string(zmq.LAST_ENDPOINT),
-        context=context,
-        transport="tcp",
-    )
+    rogue_pub, snapshot_router, subscriber = subscriber_of_a_rogue_publisher(context)
     time.sleep(0.3)
     weights = {"w": torch.randn(4000), "v": torch.randn(3000)}  # parts of 4,000 bytes
     try:
