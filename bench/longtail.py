@@ -1,6 +1,8 @@
 """A long-tailed rollout batch through the torch engine: static batches against slots.
 
     python bench/longtail.py [--model small] [--batch 64] [--slots 16] [--out ...]
+    python bench/longtail.py --device cuda --model qwen2.5-1.5b-shaped --batch 256 \
+        --slots 64 --threshold 16       # on a GPU: `bash bench/gpu.sh longtail`
 
 The workload is one rollout batch of `--batch` sequences, most of them short (budgets
 drawn uniformly in [`--short-min`, `--short-max`] tokens) and every `--long-every`-th
@@ -137,19 +139,46 @@ def summarize(engine: TorchEngine, runs: list[tuple], budgets) -> dict:
     }
 
 
-def train_drafter(args, model_dir, task, budgets) -> tuple[dict, dict]:
+#: A random-init Qwen2 of Qwen2.5-1.5B's shape (bench/rollout.py), built once and shared
+#: by every mode's engine (bf16: nothing quantizes it in place).
+SHAPED = "qwen2.5-1.5b-shaped"
+
+
+def engine_factory(args):
+    """`build(slots, speculative)`: a TorchEngine of `--model` on `--device`."""
+    if args.model != SHAPED:
+        model_dir = str(resolve_model_dir(None, args.model, 0))
+        return lambda slots, speculative: TorchEngine(
+            model_dir,
+            args.precision,
+            dtype=DTYPES[args.dtype],
+            device=args.device,
+            slots=slots,
+            speculative=speculative,
+        )
+    from rollout import random_qwen
+
+    model, tokenizer = random_qwen(torch.device(args.device))
+    return lambda slots, speculative: TorchEngine(
+        None,
+        args.precision,
+        device=args.device,
+        slots=slots,
+        speculative=speculative,
+        model=model,
+        tokenizer=tokenizer,
+    )
+
+
+def train_drafter(args, build, task, budgets) -> tuple[dict, dict]:
     """The drafter's trainer state after `--train-rounds` generations of the workload's
     shape on other prompts and another seed, `--train-steps` optimizer steps after each
     (what a worker does between generations), and its last losses."""
-    engine = TorchEngine(
-        str(model_dir),
-        args.precision,
-        dtype=DTYPES[args.dtype],
-        device="cpu",
-        slots=args.slots,
+    engine = build(
+        args.slots,
         # Every step, however long: the timed runs measure a drafter trained this much
         # (a worker's train_time_fraction only changes how soon it gets there).
-        speculative={
+        {
             "mode": "fixed",
             "train_steps": args.train_steps,
             "train_time_fraction": None,
@@ -171,7 +200,8 @@ def train_drafter(args, model_dir, task, budgets) -> tuple[dict, dict]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="small", choices=["tiny", "small"])
+    parser.add_argument("--model", default="small", choices=["tiny", "small", SHAPED])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--precision", default="bf16")
     parser.add_argument(
         "--dtype",
@@ -211,9 +241,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--slots must be in 1..--batch ({args.batch}), got {args.slots}")
     if args.max_batch < 1:
         parser.error(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.model == SHAPED and args.precision != "bf16":
+        parser.error(f"--model {SHAPED} shares one model across the modes: --precision bf16")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU here")
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = resolve_model_dir(None, args.model, 0)
+    build = engine_factory(args)
     task = ArithmeticTask(seed=args.seed)
     budgets = workload(args)
     sampling = SamplingParams(temperature=1.0, seed=args.seed, ignore_eos=True)
@@ -239,19 +273,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown --modes {sorted(unknown)}; choose from {list(modes)}")
     drafter = None
     if {"speculative", "adaptive"} & set(wanted):
-        drafter, training = train_drafter(args, model_dir, task, budgets)
+        drafter, training = train_drafter(args, build, task, budgets)
         print(f"drafter trained: {training}")
     engines = {}
     for mode in wanted:
         slots, chunk, speculative = modes[mode]
-        engine = TorchEngine(
-            str(model_dir),
-            args.precision,
-            dtype=DTYPES[args.dtype],
-            device="cpu",
-            slots=slots,
-            speculative=speculative,
-        )
+        engine = build(slots, speculative)
         if speculative is not None:
             engine.load_drafter_state({"trainer": drafter})
         prompts = [engine.tokenizer(task.prompt(i).text)["input_ids"] for i in range(args.batch)]
@@ -305,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
             "model": args.model,
             "precision": args.precision,
             "dtype": args.dtype,
-            "device": "cpu",
+            "device": args.device,
             "batch": args.batch,
             "budgets": budgets,
             "same_tokens_in_every_mode": same,

@@ -68,3 +68,23 @@ def test_longtail_bench_writes_its_rows(tmp_path):
     assert rows["continuous"]["decode_steps"] < rows["static_batches"]["decode_steps"]
     assert rows["continuous"]["row_steps_per_token"] < rows["static"]["row_steps_per_token"]
     assert "continuous" in result.stdout and "adaptive" in result.stdout
+
+
+def test_longtail_bench_refuses_what_it_cannot_run():
+    """Refused before any model is built: a shaped model with a quantizing precision (one
+    model is shared by every mode), slots beyond the batch."""
+    for args, message in (
+        (["--model=qwen2.5-1.5b-shaped", "--precision=fp8"], "--precision bf16"),
+        (["--batch=4", "--slots=8"], "--slots must be in 1..--batch"),
+    ):
+        result = subprocess.run(
+            [sys.executable, str(REPO / "bench" / "longtail.py"), *args],
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            },
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
