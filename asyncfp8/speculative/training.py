@@ -4,8 +4,9 @@ The engine records, while it generates, the target's last hidden states (the LM 
 input) and the tokens at the same positions, and hands them to `observe`; a bounded FIFO
 buffer keeps the most recent. `train(steps, deadline)` runs between generations or while
 the batch is small, within a time budget when given one (nothing is idle on a worker whose
-only device also generates: the budget bounds what online training costs its rollouts). The objective is fastrl's: 0.5 × smooth L1 between the drafter's feature and
-the target's next hidden state + 0.5 × cross-entropy of the drafter's distribution to the
+only device also generates: the budget bounds what online training costs its rollouts).
+The objective is fastrl's: 0.5 × smooth L1 between the drafter's feature and the
+target's next hidden state + 0.5 × cross-entropy of the drafter's distribution to the
 target's (both through the target's LM head at temperature 1; since lm_head(h) are the
 target's logits, recorded hidden states are all the target information training needs).
 
@@ -274,6 +275,7 @@ class DrafterTrainer:
                 "optimizer": self.optimizer.state_dict(),
                 "generator": self.generator.get_state(),
                 "steps": self.steps,
+                "cut_short": self.cut_short,
                 "version": self.version,
                 "last": dict(self.last),
                 "acceptance": {v: vars(r).copy() for v, r in self.acceptance.items()},
@@ -287,6 +289,7 @@ class DrafterTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"])
         self.steps = int(state["steps"])
+        self.cut_short = int(state.get("cut_short", 0))  # absent from older checkpoints
         self.version = int(state["version"])
         self.last = dict(state["last"])
         self.acceptance = {int(v): _Acceptance(**r) for v, r in state["acceptance"].items()}
