@@ -678,8 +678,9 @@ class Learner:
                 return {}
             # By parameter name, so that tied weights are sent once. The snapshot is taken
             # (needed: with one rank on the CPU the gathered tensors are the parameters
-            # themselves, which the next step updates in place) and this returns; quantizing (by the policy, from the FP32 masters),
-            # encoding and sending happen on a thread while the next step trains.
+            # themselves, which the next step updates in place) and this returns;
+            # quantizing (by the policy, from the FP32 masters), encoding and sending
+            # happen on a thread while the next step trains.
             masters = ((name, full[name]) for name, _ in self.model.named_parameters())
             waited = self.background.submit(
                 self.version,

@@ -76,8 +76,8 @@ class SlotDecoder:
     `model`, a transformers causal LM whose attention implementation is
     `decode.ATTENTION`. `kv_scales` as for `StaticDecoder` (None: a cache in the model
     dtype). `record_hidden`: every forward also keeps the target's last hidden states
-    (the LM head's input) in `hidden` and, per row and position, in `hidden_states` with
-    the token fed there in `fed_tokens`: what a speculative drafter reads and trains on."""
+    (the LM head's input), per row and position, in `hidden_states` with the token fed
+    there in `fed_tokens`: what a speculative drafter reads and trains on."""
 
     def __init__(
         self,
@@ -108,7 +108,6 @@ class SlotDecoder:
         #: eager step reads only the positions some row has reached, without a sync
         self.lengths = [0] * slots
         self.record_hidden = record_hidden
-        self.hidden: torch.Tensor | None = None  # the last forward's [rows, T, H]
         if record_hidden:
             size = config.hidden_size
             dtype = model.get_input_embeddings().weight.dtype
@@ -159,8 +158,8 @@ class SlotDecoder:
         for slot in slots:
             self.lengths[slot], self.advancing[slot] = width, True
         if self.record_hidden:
-            self.hidden = prefill.hidden.index_select(0, source)
-            self.hidden_states[target, :width] = self.hidden.to(self.hidden_states.dtype)
+            hidden = prefill.hidden.index_select(0, source)
+            self.hidden_states[target, :width] = hidden.to(self.hidden_states.dtype)
             self.fed_tokens[target, :width] = input_ids.to(self.device).index_select(0, source)
         return logits.index_select(0, source)
 
@@ -179,11 +178,11 @@ class SlotDecoder:
     def _run(self, tokens, positions, mask, keep: int, where: torch.Tensor) -> torch.Tensor:
         """The forward of tokens [slots, T] written at cache positions `where` [slots, T]
         (the hidden states are recorded there too)."""
-        self.hidden, logits = forward_static(
+        hidden, logits = forward_static(
             self.model, self.cache, self.kinds, tokens, mask, positions, keep, self.record_hidden
         )
         if self.record_hidden:
-            self.hidden_states[self.rows[:, None], where] = self.hidden.to(self.hidden_states.dtype)
+            self.hidden_states[self.rows[:, None], where] = hidden.to(self.hidden_states.dtype)
             self.fed_tokens[self.rows[:, None], where] = tokens
         return logits
 

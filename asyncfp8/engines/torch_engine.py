@@ -195,8 +195,12 @@ class TorchEngine:
 
     def _build_speculation(self) -> SlotSpeculation:
         settings = self.speculative
-        if settings.init is not None:
-            check_drafter_checkpoint(settings.init, self.model.config)
+        # Read once: checked for this model before anything is built, loaded at the end.
+        state = (
+            None
+            if settings.init is None
+            else check_drafter_checkpoint(settings.init, self.model.config)
+        )
         with torch.random.fork_rng(devices=[]):  # its init: the seed's, not the global stream's
             torch.manual_seed(settings.seed)
             drafter = Drafter(self.model).to(self.device)
@@ -218,8 +222,7 @@ class TorchEngine:
             controller=controller,
             trainer=trainer,
         )
-        if settings.init is not None:
-            state = torch.load(settings.init, map_location="cpu", weights_only=False)
+        if state is not None:
             load_drafter_state(speculation, state)
         return speculation
 

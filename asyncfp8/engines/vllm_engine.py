@@ -154,8 +154,7 @@ class VLLMEngine:
             raise EngineUnsupported(
                 "engine vllm (the CPU wheel) cannot start in a process that has loaded "
                 "numba / llvmlite (asyncfp8 loads them with the first version it encodes or "
-                "decodes): start "
-                "the engine first, as the worker does"
+                "decodes): start the engine first, as the worker does"
             )
         # In-process engine (so collective_rpc reaches the model), and on CPU a bounded
         # KV cache and no thread pinning, so that several processes can share a machine.

@@ -114,9 +114,10 @@ class SpeculativeSettings:
         return self.draft_tokens if self.mode == "fixed" else max(self.ks)
 
 
-def check_drafter_checkpoint(path: str, model_config) -> None:
+def check_drafter_checkpoint(path: str, model_config) -> dict:
     """ValueError unless `path` holds a drafter trained for a model with this config
-    (read without building anything: the check runs before the model loads)."""
+    (read without building anything: the check runs before the model loads); returns
+    the state read, for a caller that goes on to load it."""
     import torch
 
     from .drafter import check_checkpoint, target_signature
@@ -132,3 +133,4 @@ def check_drafter_checkpoint(path: str, model_config) -> None:
         check_checkpoint(drafter.get("_extra_state"), target_signature(model_config))
     except ValueError as err:
         raise ValueError(f"engine.speculative.init={path}: {err}") from None
+    return state
