@@ -185,7 +185,7 @@ def encode_tagged(
     pending: list[tuple[dict, memoryview, memoryview | None]] = []
     entries: dict[str, dict[str, Any]] = {}  # name -> its entry in this chunk
     size, chunk_index, names = 0, 0, set()
-    cut = False  # the next full tensor starts a new chunk
+    cut = False  # the last tensor spanned chunks: whatever comes next starts a new one
 
     def message(final: bool) -> list[bytes]:
         if share_base and len(pending) == 1 and pending[0][2] is not None:
@@ -220,6 +220,14 @@ def encode_tagged(
             "total_tensors": len(names) if final else None,
         }
         return [VERSION_TOPIC + seal(msgpack.packb(header, use_bin_type=True)), payload]
+
+    def next_chunk() -> list[bytes]:
+        """The chunk made of what is pending; the next one starts empty."""
+        nonlocal pending, entries, size, chunk_index
+        out = message(final=False)
+        pending, entries, size = [], {}, 0
+        chunk_index += 1
+        return out
 
     def add(
         entry: dict[str, Any], part: dict[str, Any], data: memoryview, into: memoryview | None
@@ -262,9 +270,7 @@ def encode_tagged(
         # publisher sends from its base, with no copy through a scratch or message buffer.
         spans = delta is None and len(data) > chunk_bytes
         if size and (cut or spans or (delta is None and size + len(data) > chunk_bytes)):
-            yield message(final=False)
-            pending, entries, size = [], {}, 0
-            chunk_index += 1
+            yield next_chunk()
         cut = spans
         if delta is not None:
             part = {
@@ -281,9 +287,7 @@ def encode_tagged(
             kept = None if keep is None else byte_view(keep)
             while True:
                 if size >= chunk_bytes:
-                    yield message(final=False)
-                    pending, entries, size = [], {}, 0
-                    chunk_index += 1
+                    yield next_chunk()
                 length = min(len(data) - at, chunk_bytes - size)
                 add(
                     entry | {"encoding": "full"},
@@ -295,9 +299,7 @@ def encode_tagged(
                 if at >= len(data):
                     break
         if size >= chunk_bytes:
-            yield message(final=False)
-            pending, entries, size = [], {}, 0
-            chunk_index += 1
+            yield next_chunk()
     yield message(final=True)
 
 
@@ -502,11 +504,11 @@ class VersionAssembler:
             self._header_bytes + len(view) <= self.limits.max_message_bytes,
             "message exceeds max_message_bytes",
         )
-        whole = len(header["tensors"]) == 1 and header["tensors"][0]["parts"][0]["offset"] == 0
         for entry in header["tensors"]:
             part = entry["parts"][0]
             data = view[part["offset"] : part["offset"] + part["length"]]
-            known = digest is not None and whole and part["length"] == len(view)
+            # A part that is the whole payload: the receiver hashed it while copying.
+            known = digest is not None and part["offset"] == 0 and part["length"] == len(view)
             _check(
                 (digest if known else xxhash.xxh3_64_intdigest(data)) == part["checksum"],
                 f"{entry['name']}: payload checksum mismatch",

@@ -68,12 +68,6 @@ class ShmUnavailable(RuntimeError):
     """Shared memory cannot be used with this learner (the reason says why)."""
 
 
-def copy_hashed(source: memoryview, target: memoryview) -> int:
-    """Copies `source` into `target`; the xxh3-64 of the bytes, hashed from the registers
-    they are stored from (one read and one write per byte: `copyhash`)."""
-    return copy_xxh3(source, target)
-
-
 def seal_notice(notice: dict[str, Any]) -> bytes:
     return SHM_TOPIC + seal(msgpack.packb(notice, use_bin_type=True))
 
@@ -145,8 +139,6 @@ class SegmentWriter:
         self.written[name] = entry
         notices, at = [], 0
         while True:
-            if notify and self.since_notice >= self.chunk_bytes:
-                notices.append(self._notice(final=False))
             length = entry["bytes"] - at
             if notify:  # up to the end of the group, rounded up to keep pieces aligned
                 room = self.chunk_bytes - self.since_notice
@@ -154,16 +146,16 @@ class SegmentWriter:
             piece = entry | {
                 "at": at,
                 "length": length,
-                "checksum": copy_hashed(source[at : at + length], target[at : at + length]),
+                "checksum": copy_xxh3(source[at : at + length], target[at : at + length]),
             }
             self.pieces.append(piece)
             self.pending.append(piece)
             self.since_notice += length
+            if notify and self.since_notice >= self.chunk_bytes:
+                notices.append(self._notice(final=False))
             at += length
             if at >= entry["bytes"]:
                 break
-        if notify and self.since_notice >= self.chunk_bytes:
-            notices.append(self._notice(final=False))
         return notices
 
     def _hold(self, section: str, name: str, tensor: torch.Tensor) -> None:
@@ -176,10 +168,7 @@ class SegmentWriter:
                 self.version,
                 name,
             )
-            for written in self.written.values():
-                view = self._tensor_view(self.target, written)
-                self.held.append((written["section"], written["name"], view.clone()))
-            self.target, self.written, self.pending, self.pieces = None, {}, [], []
+            self._hold_written()
         if tensor.dtype not in DTYPE_NAMES:
             raise ValueError(f"{name}: dtype {tensor.dtype} cannot be sent")
         self.held.append((section, name, tensor))
@@ -207,6 +196,8 @@ class SegmentWriter:
         return notice
 
     def _hold_written(self) -> None:
+        """What was written into the current segments, copied out to be written again
+        into new ones at `commit`."""
         for written in self.written.values():
             view = self._tensor_view(self.target, written)
             self.held.append((written["section"], written["name"], view.clone()))
@@ -562,7 +553,7 @@ class ShmAssembler:
             at, length = piece["at"], piece["length"]
             source = self.reader.view(segment, entry["offset"] + at, length)
             target = byte_view(self.tensors[name])[at : at + length]
-            if copy_hashed(source, target) != piece["checksum"]:
+            if copy_xxh3(source, target) != piece["checksum"]:
                 if self.reader.seq(segment) > notice["seq"] + 1:
                     raise Lapped()
                 raise ShmCorrupt(f"{name}: checksum mismatch in shared segment {segment}")

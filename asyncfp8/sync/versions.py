@@ -235,8 +235,9 @@ class VersionPublisher:
                     ):
                         if sent:
                             failpoint("publish.between_chunks")
-                        tracker = self.pub.send_multipart(message, copy=False, track=True)
-                        if not tracker.done:
+                        # Only frames that may be views of `state` need watching.
+                        tracker = self.pub.send_multipart(message, copy=False, track=update_base)
+                        if tracker is not None and not tracker.done:
                             self._sending.append(tracker)
                         wire += sum(len(frame) for frame in message)
                         sent += 1
