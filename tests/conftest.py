@@ -49,3 +49,12 @@ def pytest_collection_modifyitems(config, items):
     copied through shared memory (asyncfp8.sync.copyhash). A worker starts its
     engine before it decodes any delta, so only a test session mixing both meets this."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is None)
+
+
+@pytest.fixture(scope="session")
+def taught_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model taught to answer tests/taught.py's prompts with completions of
+    known, different lengths (the same on every CPU; a few seconds)."""
+    from tests.taught import teach
+
+    return teach(tiny_model_dir, tmp_path_factory.mktemp("models") / "taught")

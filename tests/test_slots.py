@@ -20,8 +20,7 @@ from asyncfp8.engines.request_sampling import (
 )
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.precision.fp8_kv import kv_scale_names
-
-PROMPTS = ["1+2=", "what is 13*7?", "3", "hello there, how are you today", "9-4=", "12*12="]
+from tests.taught import PROMPTS
 
 
 def engine(model_dir, slots, policy="bf16", check_every=3):
@@ -43,13 +42,13 @@ def assert_same(reference, other, atol=1e-5):
         )
 
 
-def test_greedy_slots_give_the_static_paths_tokens(tiny_model_dir):
+def test_greedy_slots_give_the_static_paths_tokens(taught_model_dir):
     sampling = SamplingParams(n=3, temperature=0.0, max_new_tokens=14)
-    static = engine(tiny_model_dir, None).generate(PROMPTS, sampling)
+    static = engine(taught_model_dir, None).generate(PROMPTS, sampling)
     lengths = {len(s.token_ids) for s in static}
     assert len(lengths) > 2  # sequences end at different steps: slots get refilled
     for slots, check in ((1, 1), (2, 3), (8, 5), (18, 3)):
-        e = engine(tiny_model_dir, slots, check_every=check)
+        e = engine(taught_model_dir, slots, check_every=check)
         assert_same(static, e.generate(PROMPTS, sampling))
         stats = e.last_stats
         assert stats.tokens == stats.useful_forwards == sum(len(s.token_ids) for s in static)

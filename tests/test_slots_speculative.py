@@ -17,8 +17,8 @@ from asyncfp8.engines.decode import processed_logprobs
 from asyncfp8.engines.slots import SlotDecoder
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
+from tests.taught import PROMPTS
 
-PROMPTS = ["1+2=", "what is 13*7?", "3", "hello there, how are you today", "9-4=", "12*12="]
 # All 60 steps whatever they take: the tests ask what a trained drafter achieves.
 FIXED = {"mode": "fixed", "draft_tokens": 3, "train_steps": 60, "train_time_fraction": None}
 ADAPTIVE = {**FIXED, "mode": "adaptive", "threshold": 4, "patience": 1, "ks": [0, 2, 3]}
@@ -47,6 +47,15 @@ def trained(tiny_model_dir):
     return e
 
 
+@pytest.fixture(scope="module")
+def taught_trained(taught_model_dir):
+    """A drafter trained on the taught model, whose greedy sequences end (on EOS) at
+    different steps whatever CPU built the tiny model."""
+    e = engine(taught_model_dir, speculative=FIXED)
+    train(e)
+    return e
+
+
 def forced_logprobs(e, sample, sampling):
     """The processed log-probs of `sample`'s tokens, fed one by one through a static
     decoder of the same model (no slots, no speculation)."""
@@ -60,11 +69,15 @@ def forced_logprobs(e, sample, sampling):
 
 
 @pytest.mark.parametrize("settings", [FIXED, ADAPTIVE], ids=["fixed", "adaptive"])
-def test_greedy_speculation_gives_plain_decodings_tokens(tiny_model_dir, trained, settings):
+def test_greedy_speculation_gives_plain_decodings_tokens(
+    taught_model_dir, taught_trained, settings
+):
     sampling = SamplingParams(n=3, temperature=0.0, max_new_tokens=24)
-    plain = engine(tiny_model_dir).generate(PROMPTS, sampling)
-    e = engine(tiny_model_dir, speculative=settings)
-    e.load_drafter_state({"trainer": trained.drafter_state()["trainer"]})
+    plain = engine(taught_model_dir).generate(PROMPTS, sampling)
+    assert len({len(s.token_ids) for s in plain}) > 2  # some end on EOS, at several steps
+    assert {s.finish_reason for s in plain} == {"stop", "length"}
+    e = engine(taught_model_dir, speculative=settings)
+    e.load_drafter_state({"trainer": taught_trained.drafter_state()["trainer"]})
     samples = e.generate(PROMPTS, sampling)
     assert [s.token_ids for s in samples] == [s.token_ids for s in plain]
     for a, b in zip(samples, plain, strict=True):
