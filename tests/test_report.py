@@ -1,11 +1,13 @@
-"""Run summaries and the smoothing behind the plots."""
+"""Run summaries, the smoothing behind the plots, and the confidence intervals over seeds."""
 
 import json
+import math
 
 import numpy as np
 import pytest
 
 from asyncfp8.report import per_step, plot_runs, smooth, summarize, trailing_mean
+from asyncfp8.stats import binomial_se, mean_ci, t_quantile, t_two_sided_probability
 
 
 def test_smooth_is_a_trailing_mean_that_skips_nan():
@@ -110,3 +112,52 @@ def test_trailing_mean_starts_once_its_window_is_full():
     got = trailing_mean(values, 4)
     assert np.isnan(got[:3]).all()  # no "mean" of one to three points drawn
     np.testing.assert_allclose(got[3:], [np.mean(values[i - 3 : i + 1]) for i in range(3, 10)])
+
+
+# --- confidence intervals ----------------------------------------------------------------------
+
+# t_{0.975, df}, computed independently of asyncfp8.stats: mpmath (30 digits) integrating the
+# t density and solving CDF(t) = 0.975 with findroot. They agree with printed tables
+# (12.706, 4.303, 2.776, 2.262, 2.042, 1.962).
+T_975 = {
+    1: 12.7062047361747,
+    2: 4.30265272974946,
+    3: 3.18244630528371,
+    4: 2.77644510519779,
+    9: 2.26215716279821,
+    30: 2.04227245630124,
+    1000: 1.96233908082641,  # the last df of the closed-form series
+    1001: 1.96233670528088,  # the first of the Cornish-Fisher expansion
+    5000: 1.96043855170651,
+}
+
+
+@pytest.mark.parametrize("df", sorted(T_975))
+def test_the_t_quantile_matches_independently_computed_values(df):
+    assert t_quantile(0.975, df) == pytest.approx(T_975[df], rel=1e-12)
+    assert t_two_sided_probability(T_975[df], df) == pytest.approx(0.95, abs=1e-12)
+
+
+def test_the_t_quantile_matches_scipy_where_it_is_installed():
+    stats = pytest.importorskip("scipy.stats")
+    for df in (1, 2, 5, 17, 200, 999, 1001, 20000):
+        for p in (0.9, 0.975, 0.995):
+            assert t_quantile(p, df) == pytest.approx(stats.t.ppf(p, df), rel=1e-10)
+
+
+def test_mean_ci_on_known_inputs():
+    # sd of 0.1..0.5 is 0.158113883; half-width t_{0.975,4} * sd / sqrt(5)
+    mean, half = mean_ci([0.1, 0.2, 0.3, 0.4, 0.5])
+    assert mean == pytest.approx(0.3)
+    assert half == pytest.approx(2.776445105 * 0.158113883 / math.sqrt(5), rel=1e-8)
+    assert half == pytest.approx(0.196324316, rel=1e-8)
+    # two values: sd 0.141421356, t_{0.975,1} = 12.70620474; half-width = 12.70620474 * 0.1
+    assert mean_ci([0.2, 0.4]) == pytest.approx((0.3, 1.270620474))
+    assert mean_ci([0.25, 0.25, 0.25]) == (0.25, 0.0)
+    assert mean_ci([0.7]) == (0.7, None)  # one run: no spread to measure, no interval
+    assert mean_ci([0.1, 0.3], level=0.9)[1] == pytest.approx(6.313751515 * 0.1, rel=1e-8)
+    with pytest.raises(ValueError, match="no values"):
+        mean_ci([])
+    assert binomial_se(0.5, 256) == 0.03125
+    with pytest.raises(ValueError, match="whole number"):
+        t_quantile(0.975, 0)
