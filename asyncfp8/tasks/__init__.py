@@ -1,7 +1,7 @@
 """Tasks: prompt sources with their reward functions, chosen by name or Hydra config.
 
     from asyncfp8.tasks import get_task, build_task, register_task
-    task = get_task("arithmetic", seed=1)
+    task = get_task("addition", seed=1, digits=3)
     task = build_task(cfg.task)   # Hydra: task=arithmetic, task.reward._target_=my.module.fn
 
 A reward function is `reward(completion: str, answer: str) -> float`.
@@ -14,6 +14,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .addition import AdditionTask
 from .arithmetic import ArithmeticTask
 from .base import Prompt, RewardFn, Task
 from .gsm8k import GSM8KJsonlTask
@@ -112,10 +113,12 @@ def build_task(cfg: Mapping[str, Any]) -> Task:
     return task
 
 
+register_task("addition", AdditionTask)
 register_task("arithmetic", ArithmeticTask)
 register_task("gsm8k_jsonl", GSM8KJsonlTask)
 
 __all__ = [
+    "AdditionTask",
     "ArithmeticTask",
     "GSM8KJsonlTask",
     "Prompt",

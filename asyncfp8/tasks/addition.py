@@ -1,0 +1,159 @@
+"""Addition of two fixed-width numbers, from a space no run can memorize.
+
+    Q: 0482+7396
+    A: 2+6+0=08 8+9+0=17 4+3+1=08 0+7+0=07 #07878        (answer_format: worked)
+    A: 87870                                              (answer_format: reversed)
+
+Both operands are drawn uniformly from [0, 10^digits) and written with exactly `digits`
+digits (zero-padded), so there are 10^(2·digits) problems: 10^6 at 3 digits, 10^8 at 4.
+A run of 500 steps × 8 prompts sees 4,000 of them, so what RL improves on the stream it
+improves on the held-out split, which is drawn from the same distribution.
+
+Why this form, measured on the `small` model (docs/results.md): with the answer's digits
+in the usual order, the first digit written depends on every carry, and a 0.8 M-parameter
+model trained for minutes barely learns it (0.117 exact match on 2-digit sums after 8,000
+supervised steps). Written least-significant digit first, each digit depends on two
+operand digits and the carry just written, at fixed offsets (the zero-padding keeps them
+fixed), which a small transformer learns in a few thousand steps:
+- `reversed`: the n+1 digits of the sum, least significant first (short: n + 2 tokens);
+- `worked`: one step per digit, least significant first, `a+b+carry=two-digit sum`, then
+  `#` and the sum in the usual order, n+1 digits (9n + n + 3 tokens: 33 at n = 3, 43 at
+  n = 4). Each step reads the carry the one before wrote, so an error compounds down the
+  answer: the long form for measuring rollout mismatch.
+The reward is 1 when the sum (the number after `#`; for `reversed` the digits read back
+to front) equals a + b.
+
+A `heldout_fraction` of the problems (by a hash of the expression, whatever the seed)
+never appears in the prompt stream; those are what held-out evaluation scores.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import re
+
+from .base import Prompt, RewardFn, Task, check_heldout_fraction, is_heldout
+
+ANSWER_FORMATS = ("worked", "reversed")
+FINAL_MARKER = "#"
+
+
+def worked_answer(a: int, b: int, digits: int) -> str:
+    """` 2+6+0=08 8+9+0=17 ... #07878`: the per-digit steps, then the sum."""
+    steps, carry = [], 0
+    for position in range(digits):
+        x, y = a // 10**position % 10, b // 10**position % 10
+        total = x + y + carry
+        steps.append(f"{x}+{y}+{carry}={total:02d}")
+        carry = total // 10
+    return " " + " ".join(steps) + f" {FINAL_MARKER}{a + b:0{digits + 1}d}"
+
+
+def reversed_answer(a: int, b: int, digits: int) -> str:
+    """` 87870`: the n+1 digits of a + b, least significant first."""
+    return " " + f"{a + b:0{digits + 1}d}"[::-1]
+
+
+def read_sum(completion: str, answer_format: str) -> int | None:
+    """The sum a completion states, or None when it states none: for `worked` the digits
+    right after the last `#`, for `reversed` the first word (all digits) read back to
+    front."""
+    if answer_format == "worked":
+        if FINAL_MARKER not in completion:
+            return None
+        match = re.match(r"\d+", completion.rsplit(FINAL_MARKER, 1)[1], re.ASCII)
+        return int(match.group()) if match else None
+    words = completion.split()
+    return int(words[0][::-1]) if words and re.fullmatch(r"\d+", words[0], re.ASCII) else None
+
+
+def sum_reward(completion: str, answer: str, answer_format: str = "worked") -> float:
+    """1 when the sum the completion states (after the last `#` for `worked`, the first
+    word read back to front for `reversed`) equals `answer`, else 0."""
+    return 1.0 if read_sum(completion, answer_format) == int(answer) else 0.0
+
+
+class AdditionTask(Task):
+    name = "addition"
+
+    def __init__(
+        self,
+        reward: RewardFn | None = None,
+        seed: int = 0,
+        digits: int = 3,
+        answer_format: str = "worked",
+        heldout_fraction: float = 0.1,
+    ):
+        if answer_format not in ANSWER_FORMATS:
+            raise ValueError(
+                f"addition: task.answer_format must be one of {', '.join(ANSWER_FORMATS)}, "
+                f"got {answer_format!r}"
+            )
+        super().__init__(reward or functools.partial(sum_reward, answer_format=answer_format))
+        check_heldout_fraction("addition", heldout_fraction)
+        if not 1 <= digits <= 9:
+            raise ValueError(f"addition: task.digits must be in 1..9, got {digits}")
+        self.seed, self.digits, self.answer_format = seed, digits, answer_format
+        self.heldout_fraction = heldout_fraction
+        self.space = 10 ** (2 * digits)
+        heldout = round(self.space * heldout_fraction)
+        if heldout_fraction > 0 and heldout < 256:
+            raise ValueError(
+                f"addition: task.digits={digits} with task.heldout_fraction={heldout_fraction} "
+                f"holds out about {heldout} of {self.space} problems; held-out evaluation needs "
+                "at least 256: raise digits or heldout_fraction"
+            )
+
+    def expression(self, a: int, b: int) -> str:
+        return f"{a:0{self.digits}d}+{b:0{self.digits}d}"
+
+    def _prompt(self, index: int, a: int, b: int) -> Prompt:
+        expression = self.expression(a, b)
+        return Prompt(
+            index=index,
+            text=f"Q: {expression}\nA:",
+            answer=str(a + b),
+            meta={"expression": expression, "a": a, "b": b},
+        )
+
+    def _draw(self, rng: random.Random) -> tuple[int, int]:
+        top = 10**self.digits
+        return rng.randrange(top), rng.randrange(top)
+
+    def prompt(self, index: int) -> Prompt:
+        # One generator per index: prompt i is the same whatever was asked before it;
+        # a held-out draw is replaced by the generator's next one.
+        rng = random.Random(f"addition:{self.seed}:{index}")
+        while True:
+            a, b = self._draw(rng)
+            if not is_heldout(self.expression(a, b), self.heldout_fraction):
+                return self._prompt(index, a, b)
+
+    def heldout_prompts(self, count: int) -> list[Prompt]:
+        """`count` distinct held-out problems, the same for every seed (and for every
+        `answer_format`: the split depends on the expression only)."""
+        if self.heldout_fraction == 0:
+            raise ValueError(
+                "addition: task.heldout_fraction is 0, so there are no held-out prompts to "
+                "evaluate on: set it above 0, or turn evaluation off with eval.every=0"
+            )
+        prompts: list[Prompt] = []
+        seen: set[str] = set()
+        rng = random.Random(f"addition-heldout:{self.digits}")
+        for _ in range(1000 * count):
+            a, b = self._draw(rng)
+            expression = self.expression(a, b)
+            if expression not in seen and is_heldout(expression, self.heldout_fraction):
+                seen.add(expression)
+                prompts.append(self._prompt(len(prompts), a, b))
+                if len(prompts) == count:
+                    break
+        return prompts
+
+    def completion(self, prompt: Prompt) -> str:
+        """The reference completion, for supervised warm-starts."""
+        a, b = prompt.meta["a"], prompt.meta["b"]
+        if self.answer_format == "worked":
+            return worked_answer(a, b, self.digits)
+        return reversed_answer(a, b, self.digits)
