@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
 from asyncfp8.correction import build_correction
 from asyncfp8.engines import SamplingParams, build_engine
-from asyncfp8.models import load_model, load_tokenizer, read_metadata, resolve_model_dir
+from asyncfp8.models import load_model, load_tokenizer, read_metadata, run_model_dir
 from asyncfp8.precision import build_policy, version_tensors
 from asyncfp8.tasks import build_task, registered_tasks
 
@@ -45,7 +45,7 @@ def learner_logprobs(model, samples) -> tuple[torch.Tensor, torch.Tensor, torch.
 @hydra.main(version_base="1.3", config_path="conf", config_name="demo")
 def main(cfg: DictConfig) -> None:
     started = time.perf_counter()
-    model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
+    model_dir = run_model_dir(cfg)
     learner = load_model(model_dir, dtype=torch.float32).eval()
     meta = read_metadata(model_dir) or {}
     print(

@@ -31,7 +31,7 @@ import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra comp
 from asyncfp8.checks import check_config
 from asyncfp8.learner import CHECKPOINT_DIR, LEARNER_STATE, ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
 from asyncfp8.metrics import METRICS_FILE
-from asyncfp8.models import resolve_model_dir
+from asyncfp8.models import run_model_dir
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.process import die_with_parent
 from asyncfp8.report import plot_runs, summarize
@@ -107,7 +107,9 @@ class Progress:
         self.last: dict = {}
         # Recent steps' share of groups without reward spread.
         self.zero_spread: deque[float] = deque(maxlen=ZERO_SPREAD_WINDOW)
-        self.eval: float | None = None  # the latest held-out pass@1 (greedy)
+        # Held-out greedy pass@1: the first evaluation (before training) and the latest.
+        self.eval_start: float | None = None
+        self.eval: float | None = None
 
     def update(self) -> None:
         if not self.path.exists():
@@ -127,23 +129,26 @@ class Progress:
                 self.zero_spread.append(record["groups/frac_zero_advantage"])
             if record.get("eval/pass1_greedy") is not None:
                 self.eval = record["eval/pass1_greedy"]
+                if self.eval_start is None:
+                    self.eval_start = self.eval
         if self.last:
             r = self.last
+            # The held-out number first: what the run learned, not what it memorized.
             extra = {}
             if self.eval is not None:
-                extra["eval"] = f"{self.eval:.3f}"
+                extra["heldout"] = f"{self.eval_start:.3f}->{self.eval:.3f}"
             if (
                 len(self.zero_spread) == ZERO_SPREAD_WINDOW
                 and sum(self.zero_spread) / ZERO_SPREAD_WINDOW > ZERO_SPREAD_WARN
             ):
                 extra["warn"] = "most groups without reward spread"
             self.bar.set_postfix(
+                **extra,
                 v=r.get("version"),
                 reward=f"{r.get('reward/mean', float('nan')):.3f}",
                 kl=f"{r.get('mismatch/kl_k3', float('nan')):.1e}",
                 stale=f"{r.get('staleness/mean', float('nan')):.2f}",
                 tok_s=f"{r.get('throughput/tokens_per_s', 0):.0f}",
-                **extra,
                 refresh=False,
             )
 
@@ -156,7 +161,7 @@ def check_start(cfg: DictConfig) -> PrecisionPolicy:
     here, so that N+1 processes do not wait on its lock), the whole config as every
     process will check it (a user's policy class and reward imported here too), and, on
     resume, that there is a checkpoint to continue from."""
-    model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
+    model_dir = run_model_dir(cfg)
     checked = check_config(cfg, model_dir, "launcher")
     if cfg.run.resume and not any(
         (Path(cfg.run.dir) / CHECKPOINT_DIR).glob(f"step_*/{LEARNER_STATE}")
@@ -242,6 +247,7 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
     summary["wall_s"] = time.perf_counter() - started
     plot = plot_runs([run_dir], run_dir / "plots.png")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"[launch] {heldout_text(summary)}")
     print(
         f"[launch] done in {summary['wall_s']:.0f} s: {summary['steps']} steps, "
         f"{summary['samples']} samples ({summary['samples_per_s']:.1f}/s); "
@@ -281,6 +287,20 @@ def watch(
                 f"{worker.restarts}/{restarts}. Its log ends:\n{worker.tail(5)}"
             )
             worker.start()
+
+
+def heldout_text(summary: dict) -> str:
+    """The run's held-out result, the number a reader looks at first."""
+    if not summary.get("eval_steps"):
+        return "held-out pass@1: not evaluated (eval.every=0)"
+    return (
+        f"held-out pass@1 on {summary.get('eval_prompts')} prompts never trained on: greedy "
+        f"{summary['eval_pass1_greedy_start']:.3f} (step {summary['eval_steps'][0]}) -> "
+        f"{summary['eval_pass1_greedy_end']:.3f} (step {summary['eval_steps'][-1]}, ± "
+        f"{summary.get('eval_pass1_greedy_end_se', float('nan')):.3f} SE); sampled "
+        f"{summary['eval_pass1_sampled_start']:.3f} -> {summary['eval_pass1_sampled_end']:.3f}; "
+        f"training-stream reward, last 20% of steps: {summary['reward_end']:.3f}"
+    )
 
 
 def fresh_kl_text(summary: dict) -> str:

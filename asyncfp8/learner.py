@@ -62,7 +62,7 @@ from asyncfp8.losses import (
     policy_loss_terms,
 )
 from asyncfp8.metrics import MetricsLog
-from asyncfp8.models import load_model, load_tokenizer, resolve_model_dir
+from asyncfp8.models import load_model, load_tokenizer, run_model_dir
 from asyncfp8.precision import calibrate_version, version_weights
 from asyncfp8.process import (
     StopFlag,
@@ -126,7 +126,7 @@ class Learner:
         self.cfg, run, optim = cfg, cfg.run, cfg.optim
         self.stop = StopFlag()
         # The whole config, before a socket is bound or the model loaded.
-        model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
+        model_dir = run_model_dir(cfg)
         checked = check_config(cfg, model_dir, "learner")
         self.task, self.policy, self.correction = checked.task, checked.policy, checked.correction
         self.max_staleness = max_staleness_of(run)

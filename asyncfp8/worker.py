@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
 from asyncfp8.checks import check_config
 from asyncfp8.engines import EngineUnsupported, SamplingParams, build_engine
-from asyncfp8.models import resolve_model_dir
+from asyncfp8.models import run_model_dir
 from asyncfp8.precision.policy import plain
 from asyncfp8.process import (
     StopFlag,
@@ -67,7 +67,7 @@ class Worker:
         self.log = setup_logging(f"worker-{self.id}")
         self.stop = StopFlag()
         threads = set_threads(run.threads, run.workers + 1)
-        model_dir = resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed)
+        model_dir = run_model_dir(cfg)
         checked = check_config(cfg, model_dir, "worker")  # before the engine loads anything
         self.task, self.policy = checked.task, checked.policy
         self.engine = build_engine(cfg.engine, str(model_dir), self.policy)

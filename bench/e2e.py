@@ -52,6 +52,9 @@ def measure(name: str, overrides: list[str], args, root: Path) -> dict:
         "-m",
         "asyncfp8.launch",
         f"model={args.model}",
+        # The job its published figures measured (docs/results.md): 8-token arithmetic.
+        "task=arithmetic",
+        "run.max_new_tokens=8",
         f"precision={args.precision}",
         f"run.steps={args.steps}",
         "run.workers=2",

@@ -93,6 +93,8 @@ def learner_config(model_dir: Path, run_dir: Path, *overrides: str):
             "config",
             overrides=[
                 f"model.path={model_dir}",
+                "task=arithmetic",  # what the tiny test model was warm-started on
+                "run.max_new_tokens=8",
                 f"run.dir={run_dir}",
                 f"sync.version_port={ports[0]}",
                 f"sync.snapshot_port={ports[1]}",

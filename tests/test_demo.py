@@ -10,6 +10,8 @@ def test_demo_runs_on_a_given_model_and_reports_reward(tiny_model_dir, tmp_path)
             "-m",
             "asyncfp8.demo",
             f"model.path={tiny_model_dir}",
+            "task=arithmetic",  # what the tiny test model was warm-started on
+            "max_new_tokens=8",
             "samples=2",
             "eval_prompts=32",
             "precision=fp8+fp8_kv",

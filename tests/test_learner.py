@@ -419,6 +419,8 @@ def test_a_split_the_ranks_cannot_share_fails_every_rank_within_seconds(tmp_path
             "-m",
             "asyncfp8.learner",
             f"model.path={tiny_model_dir}",
+            "task=arithmetic",
+            "run.max_new_tokens=8",
             f"run.dir={tmp_path}",
             "run.groups_per_step=3",
             "run.group_size=3",

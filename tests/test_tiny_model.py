@@ -56,9 +56,39 @@ def test_unknown_size_is_a_clear_error():
 
 def test_warm_start_that_cannot_reach_the_window_says_so(tmp_path):
     hopeless = WarmStart(learning_rate=1e-6, max_steps=4, steps_per_check=2, check_prompts=16)
-    with pytest.raises(RuntimeError, match=r"warm-start reached reward .* after 4 steps"):
-        make_tiny_model("tiny", out_dir=tmp_path / "m", recipe=hopeless, progress=False)
+    with pytest.raises(
+        RuntimeError,
+        match=r"warm-start on addition \(digits=2\) reached reward .* < stop_at_reward 0.3 "
+        r"after 4 steps; raise max_steps",
+    ):
+        make_tiny_model(
+            "tiny",
+            out_dir=tmp_path / "m",
+            recipe=hopeless,
+            task={"name": "addition", "digits": 2},
+            progress=False,
+        )
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize(
+    ("window", "message"),
+    [
+        ({"stop_at_reward": 0.6, "overshoot_reward": 0.5}, "need 0 < stop_at_reward < overshoot"),
+        ({"stop_at_reward": 0.9, "overshoot_reward": 0.95}, r"outside the window \[0.05, 0.7\]"),
+    ],
+)
+def test_a_warm_start_target_it_could_never_keep_is_refused_at_once(window, message):
+    with pytest.raises(ValueError, match=message):
+        WarmStart(**window)
+
+
+def test_the_warm_start_task_is_the_runs_task_where_there_is_a_recipe():
+    from asyncfp8.models.tiny import warm_start_task
+
+    run_task = {"name": "addition", "digits": 4, "seed": 3, "reward": {"_target_": "x.y"}}
+    assert warm_start_task(run_task) == {"name": "addition", "digits": 4}
+    assert warm_start_task({"name": "gsm8k_jsonl", "path": None}) == {"name": "arithmetic"}
 
 
 def test_small_model_exercises_whole_and_padded_fp8_blocks():
@@ -76,3 +106,23 @@ def test_cli_writes_a_model_and_reports_its_reward(tiny_model_dir, capsys):
     out = capsys.readouterr().out
     reward = json.loads((tiny_model_dir / "asyncfp8_model.json").read_text())["mean_reward_t1"]
     assert str(tiny_model_dir) in out and f"{reward:.3f}" in out
+
+
+def test_the_model_make_run_uses_ships_with_the_package():
+    """`make run` (the default config) finds its model shipped, warm-started on its own
+    task, so every CPU starts from the same weights; a change of the default task or of
+    its recipe that would make each machine build its own model fails here."""
+    from hydra import compose, initialize_config_module
+
+    from asyncfp8.models import run_model_dir
+    from asyncfp8.models.tiny import SHIPPED_DIR
+
+    with initialize_config_module("asyncfp8.conf", version_base="1.3"):
+        cfg = compose("config")
+    model_dir = run_model_dir(cfg)
+    assert model_dir.parent == SHIPPED_DIR
+    meta = read_metadata(model_dir)
+    assert meta["task"]["name"] == cfg.task.name == "addition"
+    assert meta["task"]["digits"] == cfg.task.digits
+    assert 0.05 <= meta["mean_reward_t1"] <= 0.7
+    assert (model_dir / "model.safetensors").stat().st_size < 4_000_000

@@ -16,6 +16,7 @@ from asyncfp8.ledger import read_ledger
 
 # A few small steps: the tiny model trains one in about 50 ms on a CPU core.
 SMALL_RUN = (
+    "task=arithmetic",  # what the tiny test model was warm-started on
     "run.groups_per_step=4",
     "run.group_size=4",
     "run.lease_groups=2",

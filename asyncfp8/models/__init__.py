@@ -1,6 +1,6 @@
 """Models: the locally made tiny Qwen2 models and helpers to load HF model directories."""
 
-from .loading import check_model_dir, load_model, load_tokenizer, resolve_model_dir
+from .loading import check_model_dir, load_model, load_tokenizer, resolve_model_dir, run_model_dir
 
 _TINY_NAMES = ("SIZES", "ModelSpec", "WarmStart", "make_tiny_model", "read_metadata")
 
@@ -15,4 +15,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["check_model_dir", "load_model", "load_tokenizer", "resolve_model_dir", *_TINY_NAMES]
+__all__ = [
+    "check_model_dir",
+    "load_model",
+    "load_tokenizer",
+    "resolve_model_dir",
+    "run_model_dir",
+    *_TINY_NAMES,
+]

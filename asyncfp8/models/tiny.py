@@ -1,14 +1,19 @@
-"""Tiny Qwen2 models made locally, warm-started on the arithmetic task.
+"""Tiny Qwen2 models made locally, warm-started on a task they will be trained on.
 
 A random model scores zero reward and RL on a CPU cannot lift it in minutes; a
 perfect one leaves RL nothing to do. So the factory trains a fresh model with a short
-supervised pass on the task, checking the temperature-1 sampled reward as it goes,
-and stops once that reward is inside a window (default: at least 0.3, backing off any
-chunk of steps that overshoots 0.6), well within the 0.1-0.7 the rest of the project
-expects. The result is saved with `save_pretrained` (BF16 weights, a byte-level
-tokenizer) and cached: the same size, seed and recipe are built once per directory.
+supervised pass on the task (the run's task where it has reference completions:
+`addition`, `arithmetic`; else `arithmetic`), checking the temperature-1 sampled reward
+as it goes, and stops once that reward is inside a window (default: at least 0.15,
+backing off any chunk of steps that overshoots 0.6), well within the 0.05-0.7 the rest of
+the project expects. The warm-start draws from the task's prompt stream, which never
+holds a held-out prompt. The result is saved with `save_pretrained` (BF16 weights, a
+byte-level tokenizer) and cached: the same size, seed, task and recipe are built once per
+directory. The models `make run` and the README use ship with the package
+(`asyncfp8/models/shipped/`), so that every CPU starts from the same weights (a model
+warm-started on an AMX CPU is not the one an AVX-512 CPU makes).
 
-    python -m asyncfp8.models.tiny --size small --out models/small
+    python -m asyncfp8.models.tiny --size small --task addition --out models/small
     from asyncfp8.models import make_tiny_model; path = make_tiny_model("tiny")
 """
 
@@ -24,22 +29,27 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from asyncfp8.tasks import ArithmeticTask, Prompt
+from asyncfp8.tasks import Prompt, Task, get_task
 
 from .sampling import mean_reward
 from .tokenizer import build_byte_tokenizer
 
 METADATA_FILE = "asyncfp8_model.json"
 # Bump when the recipe changes in a way that must invalidate cached models (2: the
-# arithmetic stream leaves out the held-out expressions evaluation scores on).
-RECIPE_VERSION = 2
-REWARD_WINDOW = (0.1, 0.7)
+# arithmetic stream leaves out the held-out expressions evaluation scores on; 3: the
+# warm-start task is part of the recipe).
+RECIPE_VERSION = 3
+REWARD_WINDOW = (0.05, 0.7)
+SHIPPED_DIR = Path(__file__).parent / "shipped"
+# The task a model is warm-started on when the run's task has no reference completions.
+DEFAULT_TASK: dict[str, Any] = {"name": "arithmetic"}
 
 
 @dataclass(frozen=True)
@@ -77,9 +87,11 @@ SIZES: dict[str, ModelSpec] = {
 
 @dataclass(frozen=True)
 class WarmStart:
-    """The supervised pass that gives RL a policy with room to improve."""
+    """The supervised pass that gives RL a policy with room to improve. `task`: the
+    task's name and parameters (its seed and reward aside), e.g. {"name": "addition",
+    "digits": 3}."""
 
-    max_operand: int = 12
+    task: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_TASK))
     learning_rate: float = 3e-3
     batch_size: int = 64
     steps_per_check: int = 25
@@ -88,7 +100,52 @@ class WarmStart:
     overshoot_reward: float = 0.6
     check_prompts: int = 256
     final_prompts: int = 512
-    max_new_tokens: int = 8
+
+    def __post_init__(self):
+        if not 0 < self.stop_at_reward < self.overshoot_reward <= 1:
+            raise ValueError(
+                f"warm-start: need 0 < stop_at_reward < overshoot_reward <= 1, got "
+                f"{self.stop_at_reward} and {self.overshoot_reward}"
+            )
+        low, high = REWARD_WINDOW
+        if not low <= self.stop_at_reward <= high:
+            raise ValueError(
+                f"warm-start: stop_at_reward {self.stop_at_reward} is outside the window "
+                f"[{low}, {high}] a warm-started model must score in"
+            )
+
+
+# Per task, the recipe that reaches its window on the `small` model in minutes: `addition`
+# answers are 33 tokens at 3 digits, so checks (sampling 128 answers) are rarer and the
+# target lower: a model that gets 15% of whole answers right at T = 1 already has most
+# digits right, which is where RL has most to gain.
+RECIPES: dict[str, dict[str, Any]] = {
+    "arithmetic": {},
+    "addition": {
+        "steps_per_check": 100,
+        "max_steps": 8000,
+        "stop_at_reward": 0.15,
+        "check_prompts": 128,
+    },
+}
+
+
+def recipe_for(task: dict[str, Any] | None = None, **overrides: Any) -> WarmStart:
+    """The warm-start recipe for a task (its name and parameters)."""
+    task = dict(task or DEFAULT_TASK)
+    return WarmStart(task=task, **{**RECIPES.get(task["name"], {}), **overrides})
+
+
+def warm_start_task(task_cfg: Any) -> dict[str, Any]:
+    """The warm-start task for a run's task config: the task itself (its name and
+    parameters, without its seed and reward) when it has a recipe here, else
+    `arithmetic` (a tiny model cannot be warm-started on GSM8K, say)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(task_cfg, DictConfig):
+        task_cfg = OmegaConf.to_container(task_cfg, resolve=True)
+    params = {k: v for k, v in dict(task_cfg or {}).items() if k not in ("seed", "reward")}
+    return params if params.get("name") in RECIPES else dict(DEFAULT_TASK)
 
 
 def default_cache_dir() -> Path:
@@ -129,9 +186,7 @@ def build_model(spec: ModelSpec, tokenizer, seed: int):
     return Qwen2ForCausalLM(config)
 
 
-def supervised_batch(
-    tokenizer, task: ArithmeticTask, prompts: list[Prompt]
-) -> dict[str, torch.Tensor]:
+def supervised_batch(tokenizer, task: Task, prompts: list[Prompt]) -> dict[str, torch.Tensor]:
     """Prompt + reference completion + eos, right-padded; loss only on the completion."""
     rows, labels = [], []
     for prompt in prompts:
@@ -148,12 +203,28 @@ def supervised_batch(
     }
 
 
+def describe(task: dict[str, Any]) -> str:
+    """`addition (digits=3, answer_format=worked)`: a warm-start task, for messages."""
+    params = ", ".join(f"{k}={v}" for k, v in task.items() if k != "name")
+    return f"{task['name']} ({params})" if params else task["name"]
+
+
+def answer_tokens(tokenizer, task: Task) -> int:
+    """Tokens to sample when scoring: the longest of a few reference answers, and room
+    for a model that runs on past it."""
+    longest = max(len(tokenizer(task.completion(task.prompt(i)))["input_ids"]) for i in range(64))
+    return longest + 4
+
+
 def warm_start(model, tokenizer, recipe: WarmStart, seed: int, progress: bool = True) -> dict:
     """Train until the sampled reward reaches `stop_at_reward`; a chunk of steps that
-    overshoots `overshoot_reward` is undone and retried at half the learning rate."""
-    train_task = ArithmeticTask(seed=seed, max_operand=recipe.max_operand)
-    check_task = ArithmeticTask(seed=seed + 10_000, max_operand=recipe.max_operand)
+    overshoots `overshoot_reward` is undone and retried at half the learning rate. The
+    training and check prompts come from the task's prompt stream (other seeds), which
+    never holds a held-out prompt."""
+    train_task = get_task(**recipe.task, seed=seed)
+    check_task = get_task(**recipe.task, seed=seed + 10_000)
     check_prompts = [check_task.prompt(i) for i in range(recipe.check_prompts)]
+    max_new_tokens = answer_tokens(tokenizer, train_task)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.0)
     step, reward, history = 0, 0.0, []
     bar = tqdm(
@@ -164,8 +235,9 @@ def warm_start(model, tokenizer, recipe: WarmStart, seed: int, progress: bool = 
         if step >= recipe.max_steps:
             bar.close()
             raise RuntimeError(
-                f"warm-start reached reward {reward:.3f} < {recipe.stop_at_reward} after "
-                f"{step} steps; raise max_steps or learning_rate"
+                f"warm-start on {describe(recipe.task)} reached reward {reward:.3f} < "
+                f"stop_at_reward {recipe.stop_at_reward} after {step} steps; raise max_steps "
+                "or learning_rate (RECIPES in asyncfp8/models/tiny.py), or pick a bigger model"
             )
         saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()), step)
         for _ in range(recipe.steps_per_check):
@@ -181,11 +253,15 @@ def warm_start(model, tokenizer, recipe: WarmStart, seed: int, progress: bool = 
             optimizer.step()
             step += 1
             bar.update(1)
-        reward = mean_reward(
-            model, tokenizer, check_task, check_prompts, recipe.max_new_tokens, seed=seed
-        )
+        reward = mean_reward(model, tokenizer, check_task, check_prompts, max_new_tokens, seed=seed)
         history.append({"step": step, "loss": round(loss.item(), 4), "reward": reward})
         bar.set_postfix(loss=f"{loss.item():.3f}", reward=f"{reward:.3f}")
+        if progress and bar.disable:  # no terminal (a log file): a line per check instead
+            print(
+                f"[warm-start] {describe(recipe.task)}: step {step}, loss {loss.item():.3f}, "
+                f"reward at T=1 {reward:.3f} (stops at {recipe.stop_at_reward})",
+                flush=True,
+            )
         if reward > recipe.overshoot_reward:
             model.load_state_dict(saved[0])
             optimizer.load_state_dict(saved[1])
@@ -209,6 +285,13 @@ def _exclusive(lock_path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def shipped_model(size: str, seed: int, key: str) -> Path | None:
+    """The model of this size, seed and recipe shipped with the package, if there is one."""
+    path = SHIPPED_DIR / f"{size}-seed{seed}-{key}"
+    meta = read_metadata(path)
+    return path if meta and meta.get("fingerprint") == key else None
+
+
 def make_tiny_model(
     size: str = "tiny",
     out_dir: str | Path | None = None,
@@ -216,12 +299,20 @@ def make_tiny_model(
     recipe: WarmStart | None = None,
     force: bool = False,
     progress: bool = True,
+    task: dict[str, Any] | None = None,
 ) -> Path:
-    """Build (or find in the cache) a warm-started tiny model; returns its directory."""
+    """Build (or find shipped, or in the cache) a model warm-started on `task` (name and
+    parameters; default `arithmetic`); returns its directory."""
     if size not in SIZES:
         raise ValueError(f"unknown tiny model size {size!r}; choose one of {', '.join(SIZES)}")
-    spec, recipe = SIZES[size], recipe or WarmStart()
+    if recipe is None:
+        recipe = recipe_for(task)
+    elif task is not None:
+        recipe = replace(recipe, task=dict(task))
+    spec = SIZES[size]
     key = fingerprint(spec, recipe, seed)
+    if out_dir is None and not force and (shipped := shipped_model(size, seed, key)):
+        return shipped
     out = Path(out_dir) if out_dir else default_cache_dir() / f"{size}-seed{seed}-{key}"
     out = out.expanduser().resolve()
 
@@ -242,6 +333,7 @@ def make_tiny_model(
 
         # Build beside the target and rename, so a crash never leaves a half-written model
         # that a later call would take for a finished one.
+        out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
             model.to(torch.bfloat16).save_pretrained(staging)
@@ -250,12 +342,14 @@ def make_tiny_model(
             low, high = REWARD_WINDOW
             if not low <= final_reward <= high:
                 raise RuntimeError(
-                    f"warm-started model scores {final_reward:.3f}, outside [{low}, {high}]"
+                    f"warm-started model ({size}, {describe(recipe.task)}) scores "
+                    f"{final_reward:.3f} once saved in BF16, outside [{low}, {high}]"
                 )
             metadata = {
                 "fingerprint": key,
                 "size": size,
                 "seed": seed,
+                "task": recipe.task,
                 "spec": asdict(spec),
                 "recipe": asdict(recipe),
                 "warm_start_steps": trained["steps"],
@@ -278,19 +372,54 @@ def measure_saved_model(model_dir: Path, recipe: WarmStart, seed: int) -> float:
     from .loading import load_model, load_tokenizer
 
     model, tokenizer = load_model(model_dir, dtype=torch.bfloat16), load_tokenizer(model_dir)
-    task = ArithmeticTask(seed=seed + 20_000, max_operand=recipe.max_operand)
+    task = get_task(**recipe.task, seed=seed + 20_000)
     prompts = [task.prompt(i) for i in range(recipe.final_prompts)]
-    return mean_reward(model, tokenizer, task, prompts, recipe.max_new_tokens, seed=seed + 1)
+    return mean_reward(
+        model, tokenizer, task, prompts, answer_tokens(tokenizer, task), seed=seed + 1
+    )
+
+
+def parse_task(name: str, params: list[str]) -> dict[str, Any]:
+    """{"name": name, key: value, ...} from `key=value` strings (values as YAML reads them)."""
+    import yaml
+
+    task: dict[str, Any] = {"name": name}
+    for item in params:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--param takes key=value, got {item!r}")
+        task[key] = yaml.safe_load(value)
+    return task
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m asyncfp8.models.tiny",
-        description="Write a warm-started tiny Qwen2 model (HF format, char tokenizer) for the bundled tasks.",
+        description="Write a warm-started tiny Qwen2 model (HF format, byte tokenizer) for "
+        "the bundled tasks.",
     )
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument(
+        "--task",
+        choices=sorted(RECIPES),
+        default=DEFAULT_TASK["name"],
+        help="the task to warm-start on (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a task parameter as the run's config sets it, e.g. --param digits=3 (repeatable)",
+    )
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument(
         "--out", help=f"model directory (default: a cache entry under {default_cache_dir()})"
+    )
+    target.add_argument(
+        "--ship",
+        action="store_true",
+        help=f"write it where the package ships its models ({SHIPPED_DIR}), for maintainers",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -300,11 +429,19 @@ def main(argv: list[str] | None = None) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    path = make_tiny_model(args.size, args.out, args.seed, force=args.force)
+    task = parse_task(args.task, args.param)
+    out = args.out
+    if args.ship:
+        out = (
+            SHIPPED_DIR
+            / f"{args.size}-seed{args.seed}-{fingerprint(SIZES[args.size], recipe_for(task), args.seed)}"
+        )
+    path = make_tiny_model(args.size, out, args.seed, force=args.force, task=task)
     meta = read_metadata(path)
     print(
-        f"{path}\n  size={meta['size']} seed={meta['seed']} warm-start steps={meta['warm_start_steps']} "
-        f"mean reward at T=1 = {meta['mean_reward_t1']:.3f} over {meta['reward_prompts']} prompts "
+        f"{path}\n  size={meta['size']} seed={meta['seed']} task={describe(meta['task'])} "
+        f"warm-start steps={meta['warm_start_steps']} mean reward at T=1 = "
+        f"{meta['mean_reward_t1']:.3f} over {meta['reward_prompts']} prompts "
         f"(built in {meta['build_seconds']} s)"
     )
 

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The precision parity study of docs/results.md (issue 26): every setting below, the same
+# budget and seeds, on the parity testbed (the `addition` task with worked answers; the
+# `small` model warm-started on it), then one report of held-out pass@1 per setting, mean
+# ± 95% CI over seeds, with the curves.
+#   bash scripts/parity_runs.sh [OUT_DIR] [SEEDS...]      (default: runs/parity, seeds 0..4)
+#   EXTRA="run.steps=400" bash scripts/parity_runs.sh runs/parity-long 0 1 2   (more overrides)
+#   SETTINGS="bf16 harsh_none" bash scripts/parity_runs.sh ...   (a subset, by name)
+# A finished run (its summary.json written) is kept, so a stopped study continues where
+# it stopped. The harsh setting is the positive control: a rollout precision that must
+# visibly hurt (examples/harsh_int4_policy.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-runs/parity}
+shift || true
+seeds=("${@:-0 1 2 3 4}")
+read -r -a seeds <<< "${seeds[*]}"
+PY=${PY:-.venv/bin/python}
+export PYTHONPATH="$PWD/examples${PYTHONPATH:+:$PYTHONPATH}"
+harsh="precision._target_=harsh_int4_policy.IntWeightOnlyPolicy"
+all_settings=(
+  "bf16 precision=bf16 correction=token_tis"
+  "fp8_none precision=fp8 correction=none"
+  "fp8_tis precision=fp8 correction=token_tis"
+  "fp8_mis precision=fp8 correction=token_mis"
+  "fp8_seqmis precision=fp8 correction=seq_mis"
+  "fp8_geors precision=fp8 correction=geo_rs"
+  "fp8_qfwd precision=fp8 correction=token_tis precision.learner_forward=quantized"
+  "fp8kv_tis precision=fp8+fp8_kv correction=token_tis"
+  "int8_tis precision=int8 correction=token_tis"
+  "harsh_none $harsh correction=none"
+  "harsh_tis $harsh correction=token_tis"
+  "harsh_qfwd $harsh correction=token_tis precision.learner_forward=quantized"
+)
+chosen=()
+for setting in "${all_settings[@]}"; do
+  name=${setting%% *}
+  if [[ -z "${SETTINGS:-}" || " $SETTINGS " == *" $name "* ]]; then chosen+=("$setting"); fi
+done
+if [[ ${#chosen[@]} -eq 0 ]]; then
+  echo "SETTINGS=\"$SETTINGS\" names none of: ${all_settings[*]%% *}" >&2
+  exit 2
+fi
+started=$SECONDS
+for seed in "${seeds[@]}"; do
+  for setting in "${chosen[@]}"; do
+    read -r name overrides <<< "$setting"
+    dir="$out/${name}_seed$seed"
+    if [[ -f "$dir/summary.json" ]]; then echo "have $dir"; continue; fi
+    rm -rf "$dir"
+    echo "[parity] $name seed $seed ($(( (SECONDS - started) / 60 )) min so far)"
+    # shellcheck disable=SC2086
+    "$PY" -m asyncfp8.launch $overrides ${EXTRA:-} run.seed="$seed" run.dir="$dir" | tail -n 3
+  done
+done
+echo "[parity] all runs done in $(( (SECONDS - started) / 60 )) min"
+"$PY" -m asyncfp8.report "$out"/*_seed* --out "$out/compare.png" --json "$out/summaries.json"
