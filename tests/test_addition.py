@@ -135,3 +135,29 @@ def test_no_heldout_split_is_refused_when_evaluation_asks_for_one():
     task = get_task("addition", heldout_fraction=0.0)
     with pytest.raises(ValueError, match="heldout_fraction is 0"):
         task.heldout_prompts(256)
+
+
+def test_the_sloppy_teacher_drops_carries_at_its_rate_and_stays_consistent():
+    """The warm-start's teacher forgets a carry with probability `carry_drop`; its steps
+    still add up (a + b + the carry it wrote), and its final sum is the one its steps make,
+    so its answer is right exactly when it dropped no carry."""
+    task = get_task("addition", digits=3, seed=2)
+    due = dropped = 0
+    for index in range(2000):
+        prompt = task.prompt(index)
+        a, b = prompt.meta["a"], prompt.meta["b"]
+        sloppy = task.sloppy_completion(prompt, 0.65, seed=0)
+        assert sloppy == task.sloppy_completion(prompt, 0.65, seed=0)  # reproducible
+        assert task.sloppy_completion(prompt, 0.0, seed=0) == task.completion(prompt)
+        carry, stated = 0, []
+        for position, (x, y, c, total) in enumerate(STEP.findall(sloppy)):
+            assert int(x) == a // 10**position % 10 and int(y) == b // 10**position % 10
+            assert int(total) == int(x) + int(y) + int(c) and int(c) <= carry
+            due += carry
+            dropped += carry - int(c)
+            carry = int(total) // 10
+            stated.insert(0, total[1])
+        assert sloppy.endswith(f"#{carry}{''.join(stated)}")
+        forgot = sloppy != task.completion(prompt)
+        assert task.score(sloppy, prompt) == (0.0 if forgot else 1.0)
+    assert due > 1000 and abs(dropped / due - 0.65) < 0.05

@@ -76,6 +76,8 @@ def test_warm_start_that_cannot_reach_the_window_says_so(tmp_path):
     [
         ({"stop_at_reward": 0.6, "overshoot_reward": 0.5}, "need 0 < stop_at_reward < overshoot"),
         ({"stop_at_reward": 0.9, "overshoot_reward": 0.95}, r"outside the window \[0.05, 0.7\]"),
+        ({"carry_drop": 0.5}, "carry_drop is for the addition task, not 'arithmetic'"),
+        ({"carry_drop": 1.0, "task": {"name": "addition"}}, r"carry_drop must be in \[0, 1\)"),
     ],
 )
 def test_a_warm_start_target_it_could_never_keep_is_refused_at_once(window, message):

@@ -100,8 +100,19 @@ class WarmStart:
     overshoot_reward: float = 0.6
     check_prompts: int = 256
     final_prompts: int = 512
+    # Steps trained before the reward may stop the warm-start.
+    min_steps: int = 0
+    # `addition` only: the supervised answers come from a teacher that forgets each carry
+    # with this probability, so the model learns to carry only sometimes (what RL fixes).
+    carry_drop: float = 0.0
 
     def __post_init__(self):
+        if not 0 <= self.carry_drop < 1:
+            raise ValueError(f"warm-start: carry_drop must be in [0, 1), got {self.carry_drop}")
+        if self.carry_drop and self.task.get("name") != "addition":
+            raise ValueError(
+                f"warm-start: carry_drop is for the addition task, not {self.task.get('name')!r}"
+            )
         if not 0 < self.stop_at_reward < self.overshoot_reward <= 1:
             raise ValueError(
                 f"warm-start: need 0 < stop_at_reward < overshoot_reward <= 1, got "
@@ -115,17 +126,22 @@ class WarmStart:
             )
 
 
-# Per task, the recipe that reaches its window on the `small` model in minutes: `addition`
-# answers are 33 tokens at 3 digits, so checks (sampling 128 answers) are rarer and the
-# target lower: a model that gets 15% of whole answers right at T = 1 already has most
-# digits right, which is where RL has most to gain.
+# Per task, the recipe that reaches its window on the `small` model: `addition` answers
+# are 34 tokens at 3 digits, so checks (sampling 128 answers) are rarer. Its teacher
+# forgets a carry 65% of the time: the warm-started model has learned the digit steps and
+# the final sum from them, but carries only about a third of the time where it should, so
+# its greedy answers are right only on problems without a carry (~17%), and RL's reward
+# (the true sum) has one clear thing to teach: carry, always. `min_steps` lets it learn
+# the steps whole before its reward (which the teacher caps near 0.3) may stop it.
 RECIPES: dict[str, dict[str, Any]] = {
     "arithmetic": {},
     "addition": {
-        "steps_per_check": 100,
+        "steps_per_check": 250,
+        "min_steps": 3000,
         "max_steps": 8000,
-        "stop_at_reward": 0.15,
+        "stop_at_reward": 0.1,
         "check_prompts": 128,
+        "carry_drop": 0.65,
     },
 }
 
@@ -186,12 +202,16 @@ def build_model(spec: ModelSpec, tokenizer, seed: int):
     return Qwen2ForCausalLM(config)
 
 
-def supervised_batch(tokenizer, task: Task, prompts: list[Prompt]) -> dict[str, torch.Tensor]:
-    """Prompt + reference completion + eos, right-padded; loss only on the completion."""
+def supervised_batch(
+    tokenizer, task: Task, prompts: list[Prompt], completion=None
+) -> dict[str, torch.Tensor]:
+    """Prompt + completion (`completion(prompt)`, default the task's reference) + eos,
+    right-padded; loss only on the completion."""
+    completion = completion or task.completion
     rows, labels = [], []
     for prompt in prompts:
         prompt_ids = tokenizer(prompt.text)["input_ids"]
-        target_ids = tokenizer(task.completion(prompt))["input_ids"] + [tokenizer.eos_token_id]
+        target_ids = tokenizer(completion(prompt))["input_ids"] + [tokenizer.eos_token_id]
         rows.append(prompt_ids + target_ids)
         labels.append([-100] * len(prompt_ids) + target_ids)
     width = max(map(len, rows))
@@ -225,13 +245,19 @@ def warm_start(model, tokenizer, recipe: WarmStart, seed: int, progress: bool = 
     check_task = get_task(**recipe.task, seed=seed + 10_000)
     check_prompts = [check_task.prompt(i) for i in range(recipe.check_prompts)]
     max_new_tokens = answer_tokens(tokenizer, train_task)
+    teacher = None
+    if recipe.carry_drop:
+
+        def teacher(prompt):
+            return train_task.sloppy_completion(prompt, recipe.carry_drop, seed)
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.0)
     step, reward, history = 0, 0.0, []
     bar = tqdm(
         total=recipe.max_steps, desc="warm-start", disable=None if progress else True, leave=False
     )
     model.train()
-    while reward < recipe.stop_at_reward:
+    while reward < recipe.stop_at_reward or step < recipe.min_steps:
         if step >= recipe.max_steps:
             bar.close()
             raise RuntimeError(
@@ -246,6 +272,7 @@ def warm_start(model, tokenizer, recipe: WarmStart, seed: int, progress: bool = 
                 tokenizer,
                 train_task,
                 [train_task.prompt(start + i) for i in range(recipe.batch_size)],
+                teacher,
             )
             loss = model(**batch).loss
             optimizer.zero_grad(set_to_none=True)

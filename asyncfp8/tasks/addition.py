@@ -39,15 +39,23 @@ ANSWER_FORMATS = ("worked", "reversed")
 FINAL_MARKER = "#"
 
 
-def worked_answer(a: int, b: int, digits: int) -> str:
-    """` 2+6+0=08 8+9+0=17 ... #07878`: the per-digit steps, then the sum."""
-    steps, carry = [], 0
+def worked_answer(a: int, b: int, digits: int, drops_carry=None) -> str:
+    """` 2+6+0=08 8+9+0=17 ... #07878`: the per-digit steps, then the sum.
+
+    `drops_carry()`, when given, is asked at every step that should add a carry of 1;
+    when it says True the step adds 0 instead, and everything after follows from that
+    (a sloppy teacher: its answer is wrong, and consistent with its own steps)."""
+    steps, carry, total_digits = [], 0, []
     for position in range(digits):
         x, y = a // 10**position % 10, b // 10**position % 10
+        if carry and drops_carry is not None and drops_carry():
+            carry = 0
         total = x + y + carry
         steps.append(f"{x}+{y}+{carry}={total:02d}")
+        total_digits.append(total % 10)
         carry = total // 10
-    return " " + " ".join(steps) + f" {FINAL_MARKER}{a + b:0{digits + 1}d}"
+    stated = "".join(map(str, [carry, *reversed(total_digits)]))
+    return " " + " ".join(steps) + f" {FINAL_MARKER}{stated}"
 
 
 def reversed_answer(a: int, b: int, digits: int) -> str:
@@ -157,3 +165,12 @@ class AdditionTask(Task):
         if self.answer_format == "worked":
             return worked_answer(a, b, self.digits)
         return reversed_answer(a, b, self.digits)
+
+    def sloppy_completion(self, prompt: Prompt, carry_drop: float, seed: int) -> str:
+        """The worked answer of a teacher that forgets each carry with probability
+        `carry_drop` (the same draws for the same prompt index and seed)."""
+        if self.answer_format != "worked":
+            raise ValueError("addition: a sloppy teacher needs task.answer_format=worked")
+        rng = random.Random(f"addition-teacher:{seed}:{prompt.index}")
+        a, b = prompt.meta["a"], prompt.meta["b"]
+        return worked_answer(a, b, self.digits, lambda: rng.random() < carry_drop)
