@@ -34,7 +34,7 @@ from asyncfp8.metrics import METRICS_FILE
 from asyncfp8.models import run_model_dir
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.process import die_with_parent
-from asyncfp8.report import plot_runs, summarize
+from asyncfp8.report import LAST_STEPS, plot_runs, summarize
 from asyncfp8.runconfig import restore_on_resume
 
 PORTS = ("version", "snapshot", "trajectory")
@@ -299,7 +299,8 @@ def heldout_text(summary: dict) -> str:
         f"{summary['eval_pass1_greedy_end']:.3f} (step {summary['eval_steps'][-1]}, ± "
         f"{summary.get('eval_pass1_greedy_end_se', float('nan')):.3f} SE); sampled "
         f"{summary['eval_pass1_sampled_start']:.3f} -> {summary['eval_pass1_sampled_end']:.3f}; "
-        f"training-stream reward, last 20% of steps: {summary['reward_end']:.3f}"
+        f"training-stream reward over the last {LAST_STEPS} steps (the same distribution): "
+        f"{summary['reward_last_steps']:.3f}"
     )
 
 

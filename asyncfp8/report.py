@@ -42,6 +42,7 @@ from asyncfp8.runconfig import CONFIG_FILE, RESUME_KEYS, SAFE_ON_RESUME
 from asyncfp8.stats import binomial_se, mean_ci
 
 TAIL = 0.2  # "final" numbers are means over the last 20% of steps
+LAST_STEPS = 20  # the stream reward set beside the final held-out pass@1
 
 
 def per_step(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -107,6 +108,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "resumes": sum(1 for r in records if r.get("run/resumed_from_step") is not None),
         "reward_start": _mean(records[:n], "reward/mean"),
         "reward_end": _mean(records[-n:], "reward/mean"),
+        # The stream's reward of (nearly) the final policy: what the last held-out
+        # evaluation is compared with to see memorization.
+        "reward_last_steps": _mean(records[-LAST_STEPS:], "reward/mean"),
         "kl_k3_mean": _mean(records, "mismatch/kl_k3"),
         "fresh_kl_k3_mean": _mean(fresh, "fresh/kl_k3") if fresh_enough else None,
         "fresh_kl_steps": len(fresh),
