@@ -47,6 +47,10 @@ from asyncfp8.process import die_with_parent
 DEVICES = ("auto", "cpu", "cuda")
 COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
+# The TF32 switches as a CUDA learner found them (None: it did not touch them); `close`
+# puts them back.
+_tf32_before: tuple[bool, bool] | None = None
+
 
 @dataclass(frozen=True)
 class Ranks:
@@ -102,14 +106,12 @@ def start(device_setting: str, timeout_s: float) -> Ranks:
             )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        # TF32 for FP32 matmuls (the master-weight paths); BF16 compute is unaffected.
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
         if not dist.is_nccl_available():
             raise ValueError(
                 "this torch build has no NCCL, which the learner needs between GPUs: install a "
                 "CUDA build of torch with NCCL, or run the learner on CPUs (run.device=cpu)"
             )
+        _use_tf32()
     # Object collectives and scalar sums run on CPU tensors (gloo) next to NCCL.
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -122,6 +124,24 @@ def start(device_setting: str, timeout_s: float) -> Ranks:
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
     return Ranks(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _use_tf32() -> None:
+    """TF32 for FP32 matmuls (the master-weight paths; BF16 compute is unaffected) until
+    `close`. The switches are the process's: left on, they would also round the FP32
+    matmuls of whatever runs after the learner in it (a test of FP32 decoding)."""
+    global _tf32_before
+    if _tf32_before is None:
+        _tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def _restore_tf32() -> None:
+    global _tf32_before
+    if _tf32_before is not None:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = _tf32_before
+        _tf32_before = None
 
 
 def _checkpointed(layer: nn.Module) -> None:
@@ -286,5 +306,7 @@ def memory_advice(what: str, settings: dict[str, Any]) -> Iterator[None]:
 
 
 def close() -> None:
+    """Leaves the process group and puts back what `start` changed for the process."""
+    _restore_tf32()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -6,7 +6,9 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,3 +55,40 @@ def write_json(path: str | Path, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
     return path
+
+
+class Table:
+    """A benchmark's JSON, written again whole after every row: a run that fails or is
+    stopped part-way keeps every row measured before (bench/gpu.sh stops a step at its
+    time limit). Each write goes to `<path>.tmp`, then replaces the file, so the file is
+    always whole. `path` None: kept in memory only."""
+
+    def __init__(self, path: str | Path | None, **fields):
+        self.path = None if path is None else Path(path)
+        self.payload = {"machine": machine(), **fields, "rows": []}
+        self.rows: list[dict] = self.payload["rows"]
+        self.save()
+
+    def add(self, row: dict) -> dict:
+        self.rows.append(row)
+        self.save()
+        return row
+
+    def update(self, **fields) -> None:
+        self.payload.update(fields)
+        self.save()
+
+    def save(self) -> Path | None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(self.path.name + ".tmp")
+            partial.write_text(json.dumps(self.payload, indent=2))
+            partial.replace(self.path)
+        return self.path
+
+
+def failure(err: BaseException) -> str:
+    """A row's `error`: the exception in one line. The traceback goes to stderr (the log)."""
+    traceback.print_exception(err, file=sys.stderr)
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0][:300] if lines else ''}"

@@ -17,7 +17,9 @@ Each time is the median over `--repeats` of a CUDA graph holding 20 calls, divid
 (decode runs as a graph; this leaves out Python's launch cost); `floor_us` is the bytes
 the call must read (weights or cache, plus activations) over the copy bandwidth measured
 in the same run, and `fraction_of_floor` = floor / time. Without a GPU it says so and
-exits 1: there is nothing to measure.
+exits 1: there is nothing to measure. `--dry-run` runs the same code on the CPU at toy
+shapes (timed without graphs; the Triton rows fail there and say so): what
+`bash bench/gpu.sh --dry-run` checks. The JSON is written after every row.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import math
 import re
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,9 +37,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json
+from common import Table, failure
 
 from asyncfp8.engines import kernels as K
+from asyncfp8.engines.kernels.common import triton_runs_on
 from asyncfp8.precision.fp8 import quantize_blockwise_reference
 from asyncfp8.precision.int8 import quantize_per_channel_reference
 
@@ -51,6 +55,13 @@ TOKENS = (1, 64)
 CONTEXTS = (256, 8192)
 BATCHES = (1, 64)
 CALLS_PER_GRAPH = 20
+GPU_SIZES = {"linears": LINEARS, "tokens": TOKENS, "contexts": CONTEXTS, "batches": BATCHES}
+TOY_SIZES = {  # --dry-run
+    "linears": {"toy q_proj": (256, 256), "toy down_proj": (128, 384)},
+    "tokens": (1, 4),
+    "contexts": (64,),
+    "batches": (1, 2),
+}
 
 
 def device_tag() -> str:
@@ -60,11 +71,28 @@ def device_tag() -> str:
     return (found.group(1) if found else re.sub(r"[^a-z0-9]+", "-", name.lower())).lower()
 
 
-def copy_bandwidth(numel: int = 1 << 28) -> float:
+def copy_bandwidth(numel: int = 1 << 28, device: str | torch.device = "cuda") -> float:
     """Bytes per second of `dst.copy_(src)` (read + write), the floor's yardstick."""
-    src = torch.empty(numel, dtype=torch.uint8, device="cuda").random_()
+    device = torch.device(device)
+    numel = numel if device.type == "cuda" else min(numel, 1 << 24)
+    src = torch.empty(numel, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    return 2 * numel / graph_seconds(lambda: dst.copy_(src), repeats=5)
+    return 2 * numel / seconds_per_call(lambda: dst.copy_(src), 5, device)
+
+
+def seconds_per_call(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """`graph_seconds` on CUDA; elsewhere (the dry run) the median over `repeats` of
+    CALLS_PER_GRAPH calls in a row, per call."""
+    if device.type == "cuda":
+        return graph_seconds(fn, repeats)
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(CALLS_PER_GRAPH):
+            fn()
+        times.append((time.perf_counter() - start) / CALLS_PER_GRAPH)
+    return statistics.median(times)
 
 
 def graph_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -93,12 +121,15 @@ def graph_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(fn: Callable[[], object], repeats: int) -> tuple[float | None, str | None]:
+def measure(fn: Callable[[], object], repeats: int, device: torch.device) -> tuple:
+    """(seconds per call, None), or (None, the error) for a path this device cannot run:
+    reported in its row, not fatal."""
     try:
-        return graph_seconds(fn, repeats), None
-    except Exception as err:  # a path this GPU cannot run: reported in its row, not fatal
-        torch.cuda.synchronize()
-        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        return seconds_per_call(fn, repeats, device), None
+    except Exception as err:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return None, failure(err)
 
 
 def gemm_cases(x: torch.Tensor, w: torch.Tensor) -> dict[str, tuple[Callable[[], object], int]]:
@@ -111,7 +142,8 @@ def gemm_cases(x: torch.Tensor, w: torch.Tensor) -> dict[str, tuple[Callable[[],
     x_q, x_scale = K.quantize_activations_fp8(x, 128, column_major_scales=True)
     x_i8 = torch.randint(-128, 128, x.shape, dtype=torch.int8, device=x.device)
     x_i8_scale = torch.rand(x.shape[0], 1, device=x.device)
-    auto = "scaled_mm" if K.scaled_mm_available(x_q) else "triton"
+    # What impl="auto" runs here (the table in asyncfp8/engines/kernels/gemm.py).
+    auto = "scaled_mm" if K.scaled_mm_available(x_q) else "triton" if x.is_cuda else "reference"
 
     def fp8(impl: str, quantize: bool = False):
         def call():
@@ -134,19 +166,18 @@ def gemm_cases(x: torch.Tensor, w: torch.Tensor) -> dict[str, tuple[Callable[[],
     }
 
 
-def gemm_rows(repeats: int, bandwidth: float) -> list[dict]:
-    rows = []
-    for name, (n, k) in LINEARS.items():
-        w = torch.randn(n, k, device="cuda") * 0.02
-        for m in TOKENS:
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+def gemm_rows(table: Table, repeats: int, bandwidth: float, device, sizes: dict) -> None:
+    for name, (n, k) in sizes["linears"].items():
+        w = torch.randn(n, k, device=device) * 0.02
+        for m in sizes["tokens"]:
+            x = torch.randn(m, k, device=device).to(torch.bfloat16)
             base = None
             for impl, (fn, weight_bytes) in gemm_cases(x, w).items():
-                seconds, error = measure(fn, repeats)
+                seconds, error = measure(fn, repeats, device)
                 floor = (n * k * weight_bytes + m * k * 2 + m * n * 2) / bandwidth
                 if impl.startswith("bf16"):
                     base = seconds
-                rows.append(
+                row = table.add(
                     {
                         "kernel": "gemm",
                         "layer": name,
@@ -161,8 +192,7 @@ def gemm_rows(repeats: int, bandwidth: float) -> list[dict]:
                         "error": error,
                     }
                 )
-                print_row(rows[-1], f"{name} M={m}")
-    return rows
+                print_row(row, f"{name} M={m}")
 
 
 def attention_cases(
@@ -193,44 +223,44 @@ def attention_cases(
     def dequantize_sdpa():  # what FP8KVLayer does today: a BF16 copy of the whole cache
         return sdpa(k_cache.to(torch.bfloat16) * k_scale, v_cache.to(torch.bfloat16) * v_scale)
 
-    def triton_kernel():
+    auto = "triton" if triton_runs_on(q) else "reference"  # what impl="auto" runs here
+
+    def fp8_kv_kernel():
         return K.fp8_kv_decode_attention(q, k_cache, v_cache, k_scale, v_scale, valid, sm_scale)
 
     return {
-        "fp8-kv triton": (triton_kernel, 1),
+        f"fp8-kv {auto}": (fp8_kv_kernel, 1),
         "fp8-kv dequantize + SDPA": (dequantize_sdpa, 1),
         "bf16-kv SDPA": (lambda: sdpa(k_bf16, v_bf16), 2),
     }
 
 
-def attention_rows(repeats: int, bandwidth: float) -> list[dict]:
-    rows = []
-    for context in CONTEXTS:
-        for batch in BATCHES:
-            cases = attention_cases(batch, context)
+def attention_rows(table: Table, repeats: int, bandwidth: float, device, sizes: dict) -> None:
+    for context in sizes["contexts"]:
+        for batch in sizes["batches"]:
+            cases = attention_cases(batch, context, device)
             cache_elements = 2 * batch * KV_HEADS * context * HEAD_DIM
+            measured = []
             for impl, (fn, cache_bytes) in cases.items():
-                seconds, error = measure(fn, repeats)
+                seconds, error = measure(fn, repeats, device)
                 floor = cache_elements * cache_bytes / bandwidth
-                rows.append(
-                    {
-                        "kernel": "decode_attention",
-                        "batch": batch,
-                        "context": context,
-                        "impl": impl,
-                        "us": seconds * 1e6 if seconds else None,
-                        "floor_us": floor * 1e6,
-                        "fraction_of_floor": floor / seconds if seconds else None,
-                        "error": error,
-                    }
-                )
-                print_row(rows[-1], f"attention B={batch} T={context}")
-            measured = rows[-len(cases) :]
+                row = {
+                    "kernel": "decode_attention",
+                    "batch": batch,
+                    "context": context,
+                    "impl": impl,
+                    "us": seconds * 1e6 if seconds else None,
+                    "floor_us": floor * 1e6,
+                    "fraction_of_floor": floor / seconds if seconds else None,
+                    "error": error,
+                }
+                measured.append(table.add(row))
+                print_row(row, f"attention B={batch} T={context}")
             base = measured[-1]["us"]  # bf16-kv SDPA
             for row in measured:
                 row["speedup_vs_bf16_kv"] = base / row["us"] if row["us"] and base else None
+            table.save()
             del cases  # free the caches before the next shape
-    return rows
 
 
 def print_row(row: dict, what: str) -> None:
@@ -247,31 +277,40 @@ def print_row(row: dict, what: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="the same code on the CPU at toy shapes (bench/gpu.sh --dry-run)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.dry_run:
+        device, sizes, tag = torch.device("cpu"), TOY_SIZES, "dry-run"
+        args.repeats = 1
+    elif not torch.cuda.is_available():
         print(
             "bench/kernels.py measures GPU kernels and found no CUDA GPU (torch "
             f"{torch.__version__}); run it on a GPU machine. Nothing was measured.",
             file=sys.stderr,
         )
         return 1
+    else:
+        device, sizes, tag = torch.device("cuda"), GPU_SIZES, device_tag()
     torch.manual_seed(0)
-    bandwidth = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    rows = gemm_rows(args.repeats, bandwidth) + attention_rows(args.repeats, bandwidth)
-    out = args.out or Path(__file__).resolve().parent / "results" / f"kernels-{device_tag()}.json"
-    path = write_json(
+    bandwidth = copy_bandwidth(device=device)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)"
+    print(f"{name}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    out = args.out or Path(__file__).resolve().parent / "results" / f"kernels-{tag}.json"
+    table = Table(
         out,
-        {
-            "copy_bandwidth_bytes_per_s": bandwidth,
-            "calls_per_graph": CALLS_PER_GRAPH,
-            "repeats": args.repeats,
-            "scaled_mm_available": K.scaled_mm_available(torch.empty(1, device="cuda")),
-            "rows": rows,
-        },
+        copy_bandwidth_bytes_per_s=bandwidth,
+        calls_per_graph=CALLS_PER_GRAPH,
+        repeats=args.repeats,
+        scaled_mm_available=K.scaled_mm_available(torch.empty(1, device=device)),
     )
-    print(f"wrote {path}")
+    gemm_rows(table, args.repeats, bandwidth, device, sizes)
+    attention_rows(table, args.repeats, bandwidth, device, sizes)
+    print(f"wrote {out}")
     return 0
 
 

@@ -20,6 +20,12 @@ The large-vocabulary rows (151,936 tokens, hidden 64) are the case the chunked h
 for: the batch's full-vocabulary FP32 logits would be 64 × 512 × 151,936 × 4 B = 19.9 GB;
 the `full-logits` rows measure, on small batches, what the previous recompute (one
 forward over the batch, log-softmax over all logits) peaks at.
+
+Each model is built once, in BF16 on the device the rows run on (on a GPU the 1.5B
+model takes seconds there; in FP32 on the CPU it took minutes and 6 GB), and saved for
+the rows' processes to load. The JSON is written after every row; a row that fails is a
+row with an `error`. `--dry-run`: the GPU rows' code on the CPU with a toy model
+(bench/gpu.sh --dry-run).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_json
+from common import Table, failure, machine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,6 +68,17 @@ MODELS = {
         num_key_value_heads=1,
         head_dim=32,
         vocab_size=151_936,
+    ),
+    # Qwen2.5-1.5B's architecture at a toy size (--dry-run).
+    "toy": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=512,
+        tie_word_embeddings=True,
     ),
     # Qwen2.5-1.5B's shape (random weights).
     "qwen2-1.5b": dict(
@@ -96,13 +113,14 @@ GPU_ROWS = [
     ("qwen2-1.5b", 64, 512, 16384, 1, True),
     ("qwen2-1.5b", 64, 1024, 16384, 1, True),
 ]
+DRY_RUN_ROWS = [("toy", 8, 64, 256, 1, True)]
 PROMPT_TOKENS = 32
 GROUP_SIZE = 8
 
 
-def build_model(name: str, folder: Path) -> Path:
-    """A random-init Qwen2 of `MODELS[name]`'s shape with the byte tokenizer, saved in BF16
-    (the learner loads FP32 master weights from it)."""
+def build_model(name: str, folder: Path, device: str = "cpu") -> Path:
+    """A random-init Qwen2 of `MODELS[name]`'s shape with the byte tokenizer, built in BF16
+    on `device` and saved (the learner loads FP32 master weights from it)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from asyncfp8.models.tokenizer import build_byte_tokenizer
@@ -119,8 +137,13 @@ def build_model(name: str, folder: Path) -> Path:
         bos_token_id=None,
     )
     torch.manual_seed(0)
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    with torch.device(device):
+        model = Qwen2ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the rows' processes need the memory
     return out
 
 
@@ -265,26 +288,40 @@ def mfu(parameters: int, model: str, seq_len: int, tokens_per_s: float) -> float
     return per_token * tokens_per_s / gpu.peak_flops("bf16")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", help="JSON to write (default bench/results/learner-<device>.json)")
     parser.add_argument("--models", help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="the GPU rows' code on the CPU with a toy model (bench/gpu.sh --dry-run)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         spec = json.loads(args.child)
         (full_logits_child if spec.get("full_logits") else child)(spec)
-        return
-    if args.device == "cuda" and not torch.cuda.is_available():
+        return 0
+    if args.dry_run:
+        args.device = "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
         print(
             "bench/learner.py --device cuda: torch sees no CUDA GPU here (the GPU rows need one; "
             "the CPU table is `python bench/learner.py`)",
             file=sys.stderr,
         )
-        sys.exit(1)
-    out = Path(args.out or ROOT / "bench" / "results" / f"learner-{args.device}.json")
-    rows = []
+        return 1
+    tag = "dry-run" if args.dry_run else args.device
+    out = Path(args.out or ROOT / "bench" / "results" / f"learner-{tag}.json")
+    table = Table(
+        out,
+        what="one Learner.train_step (forward, backward, clip, AdamW) on a random-init "
+        "Qwen2; * = the full-vocabulary logits recompute this replaced, for comparison",
+        models=MODELS,
+        load_average=os.getloadavg(),
+    )
     header = (
         f"{'model':<12} {'batch':>9} {'budget':>7} {'ranks':>5} {'ckpt':>5} {'step s':>8} "
         f"{'tokens/s':>9} {'peak GB':>8} {'before GB':>9}"
@@ -293,7 +330,10 @@ def main(argv: list[str] | None = None) -> None:
     print(header, flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-learner-") as scratch:
         folder = Path(scratch)
-        plan = [(*row, False) for row in CPU_ROWS] if args.device == "cpu" else list(GPU_ROWS)
+        if args.dry_run:
+            plan = list(DRY_RUN_ROWS)
+        else:
+            plan = [(*row, False) for row in CPU_ROWS] if args.device == "cpu" else list(GPU_ROWS)
         specs = [
             {
                 "model": model,
@@ -306,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
             }
             for model, samples, seq_len, budget, world, checkpointing in plan
         ]
-        if args.device == "cpu":
+        if args.device == "cpu" and not args.dry_run:
             specs += [
                 {
                     "model": model,
@@ -323,17 +363,6 @@ def main(argv: list[str] | None = None) -> None:
         if args.models:
             specs = [spec for spec in specs if spec["model"] in args.models.split(",")]
         for index, spec in enumerate(specs):
-            spec |= {
-                "model_dir": str(build_model(spec["model"], folder)),
-                "run_dir": str(folder / f"run{index}"),
-                "device": args.device,
-                "out": str(folder / f"row{index}.json"),
-                # A CPU rank is one core (threads spinning on a core another rank or
-                # process holds slow everything down); a GPU rank keeps the default.
-                "threads": 1 if args.device == "cpu" else max(1, (os.cpu_count() or 1) // 2),
-            }
-            measured = run_row(spec, spec["world_size"])
-            tokens = spec["samples"] * spec["seq_len"]
             row = {
                 key: spec[key]
                 for key in (
@@ -344,44 +373,67 @@ def main(argv: list[str] | None = None) -> None:
                     "micro_batch_tokens",
                     "world_size",
                     "activation_checkpointing",
-                    "device",
-                    "threads",
                 )
-            } | {
-                "tokens": tokens,
-                "step_s": round(measured["seconds"], 3),
-                "tokens_per_s": round(tokens / measured["seconds"], 1),
-                "peak_memory_bytes": int(measured["peak"]),
-                "rss_before_step_bytes"
-                if args.device == "cpu"
-                else "allocated_before_step_bytes": int(measured["before"]),
             }
-            if args.device == "cuda":
-                row["mfu"] = mfu(
-                    measured["parameters"], spec["model"], spec["seq_len"], row["tokens_per_s"]
-                )
-            rows.append(row)
-            print(
-                f"{spec['model'] + ('*' if spec['path'] != 'learner' else ''):<12} "
-                f"{spec['samples']}×{spec['seq_len']:<5} {spec['micro_batch_tokens'] or 'all':>7} "
-                f"{spec['world_size']:>5} {'on' if spec['activation_checkpointing'] else 'off':>5} "
-                f"{row['step_s']:>8.2f} {row['tokens_per_s']:>9.0f} "
-                f"{row['peak_memory_bytes'] / 1e9:>8.2f} {int(measured['before']) / 1e9:>9.2f}"
-                + (f" {row['mfu']:.3f}" if row.get("mfu") is not None else ""),
-                flush=True,
-            )
-    path = write_json(
-        out,
-        {
-            "what": "one Learner.train_step (forward, backward, clip, AdamW) on a random-init "
-            "Qwen2; * = the full-vocabulary logits recompute this replaced, for comparison",
-            "models": MODELS,
-            "rows": rows,
-            "load_average": os.getloadavg(),
-        },
+            try:
+                row |= measure_row(spec, index, folder, args.device)
+            except Exception as err:  # the other rows are still measured
+                row["error"] = failure(err)
+            table.add(row)
+            print(describe(row), flush=True)
+    table.update(load_average=os.getloadavg())
+    print(f"wrote {out} ({machine()['cpu']})")
+    return 1 if any("error" in row for row in table.rows) else 0
+
+
+def measure_row(spec: dict, index: int, folder: Path, device: str) -> dict:
+    """Runs one row's process; the row's measured fields."""
+    spec |= {
+        "model_dir": str(build_model(spec["model"], folder, device)),
+        "run_dir": str(folder / f"run{index}"),
+        "device": device,
+        "out": str(folder / f"row{index}.json"),
+        # A CPU rank is one core (threads spinning on a core another rank or process
+        # holds slow everything down); a GPU rank keeps the default.
+        "threads": 1 if device == "cpu" else max(1, (os.cpu_count() or 1) // 2),
+    }
+    measured = run_row(spec, spec["world_size"])
+    tokens = spec["samples"] * spec["seq_len"]
+    row = {
+        "device": device,
+        "threads": spec["threads"],
+        "tokens": tokens,
+        "step_s": round(measured["seconds"], 3),
+        "tokens_per_s": round(tokens / measured["seconds"], 1),
+        "peak_memory_bytes": int(measured["peak"]),
+        "rss_before_step_bytes" if device == "cpu" else "allocated_before_step_bytes": int(
+            measured["before"]
+        ),
+    }
+    if device == "cuda":
+        row["mfu"] = mfu(
+            measured["parameters"], spec["model"], spec["seq_len"], row["tokens_per_s"]
+        )
+    return row
+
+
+def describe(row: dict) -> str:
+    budget = row["micro_batch_tokens"] or "all"
+    head = (
+        f"{row['model'] + ('*' if row['path'] != 'learner' else ''):<12} "
+        f"{row['samples']}×{row['seq_len']:<5} {budget:>7} {row['world_size']:>5} "
+        f"{'on' if row['activation_checkpointing'] else 'off':>5} "
     )
-    print(f"wrote {path} ({machine()['cpu']})")
+    if "error" in row:
+        return head + f"failed: {row['error']}"
+    before = row.get("rss_before_step_bytes", row.get("allocated_before_step_bytes"))
+    return (
+        head
+        + f"{row['step_s']:>8.2f} {row['tokens_per_s']:>9.0f} "
+        + f"{row['peak_memory_bytes'] / 1e9:>8.2f} {before / 1e9:>9.2f}"
+        + (f" {row['mfu']:.3f}" if row.get("mfu") is not None else "")
+    )
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

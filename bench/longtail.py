@@ -37,7 +37,11 @@ distribution). Reported per mode: `seconds` (the batch, prefill included),
 that produced its tokens; 1.0 without speculation), `mean_accepted_length` (tokens per
 verify forward per sequence), and what the static shapes computed: `decode_steps`,
 `prefills`, `row_steps_per_token` (slots × steps / tokens: 1.0 would waste no row).
-Table on stdout, JSON to `--out`.
+Table on stdout, JSON to `--out`, written again after every round of repeats (the rows
+of the repeats done so far: `repeats_done`). A mode that fails (its engine, its warm-up,
+a timed run, or the drafter's training for the speculative modes) becomes a row with an
+`error`; the others go on. `--dry-run`: the `qwen2.5-1.5b-shaped` code on the CPU with
+a toy model of that architecture and a toy workload (bench/gpu.sh --dry-run).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_json
+from common import Table, failure, machine
 
 from asyncfp8.engines.base import SamplingParams
 from asyncfp8.engines.slots import SlotStats
@@ -145,7 +149,8 @@ SHAPED = "qwen2.5-1.5b-shaped"
 
 
 def engine_factory(args):
-    """`build(slots, speculative)`: a TorchEngine of `--model` on `--device`."""
+    """`build(slots, speculative)`: a TorchEngine of `--model` on `--device` (`--dry-run`:
+    the shaped model's architecture at a toy size)."""
     if args.model != SHAPED:
         model_dir = str(resolve_model_dir(None, args.model, 0))
         return lambda slots, speculative: TorchEngine(
@@ -156,9 +161,9 @@ def engine_factory(args):
             slots=slots,
             speculative=speculative,
         )
-    from rollout import random_qwen
+    from rollout import TOY, random_qwen
 
-    model, tokenizer = random_qwen(torch.device(args.device))
+    model, tokenizer = random_qwen(torch.device(args.device), TOY if args.dry_run else None)
     return lambda slots, speculative: TorchEngine(
         None,
         args.precision,
@@ -198,7 +203,7 @@ def train_drafter(args, build, task, budgets) -> tuple[dict, dict]:
     return state, training
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", choices=["tiny", "small", SHAPED])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -235,8 +240,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help=f"--model {SHAPED} at a toy size and a toy workload on the CPU (bench/gpu.sh --dry-run)",
+    )
     parser.add_argument("--out", default="bench/results/longtail-cpu.json")
     args = parser.parse_args(argv)
+    if args.dry_run:
+        toy = dict(batch=8, slots=4, short_min=2, short_max=4, long_every=4, long_factor=4.0)
+        toy |= dict(repeats=1, train_rounds=1, train_steps=5, threshold=2, patience=1)
+        vars(args).update(toy, model=SHAPED, device="cpu", precision="bf16")
     if not 1 <= args.slots <= args.batch:
         parser.error(f"--slots must be in 1..--batch ({args.batch}), got {args.slots}")
     if args.max_batch < 1:
@@ -251,8 +265,6 @@ def main(argv: list[str] | None = None) -> None:
     task = ArithmeticTask(seed=args.seed)
     budgets = workload(args)
     sampling = SamplingParams(temperature=1.0, seed=args.seed, ignore_eos=True)
-    rows = []
-    load_before = os.getloadavg()  # the machine may be shared: timings are read with it
     fixed = {"mode": "fixed", "draft_tokens": args.draft_tokens, "train_steps": 0}
     adaptive = {
         "mode": "adaptive",
@@ -271,48 +283,115 @@ def main(argv: list[str] | None = None) -> None:
     wanted = args.modes.split(",")
     if unknown := set(wanted) - set(modes):
         parser.error(f"unknown --modes {sorted(unknown)}; choose from {list(modes)}")
+    info = machine()
+    table = Table(
+        args.out,
+        description=(
+            "one long-tailed rollout batch through the torch engine's slot loop: "
+            "static (slots = batch) against continuous (fewer slots, refilled), "
+            "with speculation (fixed k) and adaptive speculation"
+        ),
+        model=args.model,
+        precision=args.precision,
+        dtype=args.dtype,
+        device=args.device,
+        batch=args.batch,
+        budgets=budgets,
+        same_tokens_in_every_mode=None,
+        settings={k: v for k, v in vars(args).items() if k != "out"},
+        torch_threads=info["torch_threads"],
+        # The machine may be shared: timings are read with its load.
+        load_average_1_5_15={"before": os.getloadavg(), "after": None},
+    )
+    errors: dict[str, str] = {}  # mode -> why it has no (further) timings
     drafter = None
     if {"speculative", "adaptive"} & set(wanted):
-        drafter, training = train_drafter(args, build, task, budgets)
-        print(f"drafter trained: {training}")
+        try:
+            drafter, training = train_drafter(args, build, task, budgets)
+            print(f"drafter trained: {training}")
+        except Exception as err:
+            why = f"drafter training: {failure(err)}"
+            errors |= {mode: why for mode in ("speculative", "adaptive") if mode in wanted}
     engines = {}
     for mode in wanted:
+        if mode in errors:
+            continue
         slots, chunk, speculative = modes[mode]
-        engine = build(slots, speculative)
-        if speculative is not None:
-            engine.load_drafter_state({"trainer": drafter})
-        prompts = [engine.tokenizer(task.prompt(i).text)["input_ids"] for i in range(args.batch)]
-        generate(engine, prompts, budgets, sampling, chunk)  # warm-up: caches allocated
-        engines[mode] = (engine, prompts, chunk)
+        try:
+            engine = build(slots, speculative)
+            if speculative is not None:
+                engine.load_drafter_state({"trainer": drafter})
+            prompts = [
+                engine.tokenizer(task.prompt(i).text)["input_ids"] for i in range(args.batch)
+            ]
+            generate(engine, prompts, budgets, sampling, chunk)  # warm-up: caches allocated
+            engines[mode] = (engine, prompts, chunk)
+        except Exception as err:
+            errors[mode] = failure(err)
     # Round robin: repeat r of every mode runs before repeat r + 1 of any, so a load that
     # comes and goes on a shared machine falls on every mode alike.
     runs = {mode: [] for mode in wanted}
     for _ in range(args.repeats):
-        for mode in wanted:
-            engine, prompts, chunk = engines[mode]
-            runs[mode].append(timed_run(engine, prompts, budgets, sampling, chunk))
-    for mode in wanted:
-        engine = engines[mode][0]
-        rows.append({"mode": mode, **summarize(engine, runs[mode], budgets)})
+        for mode, (engine, prompts, chunk) in engines.items():
+            if mode in errors:
+                continue
+            try:
+                runs[mode].append(timed_run(engine, prompts, budgets, sampling, chunk))
+            except Exception as err:
+                errors[mode] = failure(err)
+        save_rows(table, wanted, engines, runs, errors, budgets)
+    if not args.repeats:
+        save_rows(table, wanted, engines, runs, errors, budgets)
+    for engine, _, _ in engines.values():
         engine.close()
-    # The same requests, the same per-request streams: the same tokens in every mode
-    # without speculation.
-    plain = [row for row in rows if row["mode"] not in ("speculative", "adaptive")]
-    same = all(row["_tokens"] == plain[0]["_tokens"] for row in plain)
-    for row in rows:
-        del row["_tokens"]
-    base = rows[0]["seconds"]
+    table.payload["load_average_1_5_15"]["after"] = os.getloadavg()
+    table.save()
+    print_table(args, table, budgets)
+    print(f"wrote {table.path}")
+    return 1 if errors else 0
+
+
+def save_rows(table: Table, wanted, engines, runs, errors, budgets) -> None:
+    """The table's rows from the timed runs so far (a mode that failed: its error), and
+    whether the modes without speculation sampled the same tokens (the same requests,
+    the same per-request streams: they must)."""
+    rows, tokens = [], {}
+    for mode in wanted:
+        row = {"mode": mode}
+        if runs[mode]:  # a mode that failed later keeps the repeats it finished
+            try:
+                row |= summarize(engines[mode][0], runs[mode], budgets)
+                tokens[mode] = row.pop("_tokens")
+                row["repeats_done"] = len(runs[mode])
+            except Exception as err:  # a count that does not add up: this mode's error
+                errors[mode] = failure(err)
+                row = {"mode": mode}
+        if mode in errors:
+            row["error"] = errors[mode]
+        rows.append(row)
+    plain = [tokens[mode] for mode in tokens if mode not in ("speculative", "adaptive")]
+    table.rows[:] = rows
+    table.update(same_tokens_in_every_mode=all(t == plain[0] for t in plain) if plain else None)
+
+
+def print_table(args, table: Table, budgets) -> None:
+    rows = [r for r in table.rows if "seconds" in r]
     print(
         f"{args.model} model, {args.precision} ({args.dtype}), batch {args.batch}: budgets "
         f"{args.short_min}-{args.short_max} tokens, every {args.long_every}th "
         f"{round(args.long_factor * (args.short_min + args.short_max) / 2)}; "
-        f"{sum(budgets)} tokens; same tokens in every mode: {same}"
+        f"{sum(budgets)} tokens; same tokens in every mode: "
+        f"{table.payload['same_tokens_in_every_mode']}"
     )
     print(
         f"{'mode':<14} {'slots':>5} {'seconds':>8} {'tokens/s':>9} {'vs static':>9} "
         f"{'fwd/token':>9} {'accepted':>8} {'steps':>6} {'prefills':>8} {'row-steps/token':>15}"
     )
-    for r in rows:
+    base = rows[0]["seconds"] if rows else None
+    for r in table.rows:
+        if "seconds" not in r:
+            print(f"{r['mode']:<14} failed: {r.get('error')}")
+            continue
         accepted = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "-"
         print(
             f"{r['mode']:<14} {r['slots']:>5} {r['seconds']:>8.3f} {r['tokens_per_s']:>9.0f} "
@@ -320,30 +399,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{accepted:>8} {r['decode_steps']:>6} {r['prefills']:>8} "
             f"{r['row_steps_per_token']:>15.2f}"
         )
-    info = machine()
-    path = write_json(
-        args.out,
-        {
-            "description": (
-                "one long-tailed rollout batch through the torch engine's slot loop: "
-                "static (slots = batch) against continuous (fewer slots, refilled), "
-                "with speculation (fixed k) and adaptive speculation"
-            ),
-            "model": args.model,
-            "precision": args.precision,
-            "dtype": args.dtype,
-            "device": args.device,
-            "batch": args.batch,
-            "budgets": budgets,
-            "same_tokens_in_every_mode": same,
-            "settings": {k: v for k, v in vars(args).items() if k != "out"},
-            "torch_threads": info["torch_threads"],
-            "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
-            "rows": rows,
-        },
-    )
-    print(f"wrote {path}")
+        if "error" in r:
+            print(f"{'':<14} then failed: {r['error']}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

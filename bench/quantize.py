@@ -7,7 +7,9 @@ Two workloads: one 4096×4096 BF16 matrix, and the stream of a 7B Llama-shaped m
 quantized tensor by tensor as the learner does each version. Throughput is reported in
 GB/s of traffic (BF16 read + 8-bit write + scales: ~3 bytes per weight) and as a
 fraction of the copy bandwidth (`dst.copy_(src)`, read + write) measured in the same
-run. Triton runs only on CUDA; on a CPU its column says so.
+run. Triton runs only on CUDA; on a CPU its column says so. `--dry-run`: the same at toy
+shapes (bench/gpu.sh --dry-run). The JSON is written after every row; an implementation
+that fails is a row with an `error`.
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_seconds, write_json
+from common import Table, failure, median_seconds
 
 from asyncfp8.precision import kernels
 from asyncfp8.precision.fp8 import quantize_blockwise_reference
 from asyncfp8.precision.int8 import quantize_per_channel_reference
 
 HIDDEN, INTERMEDIATE = 4096, 11008
-LAYER_SHAPES = [(HIDDEN, HIDDEN)] * 4 + [(INTERMEDIATE, HIDDEN)] * 2 + [(HIDDEN, INTERMEDIATE)]
+TOY_HIDDEN, TOY_INTERMEDIATE = 256, 704  # --dry-run
+
+
+def layer_shapes(hidden: int, intermediate: int) -> list[tuple[int, int]]:
+    """A Llama decoder layer's linear weights: q, k, v, o; gate, up; down."""
+    return [(hidden, hidden)] * 4 + [(intermediate, hidden)] * 2 + [(hidden, intermediate)]
 
 
 def traffic_bytes(shape) -> int:
@@ -41,20 +48,26 @@ def copy_bandwidth(device: str, numel: int = 1 << 27) -> float:
     return 2 * src.numel() * src.element_size() / seconds / 1e9
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--layers", type=int, default=32, help="decoder layers in the 7B-shaped stream"
     )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="toy shapes, one layer (bench/gpu.sh --dry-run)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
+    hidden, intermediate = (
+        (TOY_HIDDEN, TOY_INTERMEDIATE) if args.dry_run else (HIDDEN, INTERMEDIATE)
+    )
+    shapes = layer_shapes(hidden, intermediate)
+    layers = 1 if args.dry_run else args.layers
     torch.manual_seed(0)
-    bandwidth = copy_bandwidth(device)
-    weights = {
-        shape: torch.randn(shape, device=device).to(torch.bfloat16) for shape in set(LAYER_SHAPES)
-    }
+    bandwidth = copy_bandwidth(device, numel=1 << 20 if args.dry_run else 1 << 27)
+    weights = {shape: torch.randn(shape, device=device).to(torch.bfloat16) for shape in set(shapes)}
     impls = {
         ("fp8", "torch"): quantize_blockwise_reference,
         ("int8", "torch"): quantize_per_channel_reference,
@@ -62,59 +75,51 @@ def main() -> None:
     if device == "cuda" and kernels.triton is not None:
         impls[("fp8", "triton")] = kernels.quantize_blockwise_triton
         impls[("int8", "triton")] = kernels.quantize_per_channel_triton
-
-    rows = []
-    for (fmt, impl), fn in impls.items():
-        square = weights[(HIDDEN, HIDDEN)]
-        seconds = median_seconds(lambda fn=fn, w=square: fn(w))
-        rows.append(
-            {
-                "format": fmt,
-                "impl": impl,
-                "workload": "4096x4096",
-                "seconds": seconds,
-                "gb_per_s": traffic_bytes(square.shape) / seconds / 1e9,
-            }
-        )
-
-        def stream(fn=fn):
-            for _ in range(args.layers):
-                for shape in LAYER_SHAPES:
-                    fn(weights[shape])
-
-        seconds = median_seconds(stream, repeats=1, warmup=0)
-        total = args.layers * sum(traffic_bytes(s) for s in LAYER_SHAPES)
-        rows.append(
-            {
-                "format": fmt,
-                "impl": impl,
-                "workload": f"7B stream ({args.layers} layers)",
-                "seconds": seconds,
-                "gb_per_s": total / seconds / 1e9,
-            }
-        )
-    for row in rows:
-        row["fraction_of_copy"] = row["gb_per_s"] / bandwidth
-
+    tag = "dry-run" if args.dry_run else device
+    table = Table(
+        args.out or f"bench/results/quantize-{tag}.json", copy_gb_per_s=bandwidth, layers=layers
+    )
     print(
         f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; copy bandwidth {bandwidth:.1f} GB/s"
     )
     print(f"{'format':<6} {'impl':<7} {'workload':<24} {'seconds':>9} {'GB/s':>8} {'of copy':>8}")
-    for row in rows:
-        print(
-            f"{row['format']:<6} {row['impl']:<7} {row['workload']:<24} {row['seconds']:>9.3f} "
-            f"{row['gb_per_s']:>8.2f} {100 * row['fraction_of_copy']:>7.1f}%"
-        )
+    square = weights[(hidden, hidden)]
+
+    def stream(fn):
+        for _ in range(layers):
+            for shape in shapes:
+                fn(weights[shape])
+
+    stream_name = f"{'toy' if args.dry_run else '7B'} stream ({layers} layers)"
+    workloads = {  # name: (run, bytes moved, repeats, warm-up runs)
+        f"{hidden}x{hidden}": (lambda fn: fn(square), traffic_bytes(square.shape), 5, 1),
+        stream_name: (stream, layers * sum(traffic_bytes(s) for s in shapes), 1, 0),
+    }
+    for (fmt, impl), fn in impls.items():
+        for workload, (run, traffic, repeats, warmup) in workloads.items():
+            row = {"format": fmt, "impl": impl, "workload": workload}
+            try:
+                seconds = median_seconds(
+                    lambda run=run, fn=fn: run(fn), repeats=repeats, warmup=warmup
+                )
+                row |= {"seconds": seconds, "gb_per_s": traffic / seconds / 1e9}
+                row["fraction_of_copy"] = row["gb_per_s"] / bandwidth
+                print(
+                    f"{fmt:<6} {impl:<7} {workload:<24} {seconds:>9.3f} "
+                    f"{row['gb_per_s']:>8.2f} {100 * row['fraction_of_copy']:>7.1f}%",
+                    flush=True,
+                )
+            except Exception as err:  # the other implementations are still measured
+                row["error"] = failure(err)
+                print(f"{fmt:<6} {impl:<7} {workload:<24} failed: {row['error']}", flush=True)
+            table.add(row)
     if device != "cuda":
         print(
             "triton: not run (no CUDA device; the kernels are checked for exactness under TRITON_INTERPRET=1)"
         )
-    path = write_json(
-        args.out or f"bench/results/quantize-{device}.json",
-        {"copy_gb_per_s": bandwidth, "layers": args.layers, "rows": rows},
-    )
-    print(f"wrote {path}")
+    print(f"wrote {table.path}")
+    return 1 if any("error" in row for row in table.rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -24,6 +24,11 @@ floor: the bytes one decode step must read (every weight of the engine's model o
 tied embedding as the LM head, plus the KV cache at the mean context) over the copy
 bandwidth measured in the same run; `fraction_of_floor` = tokens/s over the floor's
 tokens/s. Without a GPU it says so and exits 1.
+
+`--dry-run` runs the GPU table's code on the CPU at a toy shape (`TOY`, a few tokens,
+eager decode): what `bash bench/gpu.sh --dry-run` checks. Either table is written to
+`--out` after every row; a precision or row that fails becomes a row with an `error`,
+and the others are still measured.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json
+from common import Table, failure
 
 from asyncfp8.engines import EngineUnsupported, SamplingParams, make_engine
 from asyncfp8.models import load_model, load_tokenizer, resolve_model_dir
@@ -59,6 +64,15 @@ QWEN_1_5B = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": True,
 }
+# The same architecture at a toy size (`--dry-run`, the tests).
+TOY = QWEN_1_5B | {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+}
 
 
 def prompt_of(tokens: int) -> str:
@@ -76,17 +90,31 @@ def kv_scales(policy, model_dir):
 
 def add_ratios(rows: list[dict]) -> None:
     """`ratio_to_bf16` (and the older name `vs_bf16`): tokens/s over BF16's on the same
-    engine, batch and context."""
+    engine, batch and context (None where either was not measured)."""
     for row in rows:
         base = next(
-            r
-            for r in rows
-            if r["engine"] == row["engine"]
-            and r["precision"] == "bf16"
-            and r["context"] == row["context"]
-            and r["batch"] == row["batch"]
+            (
+                r
+                for r in rows
+                if r["engine"] == row["engine"]
+                and r["precision"] == "bf16"
+                and r.get("context") == row.get("context")
+                and r.get("batch") == row.get("batch")
+                and r.get("tokens_per_s")
+            ),
+            None,
         )
-        row["ratio_to_bf16"] = row["vs_bf16"] = row["tokens_per_s"] / base["tokens_per_s"]
+        ratio = (
+            row["tokens_per_s"] / base["tokens_per_s"] if base and row.get("tokens_per_s") else None
+        )
+        row["ratio_to_bf16"] = row["vs_bf16"] = ratio
+
+
+def save_row(table: Table, row: dict) -> None:
+    """Adds the row, with the ratios of every row so far, and writes the table."""
+    table.rows.append(row)
+    add_ratios(table.rows)
+    table.save()
 
 
 # --- the CPU table: engines through generate() ------------------------------------------------
@@ -110,72 +138,91 @@ def timed(engine, prompt: str, batch: int, new_tokens: int, repeats: int) -> flo
     return statistics.median(times)
 
 
-def cpu_table(args) -> dict:
+def cpu_table(args, out: str | Path | None = None) -> dict:
     model_dir = str(
         resolve_model_dir(None, args.model) if args.model in ("tiny", "small") else args.model
     )
     new_tokens, long_prompt = args.new_tokens or 32, args.long or 384
-    rows = []
+    table = Table(
+        out,
+        model=model_dir,
+        new_tokens=new_tokens,
+        long_prompt=long_prompt,
+        repeats=args.repeats,
+    )
     for engine_name in args.engines.split(","):
         for precision in args.precisions or PRECISIONS:
             policy = get_policy(precision)
             options = {"device": "cpu"} if engine_name == "torch" else {}
             try:
                 engine = make_engine(engine_name, model_dir, policy, **options)
+                engine.update_weights(0, {}, kv_scales(policy, model_dir))
             except EngineUnsupported as err:
                 print(f"skip {engine_name}/{precision}: {err}")
                 continue
-            engine.update_weights(0, {}, kv_scales(policy, model_dir))
+            except Exception as err:  # the other precisions are still measured
+                save_row(
+                    table, {"engine": engine_name, "precision": precision, "error": failure(err)}
+                )
+                continue
             for context, prompt in (("short", prompt_of(16)), ("long", prompt_of(long_prompt))):
-                engine.generate([prompt], SamplingParams(n=1, max_new_tokens=2, seed=0))  # warm-up
                 for batch in BATCHES:
-                    prefill = timed(engine, prompt, batch, 1, args.repeats)
-                    full = timed(engine, prompt, batch, new_tokens, args.repeats)
-                    if full <= prefill:
-                        raise SystemExit(
-                            f"{engine_name}/{precision} {context} batch {batch}: generating "
-                            f"{new_tokens} tokens took no longer than 1 ({full:.4f} s vs "
-                            f"{prefill:.4f} s): decode is lost in the noise; raise --new-tokens "
-                            "or --repeats"
-                        )
-                    rate = batch * (new_tokens - 1) / (full - prefill)
-                    rows.append(
-                        {
-                            "engine": engine_name,
-                            "precision": precision,
-                            "context": context,
-                            "long_context": context == "long",
-                            "batch": batch,
-                            "prefill_s": prefill,
-                            "generate_s": full,
-                            "tokens_per_s": rate,
-                            "decode_tokens_per_s": rate,
-                        }
-                    )
-                    print(f"{engine_name}/{precision} {context} batch {batch}: {rate:.1f} tok/s")
+                    row = {
+                        "engine": engine_name,
+                        "precision": precision,
+                        "context": context,
+                        "long_context": context == "long",
+                        "batch": batch,
+                    }
+                    try:
+                        row |= cpu_row(engine, prompt, batch, new_tokens, args.repeats)
+                    except Exception as err:
+                        row["error"] = failure(err)
+                    save_row(table, row)
+                    print(f"{engine_name}/{precision} {context} batch {batch}: {describe(row)}")
             engine.close()
-    add_ratios(rows)
+    return table.payload
+
+
+def cpu_row(engine, prompt: str, batch: int, new_tokens: int, repeats: int) -> dict:
+    engine.generate([prompt], SamplingParams(n=1, max_new_tokens=2, seed=0))  # warm-up
+    prefill = timed(engine, prompt, batch, 1, repeats)
+    full = timed(engine, prompt, batch, new_tokens, repeats)
+    if full <= prefill:
+        raise RuntimeError(
+            f"generating {new_tokens} tokens took no longer than 1 ({full:.4f} s vs "
+            f"{prefill:.4f} s): decode is lost in the noise; raise --new-tokens or --repeats"
+        )
+    rate = batch * (new_tokens - 1) / (full - prefill)
     return {
-        "model": model_dir,
-        "new_tokens": new_tokens,
-        "long_prompt": long_prompt,
-        "repeats": args.repeats,
-        "rows": rows,
+        "prefill_s": prefill,
+        "generate_s": full,
+        "tokens_per_s": rate,
+        "decode_tokens_per_s": rate,
     }
+
+
+def describe(row: dict) -> str:
+    if "error" in row:
+        return f"failed: {row['error']}"
+    text = f"{row['tokens_per_s']:.1f} tok/s"
+    if "fraction_of_floor" in row:
+        text += f", {row['fraction_of_floor']:.0%} of the bandwidth floor"
+    return text
 
 
 # --- the GPU table: the torch engine's decode loop --------------------------------------------
 
 
-def random_qwen(device: torch.device):
-    """A random-init Qwen2 of Qwen2.5-1.5B's shape, built on `device` in bf16."""
+def random_qwen(device: torch.device, shape: dict | None = None):
+    """A random-init Qwen2 of Qwen2.5-1.5B's shape (or `shape`), built on `device` in bf16."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from asyncfp8.models.tokenizer import build_byte_tokenizer
 
     tokenizer = build_byte_tokenizer()
     config = Qwen2Config(
-        **QWEN_1_5B,
+        **(shape or QWEN_1_5B),
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -204,108 +251,142 @@ def kv_bytes_per_step(config, batch: int, context: float, fp8: bool) -> float:
     return batch * context * per_token * (1 if fp8 else 2)
 
 
-def gpu_table(args, device: torch.device | None = None, bandwidth: float | None = None) -> dict:
-    """The GPU table (`device` and `bandwidth` are given by the test that runs this loop
-    on a CPU, at a smaller `QWEN_1_5B`)."""
-    from asyncfp8.engines.decode import decode
-    from asyncfp8.engines.torch_engine import TorchEngine
-
+def gpu_table(
+    args,
+    device: torch.device | None = None,
+    bandwidth: float | None = None,
+    out: str | Path | None = None,
+) -> dict:
+    """The GPU table (`device` and `bandwidth` are given by `--dry-run` and the tests,
+    which run this loop on a CPU at `TOY` or another small `shape`). Each precision gets a
+    model and engine of its own, freed before the next is built; a precision or row that
+    fails is a row with an `error`."""
     device = device or torch.device("cuda")
+    shape = getattr(args, "shape", None) or QWEN_1_5B
     if bandwidth is None:
         from kernels import copy_bandwidth
 
         bandwidth = copy_bandwidth()
         print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     new_tokens = args.new_tokens or 64
     contexts = {"short": args.short or 256, "long": args.long or 8192}
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
-    rows = []
+    table = Table(
+        out,
+        model="qwen2.5-1.5b-shaped, random init"
+        if shape is QWEN_1_5B
+        else "toy qwen2, random init",
+        model_config=dict(shape),
+        new_tokens=new_tokens,
+        short_prompt=contexts["short"],
+        long_prompt=contexts["long"],
+        repeats=args.repeats,
+        cuda_graph=not args.eager,
+        copy_bandwidth_bytes_per_s=bandwidth,
+    )
     for precision in args.precisions or GPU_PRECISIONS:
-        started = time.perf_counter()
-        policy = get_policy(precision)
-        model, tokenizer = random_qwen(device)
-        extra = {}
-        if policy.needs_calibration:
-            ids = torch.randint(3, tokenizer.eos_token_id, (4, 64), device=device)
-            extra = policy.calibrate(
-                model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-            )
-        engine = TorchEngine(
-            None,
-            policy,
-            device=str(device),
-            cuda_graph=not args.eager,
-            model=model,
-            tokenizer=tokenizer,
-        )
-        engine.update_weights(0, {}, extra)
-        config, weight_bytes = engine.model.config, step_weight_bytes(engine.model)
-        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-        generator = torch.Generator(device=device)
-        print(
-            f"{precision}: model built and quantized in {time.perf_counter() - started:.1f} s, "
-            f"{weight_bytes / 1e9:.2f} GB read per step",
-            flush=True,
-        )
+        try:
+            engine = gpu_engine(precision, device, shape, args.eager)
+        except Exception as err:  # the other precisions are still measured
+            save_row(table, {"engine": "torch", "precision": precision, "error": failure(err)})
+            engine = None
+        if engine is None:  # out of the except block: its traceback (and model) are gone
+            free_memory(device)
+            continue
         for context, prompt_tokens in contexts.items():
-            prompt = torch.randint(
-                3, eos, (prompt_tokens,), device=device, generator=generator.manual_seed(1)
-            )
             for batch in BATCHES:
-                prompts = [prompt.tolist()] * batch
-                times = []
-                for repeat in range(args.repeats + 1):  # the first run compiles and captures
-                    decoder, logits = engine.start(prompts, new_tokens)
-                    synchronize()
-                    begin = time.perf_counter()
-                    decode(decoder, logits, sampling, generator.manual_seed(repeat), eos, pad)
-                    synchronize()
-                    times.append(time.perf_counter() - begin)
-                seconds = statistics.median(times[1:])
-                rate = batch * (new_tokens - 1) / seconds
-                mean_context = prompt_tokens + new_tokens / 2
-                kv_bytes = kv_bytes_per_step(config, batch, mean_context, engine.fp8_kv)
-                floor_rate = batch * bandwidth / (weight_bytes + kv_bytes)
-                rows.append(
-                    {
-                        "engine": "torch",
-                        "precision": precision,
-                        "batch": batch,
-                        "context": context,
-                        "long_context": context == "long",
-                        "prompt_tokens": prompt_tokens,
-                        "new_tokens": new_tokens,
-                        "decode_s": seconds,
-                        "tokens_per_s": rate,
-                        "decode_tokens_per_s": rate,
-                        "weight_bytes_per_step": weight_bytes,
-                        "kv_bytes_per_step": kv_bytes,
-                        "floor_tokens_per_s": floor_rate,
-                        "fraction_of_floor": rate / floor_rate,
-                    }
-                )
+                row = {
+                    "engine": "torch",
+                    "precision": precision,
+                    "batch": batch,
+                    "context": context,
+                    "long_context": context == "long",
+                    "prompt_tokens": prompt_tokens,
+                    "new_tokens": new_tokens,
+                }
+                try:
+                    row |= gpu_row(engine, device, prompt_tokens, batch, new_tokens, args.repeats)
+                    row["floor_tokens_per_s"] = batch * bandwidth / row.pop("bytes_per_step")
+                    row["fraction_of_floor"] = row["tokens_per_s"] / row["floor_tokens_per_s"]
+                except Exception as err:
+                    row["error"] = failure(err)
+                if "error" in row:
+                    free_memory(device)
+                save_row(table, row)
                 print(
-                    f"{precision} {context} ({prompt_tokens}) batch {batch}: {rate:.0f} tok/s, "
-                    f"{rate / floor_rate:.0%} of the bandwidth floor ({floor_rate:.0f})",
+                    f"{precision} {context} ({prompt_tokens}) batch {batch}: {describe(row)}",
                     flush=True,
                 )
         engine.close()
-        del engine, model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    add_ratios(rows)
+        del engine  # its model, cache and graphs go before the next precision's are built
+        free_memory(device)
+    return table.payload
+
+
+def gpu_engine(precision: str, device: torch.device, shape: dict, eager: bool):
+    """A TorchEngine of precision `precision` over a random-init model of `shape`."""
+    from asyncfp8.engines.torch_engine import TorchEngine
+
+    started = time.perf_counter()
+    policy = get_policy(precision)
+    model, tokenizer = random_qwen(device, shape)
+    extra = {}
+    if policy.needs_calibration:
+        ids = torch.randint(3, tokenizer.eos_token_id, (4, 64), device=device)
+        extra = policy.calibrate(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    engine = TorchEngine(
+        None, policy, device=str(device), cuda_graph=not eager, model=model, tokenizer=tokenizer
+    )
+    engine.update_weights(0, {}, extra)
+    print(
+        f"{precision}: model built and quantized in {time.perf_counter() - started:.1f} s, "
+        f"{step_weight_bytes(engine.model) / 1e9:.2f} GB read per step",
+        flush=True,
+    )
+    return engine
+
+
+def gpu_row(engine, device, prompt_tokens: int, batch: int, new_tokens: int, repeats: int) -> dict:
+    """One row: the engine's decode loop timed at this batch and context (median of
+    `repeats` after one untimed run that compiles and captures)."""
+    from asyncfp8.engines.decode import decode
+
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+    eos, pad = engine.tokenizer.eos_token_id, engine.tokenizer.pad_token_id
+    generator = torch.Generator(device=device)
+    prompt = torch.randint(
+        3, eos, (prompt_tokens,), device=device, generator=generator.manual_seed(1)
+    )
+    prompts = [prompt.tolist()] * batch
+    times = []
+    for repeat in range(repeats + 1):  # the first run compiles and captures
+        decoder, logits = engine.start(prompts, new_tokens)
+        synchronize()
+        begin = time.perf_counter()
+        decode(decoder, logits, sampling, generator.manual_seed(repeat), eos, pad)
+        synchronize()
+        times.append(time.perf_counter() - begin)
+        del decoder, logits  # the engine keeps its decoder; only it may hold the cache
+    seconds = statistics.median(times[1:])
+    rate = batch * (new_tokens - 1) / seconds
+    weight_bytes = step_weight_bytes(engine.model)
+    kv_bytes = kv_bytes_per_step(
+        engine.model.config, batch, prompt_tokens + new_tokens / 2, engine.fp8_kv
+    )
     return {
-        "model": "qwen2.5-1.5b-shaped, random init",
-        "model_config": dict(QWEN_1_5B),
-        "new_tokens": new_tokens,
-        "short_prompt": contexts["short"],
-        "long_prompt": contexts["long"],
-        "repeats": args.repeats,
-        "cuda_graph": not args.eager,
-        "copy_bandwidth_bytes_per_s": bandwidth,
-        "rows": rows,
+        "decode_s": seconds,
+        "tokens_per_s": rate,
+        "decode_tokens_per_s": rate,
+        "weight_bytes_per_step": weight_bytes,
+        "kv_bytes_per_step": kv_bytes,
+        "bytes_per_step": weight_bytes + kv_bytes,
     }
+
+
+def free_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def main() -> int:
@@ -321,12 +402,25 @@ def main() -> int:
     parser.add_argument("--precisions", type=lambda s: s.split(","), default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="GPU: no CUDA graph (diagnosis)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="the GPU table's code on the CPU at a toy shape (bench/gpu.sh --dry-run)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.new_tokens is not None and args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2 (one decode step)")
 
-    if args.device == "cuda":
+    if args.dry_run:
+        args.shape, args.eager = TOY, True
+        args.new_tokens, args.short, args.long = (
+            args.new_tokens or 4,
+            args.short or 8,
+            args.long or 40,
+        )
+        tag, device = "dry-run", torch.device("cpu")
+    elif args.device == "cuda":
         if not torch.cuda.is_available():
             print(
                 f"bench/rollout.py --device cuda found no CUDA GPU (torch {torch.__version__}); "
@@ -337,26 +431,38 @@ def main() -> int:
             return 1
         from kernels import device_tag
 
-        table, tag = gpu_table(args), device_tag()
+        tag, device = device_tag(), torch.device("cuda")
     else:
-        table, tag = cpu_table(args), "cpu"
+        tag, device = "cpu", None
+    out = args.out or Path(__file__).resolve().parent / "results" / f"rollout-{tag}.json"
+    if device is None:
+        table = cpu_table(args, out)
+    else:
+        from kernels import copy_bandwidth
+
+        bandwidth = copy_bandwidth(device=device)
+        print(f"{tag}: copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+        table = gpu_table(args, device, bandwidth, out)
     rows = table["rows"]
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"model {table['model']} on {device}; {table['new_tokens']} new tokens")
+    print(f"model {table['model']} on {device or 'cpu'}; {table['new_tokens']} new tokens")
     print(
         f"{'engine':<6} {'precision':<11} {'context':<7} {'batch':>5} {'tok/s':>9} "
         f"{'vs bf16':>8} {'of floor':>8}"
     )
     for row in rows:
-        floor = row.get("fraction_of_floor")
+        head = f"{row['engine']:<6} {row['precision']:<11} {row.get('context', '-'):<7} {row.get('batch', '-'):>5} "
+        if "error" in row:
+            print(head + f"failed: {row['error']}")
+            continue
+        floor, ratio = row.get("fraction_of_floor"), row["ratio_to_bf16"]
         print(
-            f"{row['engine']:<6} {row['precision']:<11} {row['context']:<7} {row['batch']:>5} "
-            f"{row['tokens_per_s']:>9.1f} {row['ratio_to_bf16']:>7.2f}x "
+            head
+            + f"{row['tokens_per_s']:>9.1f} "
+            + (f"{ratio:>7.2f}x " if ratio is not None else f"{'-':>8} ")
             + (f"{floor:>8.0%}" if floor is not None else f"{'-':>8}")
         )
-    out = args.out or Path(__file__).resolve().parent / "results" / f"rollout-{tag}.json"
-    print(f"wrote {write_json(out, table)}")
-    return 0
+    print(f"wrote {out}")
+    return 1 if any("error" in row for row in rows) else 0
 
 
 if __name__ == "__main__":

@@ -88,3 +88,46 @@ def test_longtail_bench_refuses_what_it_cannot_run():
             timeout=120,
         )
         assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+
+
+def test_a_mode_that_fails_keeps_its_finished_repeats_and_each_round_is_saved(
+    tmp_path, monkeypatch
+):
+    """A mode whose timed run fails (here: continuous, at its second repeat) keeps the
+    repeats it finished and says why it stopped; the other modes go on; the JSON is
+    rewritten after every round of repeats."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import longtail
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    on_disk = []
+    real_save, real_timed_run = longtail.Table.save, longtail.timed_run
+    calls = {"continuous": 0}
+
+    def save(table):
+        path = real_save(table)
+        rows = json.loads(path.read_text())["rows"]
+        on_disk.append({r["mode"]: (r.get("repeats_done"), "error" in r) for r in rows})
+        return path
+
+    def timed_run(engine, prompts, budgets, sampling, chunk=None):
+        if engine.slots == 2 and chunk is None:  # continuous
+            calls["continuous"] += 1
+            if calls["continuous"] == 2:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_timed_run(engine, prompts, budgets, sampling, chunk)
+
+    monkeypatch.setattr(longtail.Table, "save", save)
+    monkeypatch.setattr(longtail, "timed_run", timed_run)
+    out = tmp_path / "longtail.json"
+    settings = ["--model=tiny", "--batch=4", "--slots=2", "--short-min=2", "--short-max=3"]
+    settings += ["--long-every=4", "--long-factor=2", "--repeats=2", "--dtype=float32"]
+    assert longtail.main([*settings, "--modes=static,continuous", f"--out={out}"]) == 1
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["static"]["repeats_done"] == 2 and "error" not in rows["static"]
+    assert rows["continuous"]["repeats_done"] == 1 and len(rows["continuous"]["times"]) == 1
+    assert rows["continuous"]["error"].startswith("RuntimeError: CUDA error: an illegal memory")
+    rounds = [state for state in on_disk if state]
+    assert rounds[0] == {"static": (1, False), "continuous": (1, False)}  # the first round
+    assert rounds[-1] == {"static": (2, False), "continuous": (1, True)}

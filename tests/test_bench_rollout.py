@@ -4,6 +4,7 @@ loop, the bandwidth floor) run on the CPU at a small shape. Durations are not as
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -111,3 +112,56 @@ def _model_bytes(shape):
     model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return sum(p.numel() for p in model.parameters()) * 2 + buffers
+
+
+def test_a_failing_precision_or_row_leaves_the_others_and_each_row_is_saved_at_once(
+    tmp_path, monkeypatch
+):
+    """The GPU table on the CPU at the toy shape, with one precision failing to build and
+    one row failing: every other row is measured, the failures are rows with an `error`,
+    and the JSON on disk is rewritten after every row (a step stopped at its time limit
+    keeps what it measured)."""
+    rollout = import_bench()
+    out = tmp_path / "rollout.json"
+    on_disk = []  # rows in the file after each write
+    real_save, real_engine, real_row = rollout.Table.save, rollout.gpu_engine, rollout.gpu_row
+
+    def save(table):
+        path = real_save(table)
+        on_disk.append(len(json.loads(path.read_text())["rows"]))
+        return path
+
+    def engine(precision, *args):
+        if precision == "fp8":
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        return real_engine(precision, *args)
+
+    def row(engine, device, prompt_tokens, batch, *args):
+        if engine.policy.name == "bf16" and (prompt_tokens, batch) == (40, 64):
+            raise RuntimeError("CUDA out of memory")
+        return real_row(engine, device, prompt_tokens, batch, *args)
+
+    monkeypatch.setattr(rollout.Table, "save", save)
+    monkeypatch.setattr(rollout, "gpu_engine", engine)
+    monkeypatch.setattr(rollout, "gpu_row", row)
+    args = Namespace(new_tokens=3, short=8, long=40, precisions=["bf16", "fp8", "int8"])
+    args.repeats, args.eager, args.shape = 1, True, rollout.TOY
+    table = rollout.gpu_table(args, torch.device("cpu"), 1e10, out)
+    rows = table["rows"]
+    assert [(r["precision"], r.get("prompt_tokens"), r.get("batch")) for r in rows] == [
+        *(("bf16", c, b) for c in (8, 40) for b in (1, 64)),
+        ("fp8", None, None),
+        *(("int8", c, b) for c in (8, 40) for b in (1, 64)),
+    ]
+    failed = [r for r in rows if "error" in r]
+    assert [r["error"] for r in failed] == [
+        "RuntimeError: CUDA out of memory",
+        "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED",
+    ]
+    measured = [r for r in rows if "error" not in r]
+    assert len(measured) == 7 and all(r["tokens_per_s"] > 0 for r in measured)
+    # int8's ratio where BF16 has a row, None where BF16's row failed
+    ratios = {(r["prompt_tokens"], r["batch"]): r["ratio_to_bf16"] for r in rows[-4:]}
+    assert ratios[(40, 64)] is None and all(v > 0 for k, v in ratios.items() if k != (40, 64))
+    assert on_disk == list(range(len(rows) + 1))  # written at the start and after each row
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))

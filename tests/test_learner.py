@@ -277,6 +277,31 @@ def test_a_gpu_learner_in_bfloat16_trains_like_the_cpu_one(make_learner, recorde
         torch.testing.assert_close(gpu_weights[name], value, atol=2e-3, rtol=0, msg=name)
 
 
+def test_a_cuda_learner_puts_the_tf32_switches_back_when_it_closes(monkeypatch):
+    """A CUDA learner turns TF32 on for its FP32 matmuls; the switches are the process's,
+    so `close` restores them (later FP32 work in the process, the float32 decode tests
+    after the GPU learner's, must not be rounded to TF32). The GPU is faked: only the
+    switches are under test."""
+    monkeypatch.setattr(distributed, "resolve_device", lambda setting: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(distributed.dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)  # a group exists
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: None)
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    before = matmul.allow_tf32, cudnn.allow_tf32
+    try:
+        matmul.allow_tf32, cudnn.allow_tf32 = False, True  # as torch starts
+        ranks = distributed.start("cuda", 60)
+        assert ranks.device.type == "cuda" and matmul.allow_tf32 and cudnn.allow_tf32
+        distributed.close()
+        assert (matmul.allow_tf32, cudnn.allow_tf32) == (False, True)
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = before
+
+
 def test_a_version_of_a_tied_model_sends_the_shared_weight_once(tmp_path, tiny_model_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -507,3 +507,29 @@ def test_the_quantized_learner_forward_is_the_engines_forward(policy_name, tiny_
     # 9e-3); the rest agree to 1e-4, where the master forward is off almost everywhere.
     master_exact = (master_gaps < 1e-4).float().mean().item()
     assert exact >= 0.75 and master_exact < 0.25 and gaps.max() < master_gaps.max()
+
+
+def test_the_smoothing_factors_follow_the_weights_to_their_device(tmp_path, monkeypatch):
+    """A profile is read onto the CPU; an engine or learner on a GPU hands the policy its
+    tensors there. Every use of the factors takes them to the tensor's device ('meta'
+    stands in for CUDA here: mixing it with a CPU tensor fails as CUDA would)."""
+    from asyncfp8.precision.profile import save_profile
+
+    # The weights' finiteness check reads a value, which a meta tensor does not have.
+    monkeypatch.setattr("asyncfp8.precision.int8.check_weight", lambda name, tensor: None)
+
+    norm, layer = "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight"
+    factors = torch.linspace(0.5, 2.0, 64)
+    path = save_profile({norm: factors, layer: factors.clone()}, tmp_path / "profile.safetensors")
+    policy = get_policy("int8", profile=str(path))
+    meta = torch.device("meta")
+    weight, x = torch.empty(32, 64, device=meta), torch.empty(3, 64, device=meta)
+    assert policy.passthrough(norm, torch.empty(64, device=meta)).device == meta
+    assert policy.fake_quantize_weight(layer, weight).device == meta
+    assert policy.fake_quantize_input(layer, x).device == meta
+    assert {t.device for _, t in policy.quantize_tensor(layer, weight)} == {meta}
+    # On the factors' own device nothing moves, and the values are the profile's.
+    cpu_weight = torch.randn(32, 64)
+    (_, q), (_, scale) = policy.quantize_tensor(layer, cpu_weight)
+    expected_q, expected_scale = quantize_per_channel(cpu_weight * factors[None, :])
+    assert torch.equal(q, expected_q) and torch.equal(scale, expected_scale)

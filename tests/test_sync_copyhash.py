@@ -3,6 +3,8 @@ path uses on both sides must copy every byte and give exactly xxhash's digest, f
 length (XXH3's short paths, partial blocks, partial stripes, a tail of less than a word)
 and alignment (non-temporal stores for a 64-byte aligned target, ordinary ones else)."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -66,3 +68,31 @@ def test_tensors_round_trip_bit_for_bit(dtype):
 def test_a_target_of_another_length_is_refused():
     with pytest.raises(ValueError):
         copy_xxh3(memoryview(bytes(300)), memoryview(bytearray(299)))
+
+
+@pytest.fixture
+def without_numba(monkeypatch):
+    """copyhash as where numba is not installed (the GPU machine): its kernel's module
+    does not import."""
+    import asyncfp8.sync
+    import asyncfp8.sync.copyhash as copyhash
+
+    copyhash._kernel.cache_clear()
+    monkeypatch.setitem(sys.modules, "asyncfp8.sync._xxh3_jit", None)  # import raises
+    monkeypatch.delattr(asyncfp8.sync, "_xxh3_jit", raising=False)  # a kernel loaded before
+    yield
+    copyhash._kernel.cache_clear()
+
+
+@pytest.mark.parametrize("n", [0, 240, 241, 4096 + 7, 70001])
+def test_without_numba_it_copies_and_gives_the_same_digest(without_numba, n):
+    import asyncfp8.sync.copyhash as copyhash
+
+    rng = np.random.default_rng(n)
+    source = rng.integers(0, 256, n, dtype=np.uint8)
+    target = np.zeros_like(source)
+    digest = copy_xxh3(memoryview(source), memoryview(target))
+    assert digest == xxhash.xxh3_64_intdigest(source)
+    assert target.tobytes() == source.tobytes()
+    assert copy_xxh3(memoryview(source), None) == digest
+    assert n <= 240 or copyhash._kernel() is None  # the fallback, not the kernel, ran

@@ -2,6 +2,7 @@
 is smaller, and never fooled by streams that do not add up."""
 
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -12,7 +13,10 @@ from asyncfp8.sync import RejectedMessage, decode_version, encode_version
 from asyncfp8.sync.codec import encode_tagged, tag_sections
 from asyncfp8.sync.delta import (
     PROBE,
+    _apply_numpy,
     _clearly_whole_numpy,
+    _compiled,
+    _scan_numpy,
     apply_delta,
     clearly_whole,
     element_view,
@@ -233,3 +237,106 @@ def test_malformed_streams_are_rejected_never_applied_out_of_bounds():
     blob = compress(bytes([1]) + big_gap)
     with pytest.raises(RejectedMessage, match="outside the tensor"):
         apply_delta(base, blob, 1, 0, len(big_gap), 1 + len(big_gap))
+
+
+# --- without numba (the GPU machine): the numpy twins -----------------------------------------
+
+
+def scan_with(scan, new: torch.Tensor, base: torch.Tensor, budget: int, update_base=False):
+    """(result, escapes, deltas, gaps, base bits after) of one scan implementation."""
+    a, b = element_view(new.contiguous()), element_view(base)
+    words = (a.size * a.itemsize) // 8
+    words_a, words_b = (
+        a[: words * 8 // a.itemsize].view(np.uint64),
+        b[: words * 8 // b.itemsize].view(np.uint64),
+    )
+    escapes = np.zeros(a.size, dtype=a.dtype)
+    deltas = np.zeros(a.size, dtype=np.int8)
+    gaps = np.zeros(a.size * a.itemsize + 16, dtype=np.uint8)
+    result = scan(a, b, words_a, words_b, escapes, deltas, gaps, budget, update_base)
+    changes, n_escapes, gap_bytes = result
+    streams = (
+        escapes[:n_escapes].tobytes(),
+        deltas[: max(changes, 0)].tobytes(),
+        gaps[:gap_bytes].tobytes(),
+    )
+    return result, streams, bits(base)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float32, torch.int8, torch.float64], ids=str
+)
+@pytest.mark.parametrize("n", [1, 7, 1000, 70000])
+def test_the_numpy_scan_writes_the_compiled_scans_streams(dtype, n):
+    """Sparse updates, long runs without a change (varint gaps of 2 and 3 bytes), dense
+    rewrites (over the budget), with and without updating the base."""
+    scan, _, _ = _compiled()
+    rng = torch.Generator().manual_seed(n)
+    base = random_tensor(dtype, (n,), rng)
+    sparse = changed_copy(base, rng, fraction=0.002)
+    cases = [base.clone(), sparse, changed_copy(base, rng), random_tensor(dtype, (n,), rng)]
+    full = n * base.element_size()
+    for new in cases:
+        for update_base in (False, True):
+            compiled = scan_with(scan, new, base.clone(), full, update_base)
+            twin = scan_with(_scan_numpy, new, base.clone(), full, update_base)
+            if compiled[0][0] < 0:  # over the budget: only the verdict (and the base) count
+                assert twin[0][0] < 0 and (not update_base or twin[2] == bits(new))
+            else:
+                assert twin[:2] == compiled[:2] and twin[2] == compiled[2]
+
+
+def test_the_numpy_apply_accepts_and_refuses_what_the_compiled_one_does():
+    _, apply, _ = _compiled()
+    rng = torch.Generator().manual_seed(8)
+    base = random_tensor(torch.bfloat16, (5000,), rng)
+    new = changed_copy(base, rng, fraction=0.01)
+    _, (escapes, deltas, gaps), _ = scan_with(_scan_numpy, new, base, 10**6)
+    width = element_view(base).itemsize
+    good = (escapes, deltas, gaps)
+    draws = random.Random(9)
+    variants = [good]
+    for _ in range(200):  # corrupt one stream: a byte changed, one dropped, one added
+        which = draws.randrange(3)
+        stream = bytearray(good[which])
+        how = draws.randrange(3)
+        if how == 0 and stream:
+            stream[draws.randrange(len(stream))] = draws.randrange(256)
+        elif how == 1 and stream:
+            del stream[draws.randrange(len(stream))]
+        else:
+            stream.insert(draws.randrange(len(stream) + 1), draws.randrange(256))
+        if which == 0:
+            stream = stream[: len(stream) // width * width]
+        variants.append(tuple(bytes(stream) if i == which else good[i] for i in range(3)))
+    views = (element_view(base).dtype, np.int8, np.uint8)
+    outcomes = set()
+    for streams in variants:
+        arrays = [np.frombuffer(s, dtype=v) for s, v in zip(streams, views, strict=True)]
+        compiled_out, twin_out = element_view(base).copy(), element_view(base).copy()
+        accepted = apply(compiled_out, *arrays)
+        assert _apply_numpy(twin_out, *arrays) == accepted
+        if accepted:
+            assert np.array_equal(twin_out, compiled_out)
+        outcomes.add(accepted)
+    assert outcomes == {True, False}
+
+
+def test_without_numba_deltas_are_the_same_bytes_and_round_trip(monkeypatch):
+    """Where numba is not installed (the GPU machine) the numpy twins make the same blob."""
+    rng = torch.Generator().manual_seed(10)
+    base = random_tensor(torch.bfloat16, (300, 70), rng)
+    new = changed_copy(base, rng)
+    compiled = encode_delta(new, base)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setitem(sys.modules, "numba", None)  # `import numba` fails
+            _compiled.cache_clear()
+            assert _compiled()[0] is _scan_numpy
+            delta = encode_delta(new, base)
+            out = apply_delta(
+                base, delta.blob, delta.changes, delta.escapes, delta.gap_bytes, delta.raw_bytes
+            )
+    finally:
+        _compiled.cache_clear()
+    assert delta == compiled and bits(out) == bits(new)

@@ -175,3 +175,61 @@ def test_lm_head_in_fp32_when_the_policy_asks(tiny_model_dir):
     assert torch.equal(engine.model.lm_head.weight, learner.lm_head.weight)  # not rounded to BF16
     samples = engine.generate(PROMPTS, SamplingParams(n=1, max_new_tokens=4, seed=0))
     assert all(len(s.token_ids) == len(s.logprobs) > 0 for s in samples)
+
+
+def test_fp8_falls_back_when_the_one_call_gemm_raises(tiny_model_dir, monkeypatch):
+    """On sm90 the FP8 layers call torch's one-call blockwise `scaled_mm`; cuBLASLt may
+    refuse a shape (batch-1 decode with an FP32 output has never run there). A
+    RuntimeError from it must not stop the engine: each layer tries it once, then uses
+    the other GEMM. Faked here: scaled_mm 'available' on the CPU, and raising."""
+    import torch.nn.functional as F
+
+    from asyncfp8.engines import kernels
+
+    reference = TorchEngine(str(tiny_model_dir), "fp8", device="cpu")
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
+    expected = reference.generate(["1+2="], sampling)
+    calls = []
+
+    def refusing_scaled_mm(*args, **kwargs):
+        calls.append(args[0].shape)
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
+
+    for where in (kernels, kernels.gemm):
+        monkeypatch.setattr(where, "scaled_mm_available", lambda tensor: True)
+    monkeypatch.setattr(F, "scaled_mm", refusing_scaled_mm)
+    engine = TorchEngine(str(tiny_model_dir), "fp8", device="cpu")
+    layers = [m for m in engine.model.modules() if hasattr(m, "impl")]
+    assert layers and len(calls) == len(layers)  # tried once per layer, at the probe
+    assert {m.impl for m in layers} == {"reference"} and all(m.scale_mm is None for m in layers)
+    samples = engine.generate(["1+2="], sampling)
+    assert len(calls) == len(layers)  # not tried again
+    assert [s.token_ids for s in samples] == [s.token_ids for s in expected]
+
+
+@pytest.mark.parametrize("kind", ["static", "slots"])
+def test_a_new_kv_cache_is_allocated_after_the_old_one_is_freed(tiny_model_dir, monkeypatch, kind):
+    """A decoder of another shape replaces the engine's last one: the old one (its KV
+    cache, GBs on a GPU) must be gone before the new one is built, not after."""
+    import weakref
+
+    from asyncfp8.engines import torch_engine
+
+    engine = TorchEngine(str(tiny_model_dir), "bf16", device="cpu", slots=2)
+    name = "StaticDecoder" if kind == "static" else "SlotDecoder"
+    built, alive_when_building = [], []
+    real = getattr(torch_engine, name)
+
+    def tracked(*args, **kwargs):
+        alive_when_building.append(sum(ref() is not None for ref in built))
+        decoder = real(*args, **kwargs)
+        built.append(weakref.ref(decoder))
+        return decoder
+
+    monkeypatch.setattr(torch_engine, name, tracked)
+    for batch, positions in [(1, 10), (2, 10), (2, 600)]:  # three shapes: three decoders
+        if kind == "static":
+            engine.decoder(batch, positions)
+        else:
+            engine.slot_decoder(positions if batch == 2 else 300)
+    assert len(built) == 3 and alive_when_building == [0, 0, 0]

@@ -377,7 +377,9 @@ class TorchEngine:
         max_tokens = -(-positions // self.cache_block) * self.cache_block
         current = self._decoder
         if current is None or (current.batch, current.max_tokens) != (batch, max_tokens):
-            self._decoder = None
+            # No reference to the old decoder may outlive this line: its KV cache (GBs on
+            # a GPU) and graph are freed before the new ones are allocated.
+            self._decoder = current = None
             current = self._decoder = StaticDecoder(
                 self.model, batch, max_tokens, kv_scales, graph=self.cuda_graph
             )
@@ -413,7 +415,7 @@ class TorchEngine:
         max_tokens = -(-positions // self.cache_block) * self.cache_block
         current = self._slot_decoder
         if current is None or current.max_tokens != max_tokens:
-            self._slot_decoder = None
+            self._slot_decoder = current = None  # the old cache freed first (`decoder`)
             current = self._slot_decoder = SlotDecoder(
                 self.model,
                 self.slots,

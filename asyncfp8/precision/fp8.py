@@ -11,6 +11,7 @@ moves a few weights changes at most their blocks' scales.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
@@ -23,6 +24,10 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 AMAX_FLOOR = 1e-10
 BLOCK = (128, 128)
 SCALE_SUFFIX = "_scale_inv"
+
+log = logging.getLogger(__name__)
+# The scaled_mm failures already reported (one warning per kind, not one per layer).
+_scaled_mm_failures: set[str] = set()
 
 
 def quantize_blockwise_reference(
@@ -110,7 +115,12 @@ class FP8BlockLinear(QuantizedLinear):
     The weight is held zero-padded to whole blocks (so that every path gets K and N in
     whole blocks; the output is cropped), and on sm90 also its scales in the layout
     `scaled_mm` takes. A new version is copied into these buffers in place: a captured
-    CUDA graph keeps reading the right memory."""
+    CUDA graph keeps reading the right memory.
+
+    If the one-call `scaled_mm` raises (cuBLASLt refuses a shape or the FP32 output on
+    some driver), the layer says so once and uses the Triton GEMM (or the reference
+    loop) from then on: the engine's probe at start, and the warm-up before a CUDA graph
+    is captured, meet such a failure before any graph does."""
 
     def __init__(
         self,
@@ -148,6 +158,8 @@ class FP8BlockLinear(QuantizedLinear):
             scaled_mm_weight_scales(self.scale_inv) if sm90 else None,
             persistent=False,
         )
+        #: the GEMM path `fp8_block_matmul` takes ("scaled_mm" on sm90 until it fails)
+        self.impl = "scaled_mm" if sm90 else "auto"
         self.load({name: q, name + SCALE_SUFFIX: scale_inv})
 
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -161,8 +173,6 @@ class FP8BlockLinear(QuantizedLinear):
             self.scale_mm.copy_(scaled_mm_weight_scales(self.scale_inv))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from asyncfp8.engines import kernels
-
         shape, dtype = x.shape, x.dtype
         group = self.block[1]
         x = x.reshape(-1, self.in_features)
@@ -170,18 +180,7 @@ class FP8BlockLinear(QuantizedLinear):
         if padding:  # zero columns up to the padded K: no group's amax changes, they quantize to 0
             x = F.pad(x, (0, padding))
         if self.real:
-            xq, x_scale = kernels.quantize_activations_fp8(
-                x, group, column_major_scales=self.scale_mm is not None
-            )
-            out = kernels.fp8_block_matmul(
-                xq,
-                x_scale,
-                self.q,
-                self.scale_inv,
-                self.block,
-                torch.float32,
-                w_scale_mm=self.scale_mm,
-            )
+            out = self._real_matmul(x, group)
         else:
             xq, x_scale = quantize_activations_fp8(x, group)
             x_deq = (xq.float().view(x.shape[0], -1, group) * x_scale[..., None]).view(x.shape)
@@ -192,6 +191,42 @@ class FP8BlockLinear(QuantizedLinear):
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(dtype).reshape(*shape[:-1], self.out_features)
+
+    def _real_matmul(self, x: torch.Tensor, group: int) -> torch.Tensor:
+        from asyncfp8.engines import kernels
+        from asyncfp8.engines.kernels.common import triton_runs_on
+
+        one_call = self.impl == "scaled_mm"
+        xq, x_scale = kernels.quantize_activations_fp8(x, group, column_major_scales=one_call)
+        try:
+            return kernels.fp8_block_matmul(
+                xq,
+                x_scale,
+                self.q,
+                self.scale_inv,
+                self.block,
+                torch.float32,
+                impl=self.impl,
+                w_scale_mm=self.scale_mm,
+            )
+        except RuntimeError as err:
+            if not one_call or isinstance(err, kernels.KernelUnavailable):
+                raise
+            self.impl = "triton" if triton_runs_on(self.q) else "reference"
+            self.scale_mm = None
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            log.log(
+                logging.DEBUG if reason in _scaled_mm_failures else logging.WARNING,
+                "FP8 GEMM: torch's one-call scaled_mm failed for %s (%d tokens, weight %s): "
+                "%s; the layer (and any other it fails in) uses impl=%r from now on",
+                self.weight_name,
+                x.shape[0],
+                list(self.q.shape),
+                reason,
+                self.impl,
+            )
+            _scaled_mm_failures.add(reason)
+            return self._real_matmul(x, group)
 
 
 @register_policy("fp8")

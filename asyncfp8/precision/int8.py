@@ -147,11 +147,24 @@ class INT8Policy(PrecisionPolicy):
 
     def __init__(self, profile: str | None = None):
         self.profile_path = profile
-        self.smoothing: dict[str, torch.Tensor] = {}
+        self.smoothing: dict[str, torch.Tensor] = {}  # as read, on the CPU
+        # The factors on each device they were asked for (the weights of a learner or
+        # an engine on a GPU), copied there once.
+        self._smoothing_on: dict[tuple[str, torch.device], torch.Tensor] = {}
         if profile:
             from .profile import load_profile
 
             self.smoothing = load_profile(Path(profile))
+
+    def _factors(self, name: str, like: torch.Tensor) -> torch.Tensor | None:
+        """The smoothing factors of `name` on `like`'s device, or None if it has none."""
+        factors = self.smoothing.get(name)
+        if factors is None or factors.device == like.device:
+            return factors
+        key = (name, like.device)
+        if key not in self._smoothing_on:
+            self._smoothing_on[key] = factors.to(like.device)
+        return self._smoothing_on[key]
 
     def checkpoint_config(self, unquantized_layers: Iterable[str] = ()) -> dict:
         return compressed_tensors_config(unquantized_layers)
@@ -174,7 +187,7 @@ class INT8Policy(PrecisionPolicy):
     def quantize_tensor(
         self, name: str, tensor: torch.Tensor
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        factors = self.smoothing.get(name)
+        factors = self._factors(name, tensor)
         if factors is not None:
             # Input channel j of this layer is divided by s_j; the norm before it was
             # multiplied by s_j (in `passthrough`), so the layer sees x/s·(w·s) = x·w.
@@ -184,7 +197,7 @@ class INT8Policy(PrecisionPolicy):
         yield name + SCALE_SUFFIX, scale
 
     def passthrough(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        factors = self.smoothing.get(name)
+        factors = self._factors(name, tensor)
         if factors is not None:
             # A norm before smoothed linears is divided by s; a smoothed linear left
             # unquantized (a subclass's choice) is multiplied by s: the float product stays.
@@ -197,14 +210,14 @@ class INT8Policy(PrecisionPolicy):
     def fake_quantize_weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         # In the learner's unsmoothed coordinates: dq(q(w·s))/s times dq(q(x/s))·s is the
         # engine's product, and the straight-through gradient stays the float layer's.
-        factors = self.smoothing.get(name)
+        factors = self._factors(name, weight)
         scaled = weight.float() * factors[None, :] if factors is not None else weight
         q, scale = quantize_per_channel(scaled, name=name)
         dequantized = dequantize_per_channel(q, scale)
         return dequantized / factors[None, :] if factors is not None else dequantized
 
     def fake_quantize_input(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        factors = self.smoothing.get(name)
+        factors = self._factors(name, x)
         flat = x.reshape(-1, x.shape[-1]).float()
         if factors is not None:
             flat = flat / factors[None, :]

