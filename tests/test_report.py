@@ -373,14 +373,14 @@ def refused(capsys, *argv):
 
 def test_runs_of_different_tasks_or_models_are_refused_naming_the_setting(tmp_path, capsys):
     a = fake_run(tmp_path / "a")
-    b = fake_run(tmp_path / "b", "task.max_operand=20")
+    b = fake_run(tmp_path / "b", "task.digits=4")
     c = fake_run(tmp_path / "c", "model.seed=3")
     message = refused(capsys, a, b, c)
     assert "cannot compare these runs: their task or model differ" in message
-    assert f"task.max_operand: 12 in {a}, {c}; 20 in {b}" in message
+    assert f"task.digits: 3 in {a}, {c}; 4 in {b}" in message
     assert f"model.seed: 0 in {a}, {b}; 3 in {c}" in message
     d = fake_run(tmp_path / "d", "task=gsm8k_jsonl")
-    assert f'task.name: "arithmetic" in {a}; "gsm8k_jsonl" in {d}' in refused(capsys, a, d)
+    assert f'task.name: "addition" in {a}; "gsm8k_jsonl" in {d}' in refused(capsys, a, d)
 
 
 def test_a_directory_that_is_not_a_run_is_named(tmp_path, capsys):
