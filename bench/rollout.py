@@ -384,9 +384,13 @@ def gpu_row(engine, device, prompt_tokens: int, batch: int, new_tokens: int, rep
 
 
 def free_memory(device: torch.device) -> None:
-    if device.type == "cuda":
+    if device.type != "cuda":
+        return
+    try:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+    except RuntimeError as err:  # a broken CUDA context: the next rows will say so
+        print(f"freeing GPU memory failed: {err}", file=sys.stderr)
 
 
 def main() -> int:

@@ -239,6 +239,18 @@ def check_attention(report: Report, generator: torch.Generator) -> None:
         (got - ref).abs(),
         torch.full_like(ref, 2e-6 * (cache.float().abs().max() * 0.02).item()),
     )
+    # The decoder's mask: the first 40 positions of a wider buffer (row stride 64), read
+    # in place.
+    buffer = torch.rand(2, 64, generator=generator) > 0.3
+    buffer[:, 39] = True
+    args = (q, cache.transpose(1, 2), cache.transpose(1, 2), *scales, buffer[:, :40])
+    ref = K.fp8_kv_decode_attention_reference(*args[:-1], buffer[:, :40].contiguous())
+    got = K.fp8_kv_decode_attention_triton(*args, num_splits=2)
+    report.within(
+        "attention mask sliced from a wider buffer",
+        (got - ref).abs(),
+        torch.full_like(ref, 2e-6 * (cache.float().abs().max() * 0.02).item()),
+    )
 
 
 CHECKS = {

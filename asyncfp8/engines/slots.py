@@ -172,8 +172,8 @@ class SlotDecoder:
         """With `record_hidden`: row `slot`'s real positions so far, (hidden states [T, H],
         tokens [T]), prompt padding and rejected drafts left out."""
         end = self.lengths[slot]
-        real = self.kv_valid[slot, :end]
-        return self.hidden_states[slot, :end][real], self.fed_tokens[slot, :end][real]
+        real = self.kv_valid[slot, :end].nonzero().squeeze(1)  # the one read of the device
+        return self.hidden_states[slot].index_select(0, real), self.fed_tokens[slot][real]
 
     def _run(self, tokens, positions, mask, keep: int, where: torch.Tensor) -> torch.Tensor:
         """The forward of tokens [slots, T] written at cache positions `where` [slots, T]
@@ -357,25 +357,40 @@ def run_slots(
             owner[slot], drawn[slot] = request, 1
         if speculation is not None:
             speculation.start_rows(free)
-        ended = [slot for slot, over in zip(free, done.tolist(), strict=True) if over]
-        for slot in ended:
-            harvest(slot)
+        # Which first tokens were eos only the device knows (a read); budgets the host does.
+        over = done.tolist() if stops else [requests[i].max_new_tokens <= 1 for i in taken]
+        ended = [slot for slot, end in zip(free, over, strict=True) if end]
+        harvest(ended)
         return bool(ended)
 
-    def harvest(slot: int) -> None:
-        request = owner[slot]
-        n = int(counters[slot])
-        results[request] = Generated(
-            token_ids=out_tokens[slot, :n].tolist(),
-            logprobs=out_logp[slot, :n].tolist(),
-            versions=out_version[slot, :n].tolist(),
-        )
-        stats.tokens += n
-        if speculation is not None:
-            speculation.observe(*decoder.sequence(slot))
-        owner[slot] = None
-        live[slot] = False
-        decoder.release(slot)
+    def harvest(finished: list[int]) -> None:
+        """Collects the sequences of the `finished` rows and frees the rows. Their counts,
+        tokens, versions and log-probs come to the host in one copy (each read from a
+        GPU waits for it: one per harvest, not four per sequence); float64 holds each
+        exactly (ids and versions are integers below 2^53, the log-probs float32)."""
+        if not finished:
+            return
+        index = torch.tensor(finished, **long)
+        parts = (counters[:, None], out_tokens, out_version, out_logp)
+        rows = torch.cat([p.index_select(0, index).double() for p in parts], 1).tolist()
+        for slot, row in zip(finished, rows, strict=True):
+            n = int(row[0])
+            tokens, versions, logps = (
+                row[1 : 1 + room],
+                row[1 + room : 1 + 2 * room],
+                row[1 + 2 * room :],
+            )
+            results[owner[slot]] = Generated(
+                token_ids=[int(t) for t in tokens[:n]],
+                logprobs=logps[:n],
+                versions=[int(v) for v in versions[:n]],
+            )
+            stats.tokens += n
+            if speculation is not None:
+                speculation.observe(*decoder.sequence(slot))
+            owner[slot] = None
+            decoder.release(slot)
+        live.index_fill_(0, index, False)
 
     def plain_step(current: int) -> None:
         nonlocal plain_steps
@@ -393,7 +408,8 @@ def run_slots(
         for slot in range(slots):
             drawn[slot] += owner[slot] is not None
 
-    def speculative_step(k: int, current: int) -> list[bool]:
+    def speculative_step(k: int, current: int) -> tuple[list[bool], int]:
+        """One draft-and-verify step: (each row's liveness after it, tokens it kept)."""
         offsets = torch.arange(k + 1, device=device)
         positions = counters[:, None] + offsets
         # The k drafts' uniforms in one draw, as k draws of counters + i would give them.
@@ -429,19 +445,25 @@ def run_slots(
             ended = (ends & kept_mask).any(1)
         kept = kept_mask.sum(1)
         record(positions, result.tokens.clamp_min(0), result.logprobs, current)
-        kept_host = kept.tolist()
+        new_counters = counters + kept
+        new_live = live & ~ended if stops else live.clone()
+        # What the host needs of this step, read in one copy (a sync on a GPU): each
+        # row's kept tokens, count and liveness, and the acceptance counts.
+        accepted = torch.stack([(result.num_accepted * live).sum(), live.sum()])
+        host = torch.cat([kept, new_counters, new_live.long(), accepted]).tolist()
+        kept_host, counts_host = host[:slots], host[slots : 2 * slots]
+        live_host, (accepted_host, rows_host) = host[2 * slots : 3 * slots], host[3 * slots :]
         decoder.commit(kept, kept_host)
-        speculation.record(result.num_accepted, k, live)
+        speculation.record(accepted_host, rows_host, k)
         forwards.add_(live.sum())
         rows = torch.arange(slots, device=device)
         last.copy_(torch.where(kept > 0, result.tokens[rows, (kept - 1).clamp_min(0)], last))
-        counters.add_(kept)
-        if stops:
-            live.logical_and_(~ended)
-        for slot, count in zip(range(slots), counters.tolist(), strict=True):
+        counters.copy_(new_counters)
+        live.copy_(new_live)
+        for slot in range(slots):
             if owner[slot] is not None:
-                drawn[slot] = count
-        return live.tolist()
+                drawn[slot] = counts_host[slot]
+        return [bool(x) for x in live_host], sum(kept_host)
 
     current = version()
     refill(current)
@@ -449,13 +471,17 @@ def run_slots(
     while True:
         if still is None and stops and plain_steps % check_every == 0:
             still = live.tolist()
-        for slot in range(slots):
-            if owner[slot] is None:
-                continue
-            if drawn[slot] >= requests[owner[slot]].max_new_tokens or (
-                still is not None and not still[slot]
-            ):
-                harvest(slot)
+        harvest(
+            [
+                slot
+                for slot in range(slots)
+                if owner[slot] is not None
+                and (
+                    drawn[slot] >= requests[owner[slot]].max_new_tokens
+                    or (still is not None and not still[slot])
+                )
+            ]
+        )
         if not queue and all(o is None for o in owner):
             break
         if between_steps is not None:
@@ -468,11 +494,8 @@ def run_slots(
         k = speculation.choose(active) if speculation is not None else 0
         started = time.perf_counter()
         if k:
-            before = int(counters.sum())
-            still = speculative_step(k, current)
-            speculation.report(
-                active, k, int(counters.sum()) - before, time.perf_counter() - started
-            )
+            still, produced = speculative_step(k, current)
+            speculation.report(active, k, produced, time.perf_counter() - started)
         else:
             plain_step(current)
             still = None

@@ -158,14 +158,14 @@ class SlotSpeculation:
         for row, end in zip(rows, ends, strict=True):
             self.synced[row] = end
 
-    def record(self, num_accepted: torch.Tensor, k: int, live: torch.Tensor) -> None:
-        accepted = int(num_accepted[live].sum())
-        rows = int(live.sum())
+    def record(self, accepted: int, rows: int, k: int) -> None:
+        """One verify step of `rows` live rows, k drafts each, `accepted` of them accepted
+        (host numbers: the slot loop reads them with its own, in one sync)."""
         self.verify_rows += rows
         self.drafted += k * rows
         self.accepted += accepted
         if self.trainer is not None:
-            self.trainer.record_acceptance(num_accepted, k, live)
+            self.trainer.record_accepted(accepted, rows, k)
 
     def observe(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
         """A finished sequence's hidden states [T, H] and tokens [T] (its real positions)."""

@@ -237,10 +237,15 @@ class DrafterTrainer:
         """One verify step: num_accepted [B] (AcceptanceResult.num_accepted) of k drafts
         each, for the rows where `active` [B] is set (all by default)."""
         counts = num_accepted if active is None else num_accepted[active.bool()]
+        self.record_accepted(int(counts.sum()), counts.numel(), k)
+
+    def record_accepted(self, accepted: int, rows: int, k: int) -> None:
+        """`record_acceptance` from the counts already on the host: `accepted` drafts of
+        `rows` rows' k each (the slot loop reads them with its other counts, one sync)."""
         record = self.acceptance.setdefault(self.version, _Acceptance())
-        record.verify_steps += counts.numel()
-        record.drafted += k * counts.numel()
-        record.accepted += int(counts.sum())
+        record.verify_steps += rows
+        record.drafted += k * rows
+        record.accepted += accepted
 
     def acceptance_by_version(self) -> dict[int, dict[str, float]]:
         return {version: record.summary() for version, record in sorted(self.acceptance.items())}

@@ -304,7 +304,10 @@ def fp8_kv_decode_attention_triton(
     q = q if q.stride(-1) == 1 else q.contiguous()
     k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
     v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
-    valid = kv_valid.contiguous().view(torch.uint8)  # Triton reads bytes; bool is one byte
+    # Triton reads bytes (bool is one byte) with the mask's own row stride: the decoder's
+    # mask is a slice of its [B, Tmax] buffer, and copying it would cost a kernel per layer
+    # per step.
+    valid = (kv_valid if kv_valid.stride(-1) == 1 else kv_valid.contiguous()).view(torch.uint8)
     if block_t is None:
         block_t = 64 if q.is_cuda else 16
     if block_t < 16 or block_t & (block_t - 1):
