@@ -1,29 +1,12 @@
 #!/usr/bin/env bash
-# The comparison in docs/results.md: the small model on arithmetic, one learner and two
-# torch-engine workers, the same budget (run.steps, groups) and seeds for every setting.
+# The arithmetic-era comparison in docs/results.md ("Precision and correction"): four of
+# scripts/parity_runs.sh's settings on the `arithmetic` task, 8-token answers, 500 steps.
 #   bash scripts/precision_runs.sh [OUT_DIR] [SEEDS...]      (default: runs/precision, seeds 0 1)
 #   EXTRA="run.mode=sync" bash scripts/precision_runs.sh runs/precision-sync 0   (more overrides)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/precision}
 shift || true
-seeds=("${@:-0 1}")
-read -r -a seeds <<< "${seeds[*]}"
-PY=${PY:-.venv/bin/python}
-settings=(
-  "bf16 precision=bf16 correction=token_tis"
-  "fp8_none precision=fp8 correction=none"
-  "fp8_tis precision=fp8 correction=token_tis"
-  "int8_tis precision=int8 correction=token_tis"
-)
-for seed in "${seeds[@]}"; do
-  for setting in "${settings[@]}"; do
-    read -r name overrides <<< "$setting"
-    dir="$out/${name}_seed$seed"
-    if [[ -f "$dir/summary.json" ]]; then echo "have $dir"; continue; fi
-    rm -rf "$dir"
-    # shellcheck disable=SC2086
-    "$PY" -m asyncfp8.launch $overrides ${EXTRA:-} run.seed="$seed" run.dir="$dir" | tail -n 2
-  done
-done
-"$PY" -m asyncfp8.report "$out"/*_seed* --out "$out/compare.png" --json "$out/summaries.json"
+SETTINGS="bf16 fp8_none fp8_tis int8_tis" \
+  EXTRA="task=arithmetic run.max_new_tokens=8 run.steps=500 ${EXTRA:-}" \
+  exec bash scripts/parity_runs.sh "$out" "${@:-0 1}"
