@@ -6,8 +6,8 @@
 # with torch (a CUDA build), transformers, triton, safetensors, msgpack, xxhash, tqdm,
 # PyYAML, pytest, pytest-timeout, hypothesis and accelerate; and the rest of what asyncfp8
 # imports (pyzmq, hydra-core, omegaconf, antlr4-python3-runtime, zstandard) as wheels in
-# the checkout's ignored folder .gpu/, for a machine without a package registry:
-#     mkdir -p .gpu && cp ../shared/gpu/wheels/*.whl .gpu/ && echo /.gpu/ >> .git/info/exclude
+# the checkout's folder .gpu/ (ignored by git), for a machine without a package registry:
+#     mkdir -p .gpu && cp ../shared/gpu/wheels/*.whl .gpu/
 # (../shared/gpu/README.md says what such machines have). numba is not needed: without it
 # weight deltas and checksummed copies run in numpy. The wheels are installed into
 # /tmp/site and asyncfp8 runs from this source tree (PYTHONPATH), not installed.
