@@ -315,6 +315,13 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, labels: list[str] | N
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=8)
+    return _save(figure, out)
+
+
+def _save(figure, out: str | Path) -> Path:
+    """Lays out, writes (making its folder) and closes a figure."""
+    import matplotlib.pyplot as plt
+
     figure.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -609,12 +616,7 @@ def plot_heldout(groups: dict[str, list[list[dict]]], out: str | Path) -> Path |
         ax.set_title(f"held-out pass@1, {kind}: mean over seeds, band 95% CI", fontsize=9)
         ax.set_xlabel("step (0: before training)")
     axes[0].legend(fontsize=8)
-    figure.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
-    return out
+    return _save(figure, out)
 
 
 def _json_safe(value: Any) -> Any:

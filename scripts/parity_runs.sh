@@ -13,9 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/parity}
 shift || true
-seeds=("${@:-0 1 2 3 4}")
-read -r -a seeds <<< "${seeds[*]}"
-PY=${PY:-.venv/bin/python}
+seeds="${*:-0 1 2 3 4}"
 export PYTHONPATH="$PWD/examples${PYTHONPATH:+:$PYTHONPATH}"
 harsh="precision._target_=harsh_int4_policy.IntWeightOnlyPolicy"
 all_settings=(
@@ -41,17 +39,6 @@ if [[ ${#chosen[@]} -eq 0 ]]; then
   echo "SETTINGS=\"$SETTINGS\" names none of: ${all_settings[*]%% *}" >&2
   exit 2
 fi
-started=$SECONDS
-for seed in "${seeds[@]}"; do
-  for setting in "${chosen[@]}"; do
-    read -r name overrides <<< "$setting"
-    dir="$out/${name}_seed$seed"
-    if [[ -f "$dir/summary.json" ]]; then echo "have $dir"; continue; fi
-    rm -rf "$dir"
-    echo "[parity] $name seed $seed ($(( (SECONDS - started) / 60 )) min so far)"
-    # shellcheck disable=SC2086
-    "$PY" -m asyncfp8.launch $overrides ${EXTRA:-} run.seed="$seed" run.dir="$dir" | tail -n 3
-  done
-done
-echo "[parity] all runs done in $(( (SECONDS - started) / 60 )) min"
-"$PY" -m asyncfp8.report "$out"/*_seed* --out "$out/compare.png" --json "$out/summaries.json"
+# shellcheck source=scripts/run_settings.sh
+source scripts/run_settings.sh
+run_settings "$out" "$seeds" "${chosen[@]}"
