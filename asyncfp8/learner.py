@@ -184,12 +184,13 @@ class Learner:
             )
             OmegaConf.save(cfg, self.dir / CONFIG_FILE, resolve=True)
             log.info(
-                "model %s (%.2fM parameters), precision %s (learner forward: %s), correction %s "
-                "(%s), %s mode, max staleness %d, %d rank(s) on %s computing in %s, listening on %s",
+                "model %s (%.2fM parameters), precision %s (learner forward: %s, quantized from: "
+                "%s), correction %s (%s), %s mode, max staleness %d, %d rank(s) on %s computing in %s, listening on %s",
                 model_dir,
                 sum(p.numel() for p in self.model.parameters()) / 1e6,
                 self.policy.spec,
                 self.policy.learner_forward,
+                self.policy.quantize_from,
                 self.correction.name,
                 cfg.correction.mode,
                 run.mode,
@@ -679,8 +680,9 @@ class Learner:
             # By parameter name, so that tied weights are sent once. The snapshot is taken
             # (needed: with one rank on the CPU the gathered tensors are the parameters
             # themselves, which the next step updates in place) and this returns;
-            # quantizing (by the policy, from the FP32 masters), encoding and sending
-            # happen on a thread while the next step trains.
+            # quantizing (by the policy), encoding and sending happen on a thread while
+            # the next step trains. With precision.quantize_from=compute the policy gets
+            # the masters rounded to the compute dtype, as the learner's forward sees them.
             masters = ((name, full[name]) for name, _ in self.model.named_parameters())
             waited = self.background.submit(
                 self.version,
@@ -689,6 +691,7 @@ class Learner:
                 extra=extra,
                 policy=self.policy.spec,
                 engine_config=self.policy.engine_config(),
+                dtype=self.dtype if self.policy.quantize_from == "compute" else None,
             )
         last = self.background.last  # the latest publish that finished
         return {

@@ -5,7 +5,7 @@ mean ± 95% confidence interval, and plots (from each run's config.yaml and metr
 
 Groups: runs are grouped by setting, read from each run's config.yaml: the rollout
 precision (its name, or the `_target_` of a user plugin), the correction's name,
-`precision.learner_forward` and `run.mode`; the runs of one setting (its seeds, run.seed)
+`precision.learner_forward`, `precision.quantize_from`, `run.compute_dtype` and `run.mode`; the runs of one setting (its seeds, run.seed)
 form one group, unless `--labels` (one per run) groups them otherwise. Per group it prints
 the number of runs and their seeds; the final held-out pass@1, greedy and sampled, and the
 held-out pass@1 before training, as the mean over seeds ± the half-width of its 95%
@@ -158,21 +158,29 @@ def label(run_dir: str | Path) -> str:
 
 def setting(cfg: DictConfig) -> dict[str, str]:
     """What a comparison is about: the rollout precision (a user plugin by its class), the
-    correction, the learner's forward (master weights or quantized like the rollouts) and
-    the mode. Runs that differ only in run.seed are seeds of one setting."""
+    correction, the learner's forward (master weights or quantized like the rollouts), the
+    weights the rollouts are quantized from, the learner's compute dtype and the mode. Runs that differ only in run.seed are seeds of one setting."""
     precision = OmegaConf.select(cfg, "precision._target_") or cfg.precision.name
     return {
         "precision": str(precision),
         "correction": str(cfg.correction.name),
         "learner_forward": str(OmegaConf.select(cfg, "precision.learner_forward") or "master"),
+        "quantize_from": str(OmegaConf.select(cfg, "precision.quantize_from") or "master"),
+        "compute_dtype": str(OmegaConf.select(cfg, "run.compute_dtype") or "auto"),
         "mode": str(cfg.run.mode),
     }
 
 
 def setting_label(setting: dict[str, str]) -> str:
-    precision = setting["precision"]
+    precision, notes = setting["precision"], []
     if setting["learner_forward"] != "master":
-        precision += f" ({setting['learner_forward']} forward)"
+        notes.append(f"{setting['learner_forward']} forward")
+    if setting.get("quantize_from", "master") != "master":
+        notes.append(f"quantized from {setting['quantize_from']} weights")
+    if setting.get("compute_dtype", "auto") != "auto":
+        notes.append(f"learner in {setting['compute_dtype']}")
+    if notes:
+        precision += f" ({', '.join(notes)})"
     return f"{precision} · {setting['correction']} · {setting['mode']}"
 
 

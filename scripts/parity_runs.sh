@@ -29,6 +29,10 @@ all_settings=(
   "harsh_none $harsh correction=none"
   "harsh_tis $harsh correction=token_tis"
   "harsh_qfwd $harsh correction=token_tis precision.learner_forward=quantized"
+  # Which weights to quantize from (docs/results.md): a BF16 learner forward, as on a GPU,
+  # and the rollout weights quantized from its FP32 masters or from their BF16 rounding.
+  "fp8_from_master precision=fp8 correction=token_tis run.compute_dtype=bfloat16 precision.quantize_from=master"
+  "fp8_from_compute precision=fp8 correction=token_tis run.compute_dtype=bfloat16 precision.quantize_from=compute"
 )
 chosen=()
 for setting in "${all_settings[@]}"; do

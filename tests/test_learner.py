@@ -333,6 +333,60 @@ def test_a_version_of_a_tied_model_sends_the_shared_weight_once(tmp_path, tiny_m
         learner.close()
 
 
+@pytest.mark.parametrize("quantize_from", ["master", "compute"])
+def test_a_version_is_quantized_from_the_weights_precision_quantize_from_names(
+    tmp_path, tiny_model_dir, quantize_from
+):
+    """With a BF16 learner forward, `precision.quantize_from=compute` quantizes the masters
+    rounded to BF16 (what that forward uses), `master` the FP32 masters; the two differ."""
+    learner = Learner(
+        learner_config(
+            tiny_model_dir,
+            tmp_path / "run",
+            "precision=fp8",
+            "run.compute_dtype=bfloat16",
+            f"precision.quantize_from={quantize_from}",
+        )
+    )
+    try:
+        sent = {}
+
+        def capture(version, weights, extra, **_):  # VersionPublisher.publish's arguments
+            sent.update(weights)
+
+        learner.publisher.publish = capture
+        # The model is saved in BF16: masters leave the BF16 grid once trained; a nudge
+        # stands in for training here.
+        with torch.no_grad():
+            for param in learner.model.parameters():
+                param.mul_(1.001)
+        masters = {n: t.clone() for n, t in distributed.full_state_dict(learner.model).items()}
+        learner.publish()
+        learner.background.wait()
+        policy = learner.policy
+        from_master = dict(policy.quantize_weights(masters.items()))
+        from_bf16 = dict(
+            policy.quantize_weights((n, t.to(torch.bfloat16)) for n, t in masters.items())
+        )
+        expected = from_bf16 if quantize_from == "compute" else from_master
+        other = from_master if quantize_from == "compute" else from_bf16
+        assert sent and set(sent) <= set(expected)
+        for name, value in sent.items():
+            assert torch.equal(value, expected[name]), name
+        assert any(not torch.equal(sent[name], other[name]) for name in sent)
+    finally:
+        learner.close()
+
+
+def test_an_unknown_quantize_from_is_refused_naming_the_setting():
+    from asyncfp8.precision import build_policy
+
+    with pytest.raises(
+        ValueError, match=r"precision\.quantize_from must be one of master, compute"
+    ):
+        build_policy({"name": "fp8", "quantize_from": "fp32"})
+
+
 # --- dynamic sampling -----------------------------------------------------------------------
 
 

@@ -256,6 +256,16 @@ def parity_runs(tmp_path):
             greedy=(0.1, 0.36),
         )
     )
+    runs.append(
+        fake_run(
+            tmp_path / "fp8_from_bf16_s0",
+            "precision=fp8",
+            "precision.quantize_from=compute",
+            "run.compute_dtype=bfloat16",
+            "correction=token_tis",
+            greedy=(0.1, 0.4),
+        )
+    )
     return runs
 
 
@@ -269,6 +279,7 @@ def test_runs_are_grouped_by_setting_and_seeds_give_the_confidence_interval(tmp_
         "bf16 · token_tis · async",
         "fp8 · none · async",
         "fp8 (quantized forward) · token_tis · async",
+        "fp8 (quantized from compute weights, learner in bfloat16) · token_tis · async",
     ]
     bf16 = groups["bf16 · token_tis · async"]
     assert (bf16["precision"], bf16["correction"], bf16["learner_forward"], bf16["mode"]) == (
@@ -301,6 +312,11 @@ def test_runs_are_grouped_by_setting_and_seeds_give_the_confidence_interval(tmp_
     single = groups["fp8 (quantized forward) · token_tis · async"]
     assert (single["n"], single["learner_forward"]) == (1, "quantized")
     assert (single["final_greedy_mean"], single["final_greedy_ci95"]) == (0.36, None)
+    rounded = groups[
+        "fp8 (quantized from compute weights, learner in bfloat16) · token_tis · async"
+    ]
+    assert (rounded["quantize_from"], rounded["compute_dtype"]) == ("compute", "bfloat16")
+    assert rounded["final_greedy_mean"] == 0.4
 
     # the printed table says the same
     assert "bf16 · token_tis · async: 5 runs, seeds 0 1 2 3 4" in printed
@@ -337,6 +353,8 @@ def test_a_plugin_precision_is_its_class_and_labels_still_group_runs(tmp_path, c
         "precision": "examples.harsh.Int4Policy",
         "correction": "none",
         "learner_forward": "master",
+        "quantize_from": "master",
+        "compute_dtype": "auto",
         "mode": "async",
     }
     a = fake_run(tmp_path / "a", "precision=bf16")

@@ -31,6 +31,7 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 # norms, biases (1-D anyway) and MoE routers (`mlp.gate`, not `mlp.gate_proj`).
 UNQUANTIZED = re.compile(r"(embed|lm_head|norm|\.mlp\.gate\.weight$|\.bias$)")
 LEARNER_FORWARDS = ("master", "quantized")
+QUANTIZE_FROMS = ("master", "compute")
 
 
 def is_quantizable(name: str, tensor: torch.Tensor) -> bool:
@@ -71,6 +72,11 @@ class PrecisionPolicy:
     #: "master" (the learner's FP32 forward) or "quantized" (the engine's quantized forward,
     #: as fake-quant with straight-through gradients): set from `precision.learner_forward`.
     learner_forward: str = "master"
+    #: What the learner hands `quantize_weights` each version: "master" (the FP32 master
+    #: weights) or "compute" (the masters rounded to `run.compute_dtype` first, the weights
+    #: the learner's forward uses): set from `precision.quantize_from`. Equal when the
+    #: learner computes in FP32 (its default on a CPU).
+    quantize_from: str = "master"
     #: Name and parameters, as the learner writes them into every version's header; a
     #: worker refuses a version whose spec differs from its own. Set by `get_policy`.
     spec: str = ""
@@ -405,7 +411,7 @@ def policy_from_target(target: str, params: dict[str, Any]) -> PrecisionPolicy:
 def build_policy(cfg: Mapping[str, Any], model_dir: Any = None) -> PrecisionPolicy:
     """A policy from its `precision=` config entry: `name` (registered, or composed with
     '+') or `_target_` (a PrecisionPolicy subclass of your own, imported here), plus
-    parameters, `learner_forward`, and bound to the model in `model_dir` when given. With
+    parameters, `learner_forward`, `quantize_from`, and bound to the model in `model_dir` when given. With
     `_target_`, `name` is not used (the class says its own)."""
     from omegaconf import DictConfig, OmegaConf
 
@@ -420,6 +426,11 @@ def build_policy(cfg: Mapping[str, Any], model_dir: Any = None) -> PrecisionPoli
         raise ValueError(
             f"precision.learner_forward must be one of {', '.join(LEARNER_FORWARDS)}, got {learner_forward!r}"
         )
+    quantize_from = params.pop("quantize_from", "master")
+    if quantize_from not in QUANTIZE_FROMS:
+        raise ValueError(
+            f"precision.quantize_from must be one of {', '.join(QUANTIZE_FROMS)}, got {quantize_from!r}"
+        )
     if target:
         policy = policy_from_target(target, params)
     elif name:
@@ -429,6 +440,7 @@ def build_policy(cfg: Mapping[str, Any], model_dir: Any = None) -> PrecisionPoli
             f"precision config needs a 'name' or a '_target_'; got keys {sorted(params)}"
         )
     policy.learner_forward = learner_forward
+    policy.quantize_from = quantize_from
     if model_dir is not None:
         from transformers import AutoConfig
 

@@ -1,5 +1,5 @@
 """The `precision=` config as a schema: the keys every policy entry has (`name`,
-`_target_`, `learner_forward`) are typed in Hydra's ConfigStore; a policy's own
+`_target_`, `learner_forward`, `quantize_from`) are typed in Hydra's ConfigStore; a policy's own
 parameters are checked against its constructor (names and annotated types), so a typo or
 a wrong type fails at start with the key's name. The node stays open to new keys because
 a user's class (`precision._target_=pkg.MyPolicy precision.my_option=3`) brings
@@ -22,6 +22,11 @@ class LearnerForward(enum.StrEnum):
     )
 
 
+class QuantizeFrom(enum.StrEnum):
+    master = "master"  # the learner's FP32 master weights
+    compute = "compute"  # the masters rounded to run.compute_dtype, what the learner's forward uses
+
+
 @dataclasses.dataclass
 class PrecisionConfig:
     """Keys every `precision=` entry has; the policy's parameters come beside them."""
@@ -29,6 +34,7 @@ class PrecisionConfig:
     name: str | None = None
     _target_: str | None = None
     learner_forward: LearnerForward = LearnerForward.master
+    quantize_from: QuantizeFrom = QuantizeFrom.master
 
 
 def schema_node():
