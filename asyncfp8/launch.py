@@ -14,6 +14,7 @@ Each process logs to `<run.dir>/<name>.log`; the learner's metrics go to
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -102,8 +103,15 @@ class Progress:
     """The run's one progress bar, fed by the learner's metrics file."""
 
     def __init__(self, run_dir: Path, steps: int, start: int = 0):
-        self.path, self.offset = run_dir / METRICS_FILE, 0
+        self.path = run_dir / METRICS_FILE
         self.bar = tqdm(total=steps, initial=start, desc="steps", unit="step", dynamic_ncols=True)
+        self._start_reading(file=None)
+
+    def _start_reading(self, file: tuple[int, int] | None) -> None:
+        """Reads `file` (device, inode) from its start: at the start, and when a resumed
+        learner has replaced the metrics file with one cut back to its checkpoint (an
+        offset into the old file means nothing in the new one)."""
+        self.file, self.offset = file, 0
         self.last: dict = {}
         # Recent steps' share of groups without reward spread.
         self.zero_spread: deque[float] = deque(maxlen=ZERO_SPREAD_WINDOW)
@@ -112,14 +120,24 @@ class Progress:
         self.eval: float | None = None
 
     def update(self) -> None:
-        if not self.path.exists():
+        try:
+            f = self.path.open("rb")
+        except FileNotFoundError:
             return
-        with self.path.open() as f:
+        with f:
+            # The identity of the file this handle reads, not of whatever the path names
+            # a moment later: the learner replaces it by a rename.
+            stat = os.fstat(f.fileno())
+            if (stat.st_dev, stat.st_ino) != self.file or stat.st_size < self.offset:
+                replaced = self.file is not None
+                self._start_reading((stat.st_dev, stat.st_ino))
+                if replaced:
+                    self.bar.reset(total=self.bar.total)
             f.seek(self.offset)
             chunk = f.read()
-        complete = chunk[: chunk.rfind("\n") + 1]
-        self.offset += len(complete.encode())
-        for line in complete.splitlines():
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.decode().splitlines():
             record = json.loads(line)
             self.bar.update(max(0, record["step"] - self.bar.n))
             self.last = record
