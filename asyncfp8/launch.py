@@ -138,7 +138,10 @@ class Progress:
         complete = chunk[: chunk.rfind(b"\n") + 1]
         self.offset += len(complete)
         for line in complete.decode().splitlines():
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line torn by a kill, then written past: skipped
+                continue
             self.bar.update(max(0, record["step"] - self.bar.n))
             self.last = record
             if (

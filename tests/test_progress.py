@@ -55,3 +55,12 @@ def test_a_file_a_resumed_learner_replaced_is_read_again_from_its_start(tmp_path
     progress.update()
     assert progress.bar.n == 1 and progress.last["step"] == 1
     progress.close()
+
+
+def test_a_line_torn_by_a_kill_and_then_written_past_is_skipped(tmp_path):
+    path = tmp_path / METRICS_FILE
+    progress = Progress(tmp_path, steps=10)
+    path.write_text(record(0) + record(1)[:9] + "\n" + record(2))
+    progress.update()
+    assert progress.bar.n == 2 and progress.last["step"] == 2
+    progress.close()
