@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
 from asyncfp8.checks import check_config
+from asyncfp8.export import MODEL_DIR
 from asyncfp8.learner import CHECKPOINT_DIR, LEARNER_STATE, ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
 from asyncfp8.metrics import METRICS_FILE
 from asyncfp8.models import run_model_dir
@@ -278,6 +279,8 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
         f"{summary['staleness_mean']:.2f}, dropped {summary['stale_groups']} stale groups.\n"
         f"[launch] plots: {plot}; summary: {run_dir / 'summary.json'}"
     )
+    if (run_dir / MODEL_DIR).is_dir():
+        print(f"[launch] the trained model (Hugging Face, BF16): {run_dir / MODEL_DIR}")
     for warning in summary.get("warnings", []):
         print(f"[launch] warning: {warning}")
     return 0

@@ -50,6 +50,7 @@ from asyncfp8.checks import check_config, max_staleness_of
 from asyncfp8.correction.metrics import mismatch_metrics
 from asyncfp8.correction.registry import make_batch
 from asyncfp8.evaluation import HeldOut
+from asyncfp8.export import MODEL_DIR, save_model
 from asyncfp8.failpoints import failpoint
 from asyncfp8.inbox import Group, Inbox
 from asyncfp8.leases import LeaseBook
@@ -126,7 +127,7 @@ class Learner:
         self.cfg, run, optim = cfg, cfg.run, cfg.optim
         self.stop = StopFlag()
         # The whole config, before a socket is bound or the model loaded.
-        model_dir = run_model_dir(cfg)
+        self.model_dir = model_dir = run_model_dir(cfg)
         checked = check_config(cfg, model_dir, "learner")
         self.task, self.policy, self.correction = checked.task, checked.policy, checked.correction
         self.max_staleness = max_staleness_of(run)
@@ -311,6 +312,10 @@ class Learner:
                     self.metrics.write(self.step, metrics)
                 if self.step % run.checkpoint_every == 0 and self.step < run.steps:
                     self.checkpoint()
+                # .get: a run saved before run.export_every existed resumes without it
+                export_every = run.get("export_every", 0)
+                if export_every and self.step % export_every == 0 and self.step < run.steps:
+                    self.export()
         except Preempted:
             path = self.checkpoint()
             if main:
@@ -325,6 +330,7 @@ class Learner:
             self.close()
             return 128 + (self.stop.signal or 15)
         self.checkpoint()
+        self.export()
         if main:
             self.inbox.finish(linger=15)
             log.info("finished %d steps; last version %d", self.step, self.version)
@@ -743,6 +749,23 @@ class Learner:
             for leftover in folder.glob(".step_*.tmp"):  # of a learner killed mid-checkpoint
                 shutil.rmtree(leftover, ignore_errors=True)
         return final
+
+    def export(self) -> Path:
+        """The policy as a Hugging Face model in `<run.dir>/model/` (BF16, with the source
+        model's tokenizer and generation config), replacing the previous export. Every rank
+        takes part in the gather; rank 0 writes."""
+        out = self.dir / MODEL_DIR
+        with torch.no_grad():
+            full = distributed.full_state_dict(self.model)
+        if self.ranks.main:
+            info = {
+                "run": str(self.dir.resolve()),
+                "step": self.step,
+                "source_model": str(self.model_dir),
+            }
+            save_model(full, self.model_dir, out, info)
+            log.info("exported the step-%d policy to %s", self.step, out)
+        return out
 
     def _restore(self) -> None:
         """Every rank reads the newest checkpoint (run.dir must be on storage they all see)."""

@@ -52,6 +52,11 @@ def check_counts(cfg: Any) -> None:
             "keep_checkpoints",
         )
     } | {"sync.every": cfg.sync.every}
+    export_every = cfg.run.get("export_every", 0)
+    if not isinstance(export_every, int) or export_every < 0:
+        raise ValueError(
+            f"run.export_every must be 0 (only at the end) or a positive integer, got {export_every!r}"
+        )
     for key, value in counts.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{key} must be a positive integer, got {value!r}")

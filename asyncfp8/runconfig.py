@@ -24,6 +24,7 @@ SAFE_ON_RESUME = (
     "run.steps",
     "run.checkpoint_every",
     "run.keep_checkpoints",
+    "run.export_every",
     "run.tensorboard",
     "run.workers",
     "run.worker_restarts",

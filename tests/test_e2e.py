@@ -71,7 +71,12 @@ def check_run(run_dir, steps, max_staleness):
 
 def test_launcher_runs_an_asynchronous_run_and_reports(tmp_path, tiny_model_dir):
     run_dir, out = launch(
-        tmp_path, tiny_model_dir, "run.steps=8", "run.max_staleness=1", "run.workers=2"
+        tmp_path,
+        tiny_model_dir,
+        "run.steps=8",
+        "run.max_staleness=1",
+        "run.workers=2",
+        "run.export_every=4",
     )
     done = check_run(run_dir, 8, max_staleness=1)
     assert any(r["staleness/max"] == 1 for r in done)  # asynchronous: it did run ahead
@@ -79,6 +84,12 @@ def test_launcher_runs_an_asynchronous_run_and_reports(tmp_path, tiny_model_dir)
     assert summary["steps"] == 8 and summary["samples"] >= 8 * 16
     assert (run_dir / "plots.png").stat().st_size > 10_000
     assert "reward" in out and "done in" in out
+    # The trained policy, out: a Hugging Face model the launcher names.
+    assert f"[launch] the trained model (Hugging Face, BF16): {run_dir / 'model'}\n" in out
+    assert json.loads((run_dir / "model" / "asyncfp8_export.json").read_text())["step"] == 8
+    learner_log = (run_dir / "learner.log").read_text()
+    assert "exported the step-4 policy" in learner_log  # run.export_every
+    assert "exported the step-8 policy" in learner_log  # and at the end
     last = done[-1]
     # Workers report their rates with their next lease request: one that started late
     # and got a single lease before the end (seen under CI load) reports nothing, so the
@@ -107,6 +118,8 @@ def test_launcher_with_a_two_rank_learner_and_dynamic_sampling(tmp_path, tiny_mo
     )
     done = check_run(run_dir, 6, max_staleness=1)
     assert "2 rank(s)" in (run_dir / "learner.log").read_text()
+    # Exported from the two ranks' shards, gathered.
+    assert (run_dir / "model" / "model.safetensors").stat().st_size > 0
     # Every trained group had a reward spread; the skipped ones were counted and recorded.
     assert all(r["groups/frac_zero_advantage"] == 0 for r in done)
     skipped = sum(len(r["skipped"]) for r in read_ledger(run_dir))

@@ -1,0 +1,185 @@
+"""The trained policy, out: a run's checkpoint as a Hugging Face model directory.
+
+    python -m asyncfp8.export RUN_DIR [--step N] [--out DIR] [--precision fp8|int8|...]
+
+writes `RUN_DIR/model/` (or `--out`) from the run's latest checkpoint (or step N): BF16
+weights saved with `save_pretrained`, the tokenizer and the generation config of the
+model the run started from, and `asyncfp8_export.json` (run, step, source model). It
+loads with `AutoModelForCausalLM.from_pretrained` and serves in vLLM. `--precision`
+also writes `DIR-<precision>/`, the same model streamed through that precision policy as
+a quantized checkpoint (asyncfp8.precision.export: FP8 blockwise for vLLM / SGLang on
+GPUs, INT8 compressed-tensors for vLLM, the CPU wheel included).
+
+The learner writes `RUN_DIR/model/` itself at the end of a run (and every
+`run.export_every` steps) from the weights it holds (`save_model`); this module is the
+same for any checkpoint, without a process group: the sharded checkpoint
+(torch.distributed.checkpoint) is read straight into the model's tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+MODEL_DIR = "model"  # <run.dir>/model: the exported policy
+EXPORT_INFO = "asyncfp8_export.json"
+# What a model directory holds beside its weights, copied from the run's source model.
+SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+
+def save_model(
+    state: Mapping[str, torch.Tensor], source_dir: str | Path, out: str | Path, info: dict
+) -> Path:
+    """`state` (the policy's parameters by name, any dtype, on any device) written as a
+    BF16 Hugging Face model in `out`, with the side files of `source_dir` (the model the
+    run started from). Written beside `out` and renamed over it: a reader never sees half
+    a model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out)
+    config = AutoConfig.from_pretrained(source_dir, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    expected = set(model.state_dict())
+    missing = expected - set(state)
+    if config.tie_word_embeddings:
+        missing.discard("lm_head.weight")  # one tensor under two names
+    if missing:
+        raise ValueError(f"the weights to export lack {sorted(missing)[:5]} (of {len(missing)})")
+    model.load_state_dict(
+        {
+            name: tensor.detach().to("cpu", torch.bfloat16)
+            for name, tensor in state.items()
+            if name in expected
+        },
+        strict=False,
+        assign=True,
+    )
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    staging = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    for name in SIDE_FILES:
+        if (Path(source_dir) / name).exists():
+            shutil.copy2(Path(source_dir) / name, staging / name)
+    (staging / EXPORT_INFO).write_text(json.dumps(info, indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(staging, out)
+    return out
+
+
+def checkpoint_dir(run_dir: Path, step: int | None) -> Path:
+    """The run's checkpoint at `step` (None: its latest), refused clearly when absent."""
+    from asyncfp8.learner import CHECKPOINT_DIR, LEARNER_STATE
+
+    folder = run_dir / CHECKPOINT_DIR
+    saved = sorted(p.parent for p in folder.glob(f"step_*/{LEARNER_STATE}"))
+    if not saved:
+        raise SystemExit(
+            f"export: {run_dir} has no checkpoint ({folder}/step_*/{LEARNER_STATE}); a run "
+            "writes its first before step 1 (is this a run directory?)"
+        )
+    if step is None:
+        return saved[-1]
+    wanted = folder / f"step_{step:08d}"
+    if wanted not in saved:
+        steps = ", ".join(str(int(p.name.removeprefix("step_"))) for p in saved)
+        raise SystemExit(
+            f"export: {run_dir} has no checkpoint at step {step} (it keeps "
+            f"run.keep_checkpoints of them: steps {steps})"
+        )
+    return wanted
+
+
+def checkpoint_state(checkpoint: Path, source_dir: Path) -> dict[str, torch.Tensor]:
+    """The model's FP32 parameters from a sharded learner checkpoint (any world size),
+    read without a process group into tensors shaped like the source model's."""
+    import torch.distributed.checkpoint as dcp
+
+    from asyncfp8.models import load_model
+
+    state = {"model": load_model(source_dir, dtype=torch.float32).state_dict()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    return state["model"]
+
+
+def export_run(
+    run_dir: str | Path,
+    step: int | None = None,
+    out: str | Path | None = None,
+    precision: str | None = None,
+) -> list[Path]:
+    """The checkpoint of `run_dir` at `step` as a model directory (and a quantized one
+    with `precision`); the directories written."""
+    from omegaconf import OmegaConf
+
+    from asyncfp8.models.loading import run_model_dir
+    from asyncfp8.runconfig import CONFIG_FILE
+
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG_FILE).exists():
+        raise SystemExit(f"export: {run_dir} has no {CONFIG_FILE}: not a run directory")
+    cfg = OmegaConf.load(run_dir / CONFIG_FILE)
+    checkpoint = checkpoint_dir(run_dir, step)
+    source = run_model_dir(cfg)
+    policy = None
+    if precision:
+        from asyncfp8.precision import build_policy
+
+        policy = build_policy({"name": precision}, source)  # refused now, before any work
+    done = int(checkpoint.name.removeprefix("step_"))
+    out = Path(out) if out else run_dir / MODEL_DIR
+    info = {"run": str(run_dir.resolve()), "step": done, "source_model": str(source)}
+    written = [save_model(checkpoint_state(checkpoint, source), source, out, info)]
+    if policy is not None:
+        from asyncfp8.precision.export import export_checkpoint
+
+        quantized = out.with_name(f"{out.name}-{precision.replace('+', '_')}")
+        export_checkpoint(policy, out, quantized)
+        written.append(quantized)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncfp8.export", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("run_dir", type=Path, help="a run directory (run.dir)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/model")
+    parser.add_argument(
+        "--precision",
+        default=None,
+        help="also write OUT-<precision>: the model quantized by that policy (fp8, int8, ...)",
+    )
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    for path in export_run(args.run_dir, args.step, args.out, args.precision):
+        print(f"[export] {path}")
+    print(f"[export] done in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
