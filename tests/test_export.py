@@ -1,6 +1,8 @@
 """The trained policy, out (issue 30, part 1): a run's checkpoint as a Hugging Face model
-that `transformers` loads and that gives the learner's log-probs, written by the learner at
-the end of a run and by `python -m asyncfp8.export` from any checkpoint."""
+that `transformers` loads and vLLM serves and that gives the learner's log-probs (vLLM,
+BF16 activations, on this 2-core AMD EPYC: mean |dlogp| 0.0099 against transformers),
+written by the learner at the end of a run and by `python -m asyncfp8.export` from any
+checkpoint."""
 
 import json
 
@@ -101,3 +103,40 @@ def test_what_cannot_be_exported_is_refused_naming_it(trained_run, tmp_path):
     with pytest.raises(ValueError, match="fp9"):
         export_run(run_dir, out=tmp_path / "y", precision="fp9")
     assert not (tmp_path / "y").exists()  # refused before anything was written
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_serves_the_exported_model_with_the_learners_logprobs(trained_run, vllm_module):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, _ = trained_run
+    exported = run_dir / MODEL_DIR
+    llm = vllm_module.LLM(
+        model=str(exported),
+        dtype="bfloat16",
+        logprobs_mode="processed_logprobs",
+        enforce_eager=True,
+        max_model_len=256,
+        seed=0,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(exported, local_files_only=True)
+    texts = [f"{a}+{b}={a + b}" for a, b in ((3, 4), (12, 9), (7, 11), (10, 10))]
+    outputs = llm.generate(
+        texts, vllm_module.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    )
+    model = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).float().eval()
+    differences = []
+    for text, output in zip(texts, outputs, strict=True):
+        ids = tokenizer(text)["input_ids"]
+        assert list(output.prompt_token_ids) == ids
+        served = torch.tensor(
+            [
+                step[token].logprob
+                for step, token in zip(output.prompt_logprobs[1:], ids[1:], strict=True)
+            ]
+        )
+        differences.append((served - logprobs(model, torch.tensor([ids]))[0]).abs())
+    differences = torch.cat(differences)
+    print(f"vLLM on the export vs transformers: mean |dlogp| {differences.mean():.4f}")
+    assert torch.isfinite(differences).all() and differences.mean() < 0.05
