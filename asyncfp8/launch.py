@@ -4,6 +4,7 @@ processes, with the same Hydra overrides, one progress bar, and a summary with p
     python -m asyncfp8.launch                                   # small model, BF16, 2 workers
     python -m asyncfp8.launch precision=fp8 correction=token_tis run.steps=100
     python -m asyncfp8.launch run.mode=sync                     # the synchronous baseline
+    srun python -m asyncfp8.launch run.learner_procs=8 ...      # one process per Slurm task
 
 Each process logs to `<run.dir>/<name>.log`; the learner's metrics go to
 `<run.dir>/metrics.jsonl`. Ctrl-C stops the workers and lets the learner checkpoint
@@ -38,6 +39,7 @@ from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.process import die_with_parent
 from asyncfp8.report import LAST_STEPS, plot_runs, summarize
 from asyncfp8.runconfig import restore_on_resume
+from asyncfp8.slurm import SlurmTask, role_of, slurm_task
 
 PORTS = ("version", "snapshot", "trajectory")
 CONFIG_ERROR = 2  # the exit code of a process that refused its configuration
@@ -56,8 +58,17 @@ def free_ports(count: int) -> list[int]:
 
 
 class Process:
-    def __init__(self, name: str, module: str, overrides: list[str], run_dir: Path, ranks: int = 1):
+    def __init__(
+        self,
+        name: str,
+        module: str,
+        overrides: list[str],
+        run_dir: Path,
+        ranks: int = 1,
+        env: dict[str, str] | None = None,
+    ):
         self.name, self.module, self.overrides = name, module, overrides
+        self.env = {**os.environ, **env} if env else None  # None: this process's own
         # Several ranks: torchrun on this host starts them (and stops them all when one fails).
         self.runner = (
             ["torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m"]
@@ -75,6 +86,7 @@ class Process:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env=self.env,
             start_new_session=True,  # Ctrl-C reaches the launcher only; it stops them in order
             preexec_fn=die_with_parent,  # no orphans if the launcher dies
         )
@@ -265,6 +277,11 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
             print(f"[launch] {worker.name} had not exited 30 s after the run ended; stopping it")
             worker.signal(signal.SIGTERM)
     stop_all(learner, workers)
+    return report_end(run_dir, started)
+
+
+def report_end(run_dir: Path, started: float) -> int:
+    """The finished run's summary.json, plots and closing lines."""
     summary = summarize(run_dir)
     summary["wall_s"] = time.perf_counter() - started
     plot = plot_runs([run_dir], run_dir / "plots.png")
@@ -284,6 +301,82 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
     for warning in summary.get("warnings", []):
         print(f"[launch] warning: {warning}")
     return 0
+
+
+def launch_under_slurm(
+    cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy, task: SlurmTask
+) -> int:
+    """`srun python -m asyncfp8.launch`: this task starts one process, its role
+    (asyncfp8.slurm: the first `run.learner_procs` tasks are the learner's ranks, the others
+    workers); the learner's rank 0 task also shows the progress bar and writes the summary.
+    `run.dir` must be on storage every node sees (default: runs/slurm-<job id>)."""
+    run = cfg.run
+    role = role_of(task, run.learner_procs)
+    given = {o.split("=", 1)[0] for o in overrides}
+    if "run.workers" in given and run.workers != role.workers:
+        raise ValueError(
+            f"run.workers={run.workers}, but the Slurm job step has {task.ntasks} tasks for "
+            f"{run.learner_procs} learner rank(s): {role.workers} workers (drop run.workers)"
+        )
+    # Every task must agree on the directory: a timestamp would differ between nodes.
+    run_dir = Path(run.dir if "run.dir" in given else f"runs/slurm-{task.job_id}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    own = ("run.dir=", "run.worker_id=", "run.workers=", "sync.host=", "sync.bind=")
+    common = [
+        *(o for o in overrides if not o.startswith(own)),
+        f"run.dir={run_dir}",
+        f"run.workers={role.workers}",
+        f"sync.host={role.learner_host}",
+    ]
+    if role.kind == "learner":
+        name = "learner" if role.index == 0 else f"learner-rank{role.index}"
+        args = [*common, "sync.bind=0.0.0.0"]
+        process = Process(name, "asyncfp8.learner", args, run_dir, env=role.env)
+    else:
+        name = f"worker-{role.index}"
+        args = [*common, f"run.worker_id=slurm-{task.procid}"]
+        process = Process(name, "asyncfp8.worker", args, run_dir)
+    print(
+        f"[launch] Slurm task {task.procid} of {task.ntasks} on {task.node}: {name} (the "
+        f"learner is on {role.learner_host}; {policy.spec}); log {process.log_path}",
+        flush=True,
+    )
+    started = time.perf_counter()
+    process.start()
+    main_task = role.kind == "learner" and role.index == 0
+    try:
+        if main_task:
+            progress = Progress(run_dir, run.steps)
+            failed = watch(process, [], progress, 0)
+            progress.update()
+            progress.close()
+        else:
+            failed = wait_for(process, run.worker_restarts if role.kind == "worker" else 0)
+    except KeyboardInterrupt:
+        stop_all(process, [])
+        print(resume_hint(run_dir))
+        return 130
+    if failed is not None:
+        _, code = failed
+        print(f"[launch] {name} exited with {code}; {name}.log ends:\n{process.tail(20)}")
+        if main_task and code != CONFIG_ERROR:
+            print(resume_hint(run_dir))
+        return code if code > 0 else 1
+    return report_end(run_dir, started) if main_task else 0
+
+
+def wait_for(process: Process, restarts: int) -> tuple[Process, int] | None:
+    """Waits for one process (a worker restarted up to `restarts` times): None when it
+    finished, else the process and its exit code."""
+    while True:
+        code = process.popen.wait()
+        if code == 0:
+            return None
+        if code == CONFIG_ERROR or process.restarts >= restarts:
+            return process, code
+        process.restarts += 1
+        print(f"[launch] {process.name} exited with {code}; restart {process.restarts}/{restarts}")
+        process.start()
 
 
 def watch(
@@ -366,6 +459,9 @@ def main(cfg: DictConfig) -> None:
                 flush=True,
             )
         policy = check_start(cfg)
+        task = slurm_task(cfg.run.get("slurm", "auto"), os.environ)
+        if task is not None:
+            sys.exit(launch_under_slurm(cfg, overrides, policy, task))
     except (ValueError, FileNotFoundError) as err:
         print(f"[launch] {err}", file=sys.stderr)
         sys.exit(CONFIG_ERROR)

@@ -25,6 +25,7 @@ SAFE_ON_RESUME = (
     "run.checkpoint_every",
     "run.keep_checkpoints",
     "run.export_every",
+    "run.slurm",
     "run.tensorboard",
     "run.workers",
     "run.worker_restarts",
