@@ -30,18 +30,10 @@ from pathlib import Path
 
 import torch
 
+from asyncfp8.precision.export import COPIED_FILES
+
 MODEL_DIR = "model"  # <run.dir>/model: the exported policy
 EXPORT_INFO = "asyncfp8_export.json"
-# What a model directory holds beside its weights, copied from the run's source model.
-SIDE_FILES = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
 
 
 def save_model(
@@ -77,7 +69,7 @@ def save_model(
     staging = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, safe_serialization=True)
-    for name in SIDE_FILES:
+    for name in COPIED_FILES:  # tokenizer, generation config, chat template
         if (Path(source_dir) / name).exists():
             shutil.copy2(Path(source_dir) / name, staging / name)
     (staging / EXPORT_INFO).write_text(json.dumps(info, indent=1) + "\n")

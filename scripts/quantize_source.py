@@ -25,7 +25,6 @@ import itertools
 import json
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from asyncfp8.correction import get_correction
 from asyncfp8.demo import learner_logprobs
 from asyncfp8.engines import SamplingParams
 from asyncfp8.engines.torch_engine import TorchEngine
+from asyncfp8.export import checkpoint_dir, checkpoint_state
 from asyncfp8.models import load_model
 from asyncfp8.models.loading import run_model_dir
 from asyncfp8.precision import build_policy
@@ -47,19 +47,6 @@ SOURCES = ("master", "compute")
 LEARNER_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def latest_masters(run_dir: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    """The FP32 model state of a run's latest checkpoint (read without a process group)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
-    if not checkpoints:
-        raise SystemExit(f"{run_dir}: no checkpoints/step_* to read masters from")
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(checkpoints[-1]), f"{tmp}/state.pt")
-        state = torch.load(f"{tmp}/state.pt", weights_only=True)["model"]
-    return {name: tensor.float() for name, tensor in state.items()}, checkpoints[-1]
-
-
 def k3_of(learner, samples) -> float:
     return get_correction("none")(*learner_logprobs(learner, samples)).metrics["mismatch/kl_k3"]
 
@@ -67,7 +54,8 @@ def k3_of(learner, samples) -> float:
 def measure(run_dir: Path, prompts: int, seeds: list[int], max_new_tokens: int) -> list[dict]:
     cfg = OmegaConf.load(run_dir / "config.yaml")
     model_dir = run_model_dir(cfg)
-    masters, checkpoint = latest_masters(run_dir)
+    checkpoint = checkpoint_dir(run_dir, step=None)  # the latest
+    masters = {n: t.float() for n, t in checkpoint_state(checkpoint, model_dir).items()}
     learners = {}
     for label, dtype in LEARNER_DTYPES.items():
         model = load_model(model_dir, dtype=torch.float32)
