@@ -309,4 +309,10 @@ def close() -> None:
     """Leaves the process group and puts back what `start` changed for the process."""
     _restore_tf32()
     if dist.is_initialized():
+        # Every rank waits for the others first: a rank that destroys the group while a peer
+        # is still finishing the last collective (the final export's gather, which rank 0
+        # follows with minutes of writing) can abort gloo (SIGABRT seen in CI); torch asks
+        # that no collective be in flight when the group is destroyed.
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -108,8 +109,25 @@ class Process:
     def tail(self, lines: int = 15) -> str:
         if not self.log_path.exists():
             return ""
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(f"    {line}" for line in text[-lines:])
+        return indented_tail(self.log_path.read_text(errors="replace").splitlines(), lines)
+
+
+def indented_tail(text: list[str], lines: int) -> str:
+    """The log's last `lines` lines, indented. When torchrun ends the log with its own
+    report of a failed rank, that report says only which rank died and how: the failing
+    rank's last lines come first, then the report's rank and exit-code lines."""
+    failed = next((i for i in range(len(text) - 1, -1, -1) if "ChildFailedError" in text[i]), None)
+    if failed is not None:
+        starts = [i for i in range(failed) if text[i].startswith("Traceback (most recent")]
+        if starts:
+            summary = [
+                line
+                for line in text[failed:]
+                if re.match(r"\s*(rank|exitcode|traceback)\s*:", line)
+            ]
+            text = [*text[: starts[-1]][-lines:], "[torchrun]", *summary]
+            return "\n".join(f"    {line}" for line in text)
+    return "\n".join(f"    {line}" for line in text[-lines:])
 
 
 class Progress:
