@@ -153,4 +153,4 @@ def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
     reason = policy.supported_by(cfg.engine.name)
     if reason:
         raise ValueError(f"engine {cfg.engine.name} cannot run precision {policy.name!r}: {reason}")
-    return Checked(policy, build_correction(cfg.correction), build_task(cfg.task))
+    return Checked(policy, build_correction(cfg.correction), build_task(cfg.task, model_dir))

@@ -52,7 +52,7 @@ def main(cfg: DictConfig) -> None:
         f"[demo] model {model_dir}: {sum(p.numel() for p in learner.parameters()) / 1e6:.2f}M parameters"
         + (f", warm-started {meta['warm_start_steps']} steps" if meta else "")
     )
-    task = build_task(cfg.task)
+    task = build_task(cfg.task, model_dir)
     policy = build_policy(cfg.precision, model_dir)
     engine = build_engine(cfg.engine, str(model_dir), policy)
     print(

@@ -34,7 +34,7 @@ def greedy_pass1(run_dir: Path, prompts: int) -> float:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
-    task = build_task(cfg.task)
+    task = build_task(cfg.task, model_dir)
     heldout = task.heldout_prompts(prompts)
     config = GenerationConfig(
         do_sample=False,

@@ -64,7 +64,7 @@ def measure(run_dir: Path, prompts: int, seeds: list[int], max_new_tokens: int) 
     off_grid = sum(int((t != t.bfloat16().float()).sum()) for t in masters.values()) / sum(
         t.numel() for t in masters.values()
     )
-    task = build_task(cfg.task)
+    task = build_task(cfg.task, model_dir)
     texts = [task.prompt(i).text for i in range(prompts)]
     rows = []
     for precision, source in itertools.product(PRECISIONS, SOURCES):

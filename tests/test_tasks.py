@@ -182,7 +182,9 @@ def test_missing_gsm8k_file_is_named(tmp_path):
 
 
 def test_unknown_task_lists_the_registered_ones():
-    with pytest.raises(ValueError, match=r"unknown task 'arithmatic'.*arithmetic, gsm8k_jsonl"):
+    with pytest.raises(
+        ValueError, match=r"unknown task 'arithmatic'.*arithmetic, dataset, gsm8k_jsonl"
+    ):
         get_task("arithmatic")
     assert {"arithmetic", "gsm8k_jsonl"} <= set(registered_tasks())
 

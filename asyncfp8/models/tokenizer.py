@@ -16,6 +16,15 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 BYTE_VOCAB_SIZE = 256
+# The smallest chat template that is one: each turn as "role: content" on its own line,
+# then "assistant:" to generate. Plain bytes, no special tokens, so a tiny model reads it
+# as text; it lets task=dataset's chat path run end to end on the project's own models.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ message['role'] + ': ' + message['content'] + '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}assistant:{%- endif -%}"
+)
 
 
 def byte_vocab() -> dict[str, int]:
@@ -33,4 +42,5 @@ def build_byte_tokenizer() -> Qwen2Tokenizer:
     )
     # Decoder-only generation pads on the left so every prompt ends where sampling starts.
     tokenizer.padding_side = "left"
+    tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

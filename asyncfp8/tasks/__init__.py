@@ -3,6 +3,7 @@
     from asyncfp8.tasks import get_task, build_task, register_task
     task = get_task("addition", seed=1, digits=3)
     task = build_task(cfg.task)   # Hydra: task=arithmetic, task.reward._target_=my.module.fn
+    task = build_task(cfg.task, model_dir=model_dir)   # task=dataset: renders chat templates
 
 A reward function is `reward(completion: str, answer: str) -> float`.
 """
@@ -12,11 +13,13 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from .addition import AdditionTask
 from .arithmetic import ArithmeticTask
 from .base import Prompt, RewardFn, Task
+from .dataset import DatasetTask
 from .gsm8k import GSM8KJsonlTask
 
 _TASKS: dict[str, Callable[..., Task]] = {}
@@ -83,11 +86,20 @@ def build_reward(task_name: str, reward_cfg: Mapping[str, Any]) -> RewardFn:
     return functools.partial(fn, **kwargs) if kwargs else fn
 
 
-def build_task(cfg: Mapping[str, Any]) -> Task:
+def _takes_model_dir(factory: Callable[..., Task]) -> bool:
+    try:
+        return "model_dir" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C factory: it takes what it is given
+        return False
+
+
+def build_task(cfg: Mapping[str, Any], model_dir: str | Path | None = None) -> Task:
     """A task from its config group entry: `name`, an optional `reward` node with a
     Hydra `_target_` (a function, extra keys become its keyword arguments), and the
-    task's own parameters. The reward is tried once on the task's first prompt here, so
-    that a reward that fails does so at start, not at the first scoring in a worker."""
+    task's own parameters. A task that takes a `model_dir` (the model's tokenizer renders
+    its prompts, as task=dataset's chat template does) is given the run's. The reward is
+    tried once on the task's first prompt here, so that a reward that fails does so at
+    start, not at the first scoring in a worker."""
     from omegaconf import DictConfig, OmegaConf
 
     plain = isinstance(cfg, DictConfig)
@@ -100,6 +112,8 @@ def build_task(cfg: Mapping[str, Any]) -> Task:
     reward_cfg = params.pop("reward", None)
     if reward_cfg is not None:
         params["reward"] = build_reward(name, reward_cfg)
+    if model_dir is not None and name in _TASKS and _takes_model_dir(_TASKS[name]):
+        params.setdefault("model_dir", str(model_dir))
     task = get_task(name, **params)
     prompt = task.prompt(0)
     completion = task.completion(prompt) if hasattr(task, "completion") else ""
@@ -116,10 +130,12 @@ def build_task(cfg: Mapping[str, Any]) -> Task:
 register_task("addition", AdditionTask)
 register_task("arithmetic", ArithmeticTask)
 register_task("gsm8k_jsonl", GSM8KJsonlTask)
+register_task("dataset", DatasetTask)
 
 __all__ = [
     "AdditionTask",
     "ArithmeticTask",
+    "DatasetTask",
     "GSM8KJsonlTask",
     "Prompt",
     "RewardFn",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .answers import final_number, parse_number, same_number
 from .base import Prompt, RewardFn, Task, check_heldout_fraction, is_heldout
+from .verified import math_verify_reward
 
 SAMPLE_FILE = "gsm8k_sample.jsonl"
 PROMPT_TEMPLATE = "Q: {question}\nA:"
@@ -75,7 +76,7 @@ class GSM8KJsonlTask(Task):
 
     def __init__(
         self,
-        reward: RewardFn = final_number_reward,
+        reward: RewardFn = math_verify_reward,
         path: str | None = None,
         seed: int = 0,
         heldout_fraction: float = 0.2,
