@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from asyncfp8.batches import check_split
 from asyncfp8.correction import Correction, build_correction
 from asyncfp8.losses import KL_ESTIMATORS
+from asyncfp8.metrics import loggers_of
 from asyncfp8.precision import PrecisionPolicy, build_policy
 from asyncfp8.process import check_counts, curve, endpoints
 from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
@@ -145,6 +146,7 @@ def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
             f"run.tensorboard=true but TensorBoard is not installed: {TENSORBOARD_INSTALL} "
             "(or run.tensorboard=auto: use it when it is there)"
         )
+    loggers_of(run)  # run.loggers: a tracker that is not installed, named at start
     check_inflight_updates(cfg)
     check_speculative(cfg, model_dir)
     endpoints(cfg.sync, "bind" if role == "learner" else "connect")

@@ -34,7 +34,7 @@ import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra comp
 from asyncfp8.checks import check_config
 from asyncfp8.export import MODEL_DIR
 from asyncfp8.learner import CHECKPOINT_DIR, LEARNER_STATE, ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
-from asyncfp8.metrics import METRICS_FILE
+from asyncfp8.metrics import METRICS_FILE, loggers_of, wandb_sync_hint
 from asyncfp8.models import run_model_dir
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.process import die_with_parent
@@ -213,6 +213,7 @@ def check_start(cfg: DictConfig) -> PrecisionPolicy:
     here, so that N+1 processes do not wait on its lock), the whole config as every
     process will check it (a user's policy class and reward imported here too), and, on
     resume, that there is a checkpoint to continue from."""
+    loggers_of(cfg.run)  # first: a tracker not installed is named before the model is made
     model_dir = run_model_dir(cfg)
     checked = check_config(cfg, model_dir, "launcher")
     if cfg.run.resume and not any(
@@ -316,6 +317,8 @@ def report_end(run_dir: Path, started: float) -> int:
     )
     if (run_dir / MODEL_DIR).is_dir():
         print(f"[launch] the trained model (Hugging Face, BF16): {run_dir / MODEL_DIR}")
+    if sync := wandb_sync_hint(run_dir):
+        print(f"[launch] W&B run saved offline; upload it with: {sync}")
     for warning in summary.get("warnings", []):
         print(f"[launch] warning: {warning}")
     return 0

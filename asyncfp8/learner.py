@@ -180,9 +180,8 @@ class Learner:
             self._restore()
         if self.ranks.main:
             self.ledger = Ledger(self.dir, resumed_step=self.step if run.resume else None)
-            self.metrics = MetricsLog(
-                self.dir, run.tensorboard, resumed_step=self.step if run.resume else None
-            )
+            # run.loggers: JSONL, TensorBoard, W&B (a resumed run continues its W&B run)
+            self.metrics = MetricsLog.for_run(cfg, resumed_step=self.step if run.resume else None)
             OmegaConf.save(cfg, self.dir / CONFIG_FILE, resolve=True)
             log.info(
                 "model %s (%.2fM parameters), precision %s (learner forward: %s, quantized from: "

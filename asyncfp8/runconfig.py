@@ -27,6 +27,8 @@ SAFE_ON_RESUME = (
     "run.export_every",
     "run.slurm",
     "run.tensorboard",
+    "run.loggers",
+    "run.wandb.",
     "run.workers",
     "run.worker_restarts",
     "run.threads",
