@@ -21,6 +21,7 @@ from asyncfp8.metrics import loggers_of
 from asyncfp8.precision import PrecisionPolicy, build_policy
 from asyncfp8.process import check_counts, curve, endpoints
 from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
+from asyncfp8.sync.versions import is_local
 from asyncfp8.tasks import Task, build_task
 
 TENSORBOARD_INSTALL = 'pip install -c constraints.txt -e ".[tensorboard]"'
@@ -149,7 +150,13 @@ def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
     loggers_of(run)  # run.loggers: a tracker that is not installed, named at start
     check_inflight_updates(cfg)
     check_speculative(cfg, model_dir)
-    endpoints(cfg.sync, "bind" if role == "learner" else "connect")
+    addresses = endpoints(cfg.sync, "bind" if role == "learner" else "connect")
+    if role == "worker" and cfg.sync.transport == "shm" and not is_local(addresses.versions):
+        raise ValueError(
+            f"sync.transport=shm, but the learner (sync.host={cfg.sync.host}) is not on this "
+            "host: shared memory cannot reach another host. Use sync.transport=auto (shared "
+            "memory where the learner is local, ZeroMQ elsewhere) or tcp"
+        )
     curve(cfg.sync)
     policy = build_policy(cfg.precision, model_dir)
     reason = policy.supported_by(cfg.engine.name)

@@ -120,12 +120,14 @@ class Worker:
             self.engine.load_drafter_state(torch.load(self.drafter_path, weights_only=False))
             self.log.info("drafter restored from %s", self.drafter_path)
         self.log.info(
-            "engine %s, precision %s (%s), %d torch threads; learner at %s",
+            "engine %s, precision %s (%s), %d torch threads; learner at %s, versions over %s%s",
             self.engine.name,
             self.policy.spec,
             self.policy.engine_config() or "no engine options",
             threads,
             addresses.trajectories,
+            "shared memory" if self.subscriber.shm else "ZeroMQ",
+            ", CurveZMQ on" if secure is not None else "",
         )
 
     def run(self) -> int:

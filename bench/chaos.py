@@ -32,6 +32,7 @@ SIZES = {
     "corrupt_flood": {"frames": 2000},
     "impersonation": {"seconds": 10},
     "slow_worker": {"pauses": 5},
+    "separate_hosts": {},
 }
 
 

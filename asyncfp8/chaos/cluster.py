@@ -49,15 +49,17 @@ class Cluster:
         *overrides: str,
         env: dict[str, str] | None = None,
         procs: int = 1,
+        host: list[str] | None = None,
     ) -> subprocess.Popen:
         """`python -m asyncfp8.<module>`, or with `procs` > 1 that many ranks under torchrun
-        (in a process group of their own: `kill` takes them all)."""
+        (in a process group of their own: `kill` takes them all). `host` runs it on another
+        host: the command prefix that enters it (`asyncfp8.chaos.hosts.Hosts.command`)."""
         log = (self.run_dir / f"{name}.log").open("a")
         runner = [sys.executable, "-m"]
         if procs > 1:
             runner += ["torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", "-m"]
         process = subprocess.Popen(
-            [*runner, f"asyncfp8.{module}", *self.common, *overrides],
+            [*(host or []), *runner, f"asyncfp8.{module}", *self.common, *overrides],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=os.environ | (env or {}),
@@ -68,9 +70,13 @@ class Cluster:
         return process
 
     def learner(
-        self, *overrides: str, env: dict[str, str] | None = None, procs: int = 1
+        self,
+        *overrides: str,
+        env: dict[str, str] | None = None,
+        procs: int = 1,
+        host: list[str] | None = None,
     ) -> subprocess.Popen:
-        return self.start("learner", "learner", *overrides, env=env, procs=procs)
+        return self.start("learner", "learner", *overrides, env=env, procs=procs, host=host)
 
     @staticmethod
     def kill(process: subprocess.Popen) -> None:
@@ -90,9 +96,15 @@ class Cluster:
                 "running 60 s after SIGKILL"
             ) from None
 
-    def worker(self, index: int, *overrides: str, log_name: str | None = None) -> subprocess.Popen:
+    def worker(
+        self,
+        index: int,
+        *overrides: str,
+        log_name: str | None = None,
+        host: list[str] | None = None,
+    ) -> subprocess.Popen:
         return self.start(
-            "worker", log_name or f"worker-{index}", f"run.worker_id={index}", *overrides
+            "worker", log_name or f"worker-{index}", f"run.worker_id={index}", *overrides, host=host
         )
 
     def last_step(self) -> int:

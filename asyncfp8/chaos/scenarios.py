@@ -38,6 +38,8 @@ from .attacks import (
 )
 from .audit import Audit, applied_versions, audit, logged_rejections
 from .cluster import Cluster
+from .hosts import Hosts
+from .hosts import unavailable as hosts_unavailable
 
 GROUP_SIZE = 4  # the cluster's run.group_size
 PREEMPTED = 128 + signal.SIGTERM  # the learner's exit code after a SIGTERM checkpoint
@@ -664,10 +666,115 @@ def slow_worker(
     return report
 
 
+# -- 6. hosts that really are separate ----------------------------------------------------------
+
+
+def separate_hosts(
+    work_dir: Path, model_dir: Path, seed: int = 0, resend_after: float = 2.0
+) -> FaultReport:
+    """The learner and two workers each on a host of its own (network namespaces on one
+    bridge, `asyncfp8.chaos.hosts`), started with the multi-host commands of
+    docs/running.md and CurveZMQ on. A worker's link is cut for longer than
+    `sync.resend_after` while it pushes trajectories (the learner must train on with the
+    other), then the learner's own link while it publishes versions; each comes back, and
+    the audit must find nothing lost or trained twice. `seed` varies when the cuts fall."""
+    reason = hosts_unavailable()
+    if reason:
+        raise RuntimeError(f"separate hosts cannot be made here: {reason}")
+    rng = random.Random(seed)
+    work_dir = Path(work_dir)
+    keys = make_keys(work_dir / "keys")
+    outage = 3 * resend_after
+    report = FaultReport("separate hosts: links cut and restored", injected=0)
+    with Hosts(["learner", "w0", "w1"]) as hosts:
+        c = Cluster(
+            work_dir / "run",
+            model_dir,
+            *OPEN_ENDED,
+            "run.workers=2",
+            "run.lease_timeout=4",
+            f"sync.resend_after={resend_after}",
+            f"sync.host={hosts.address('learner')}",
+            "sync.curve.enabled=true",
+            f"sync.curve.keys_dir={keys}",
+        )
+        try:
+            learner = c.learner("sync.bind=0.0.0.0", host=hosts.command("learner", []))
+            for index in (0, 1):
+                c.worker(index, host=hosts.command(f"w{index}", []))
+            c.wait_for_step(5)
+            for index in (0, 1):
+                started = c.log(f"worker-{index}", tail=0)
+                report.check(
+                    f"worker {index} takes versions over ZeroMQ with CURVE (another host)",
+                    "versions over ZeroMQ, CurveZMQ on" in started,
+                    started[-300:],
+                )
+            # 1. a worker's link, while it pushes trajectories
+            time.sleep(rng.uniform(0.2, 1.0))
+            step = c.last_step()
+            hosts.cut("w0")
+            report.injected += 1
+            time.sleep(outage)
+            trained_meanwhile = c.last_step() - step
+            report.check(
+                "the learner trained on with the worker it could reach",
+                trained_meanwhile >= 2,
+                f"{trained_meanwhile} steps in {outage:.0f} s",
+            )
+            restored = time.time()
+            hosts.restore("w0")
+            back = _wait(
+                lambda: _trained_from_after(c.run_dir, "0/", restored),
+                120,
+                "worker 0 trained on after its link came back",
+            )
+            report.recovery_s.append(back - restored)
+            # 2. the learner's link, while it publishes (a version every step)
+            time.sleep(rng.uniform(0.2, 1.0))
+            hosts.cut("learner")
+            report.injected += 1
+            time.sleep(outage)
+            restored, latest = time.time(), _latest_version(c)
+            hosts.restore("learner")
+            for prefix in ("0/", "1/"):
+                back = _wait(
+                    lambda p=prefix, r=restored: _trained_from_after(c.run_dir, p, r),
+                    120,
+                    f"worker {prefix[0]} trained on after the learner's link came back",
+                )
+                report.recovery_s.append(back - restored)
+            c.wait_for_step(c.last_step() + 3)
+            for index in (0, 1):
+                applied = applied_versions(c.log(f"worker-{index}", tail=0))
+                report.check(
+                    f"worker {index} applied versions published after the outage (> {latest})",
+                    bool(applied) and applied[-1] > latest,
+                    applied[-3:],
+                )
+            _alive(learner, c)
+            _finish(c, learner, report)
+        finally:
+            c.stop()
+    return report
+
+
+def _trained_from_after(run_dir: Path, sender_prefix: str, after: float) -> float | None:
+    """When a step recorded after `after` first trained a sample of that sender."""
+    for record in read_ledger(run_dir):
+        if record["time"] <= after:
+            continue
+        for _, _, members in record["groups"]:
+            if any(sender.startswith(sender_prefix) for sender, _, _ in members):
+                return record["time"]
+    return None
+
+
 SCENARIOS = {
     "worker_kills": worker_kills,
     "learner_kills": learner_kills,
     "corrupt_flood": corrupt_flood,
     "impersonation": impersonation,
     "slow_worker": slow_worker,
+    "separate_hosts": separate_hosts,
 }

@@ -4,9 +4,15 @@ trained twice, nothing half applied, no prompt lost, the staleness bound kept, a
 rejection counted and logged with the process still serving. `python bench/chaos.py`
 runs the same scenarios with more injections and writes the table."""
 
+import subprocess
+import sys
+import time
+
 import pytest
 
 from asyncfp8.chaos import scenarios
+from asyncfp8.chaos.hosts import Hosts
+from asyncfp8.chaos.hosts import unavailable as hosts_unavailable
 
 pytestmark = pytest.mark.slow
 
@@ -40,3 +46,41 @@ def test_a_slow_worker_cannot_break_the_staleness_bound(tmp_path, tiny_model_dir
     report = scenarios.slow_worker(tmp_path, tiny_model_dir, pauses=2)
     check(report)
     assert report.details["late_samples_dropped"] + report.details["stale_groups_dropped"] > 0
+
+
+def test_separate_hosts_with_links_cut_and_restored(tmp_path, tiny_model_dir):
+    reason = hosts_unavailable()
+    if reason:
+        pytest.skip(f"network namespaces: {reason}")
+    report = scenarios.separate_hosts(tmp_path, tiny_model_dir)
+    check(report)
+    assert report.injected == 2 and len(report.recovery_s) == 3
+
+
+def test_shared_memory_is_refused_for_a_learner_on_another_host(tmp_path, tiny_model_dir):
+    """A worker told sync.transport=shm for a learner it reaches over the network stops at
+    start, naming the setting, before it loads an engine."""
+    reason = hosts_unavailable()
+    if reason:
+        pytest.skip(f"network namespaces: {reason}")
+    with Hosts(["learner", "w0"]) as hosts:
+        started = time.monotonic()
+        done = subprocess.run(
+            hosts.command(
+                "w0",
+                [
+                    sys.executable,
+                    "-m",
+                    "asyncfp8.worker",
+                    f"model.path={tiny_model_dir}",
+                    f"sync.host={hosts.address('learner')}",
+                    "sync.transport=shm",
+                ],
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "sync.transport=shm, but the learner" in done.stdout + done.stderr
+    assert time.monotonic() - started < 60

@@ -1,0 +1,104 @@
+"""Hosts that really are separate, on one machine: a Linux network namespace per host,
+each joined to one bridge by a veth pair, so that the learner and each worker have an
+address, a network stack and a link of their own. A link can be taken down and brought
+back like a cable pulled out. Needs root (or CAP_NET_ADMIN) and the `ip` tool.
+
+    with Hosts(["learner", "w0", "w1"]) as hosts:
+        hosts.address("learner")             # "10.213.7.1"
+        hosts.command("w0", [...])           # runs [...] inside w0's namespace
+        hosts.cut("w0"); hosts.restore("w0")
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+
+SUBNET_PREFIX = "10.213"
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be made here (None when they can): what a test skips with."""
+    if shutil.which("ip") is None:
+        return "the `ip` tool (iproute2) is not installed"
+    if os.geteuid() != 0:
+        return "making network namespaces needs root (CAP_NET_ADMIN)"
+    probe = f"af8probe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` is not permitted here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
+
+
+class Hosts:
+    """Namespaces named after the hosts (prefixed with this process's id, so that two
+    test sessions do not collide), one /24 subnet, one bridge in the calling namespace."""
+
+    def __init__(self, names: Sequence[str]):
+        tag = os.getpid() % 100_000
+        self.names = list(names)
+        self.prefix = f"af8{tag}"
+        self.bridge = f"{self.prefix}br"
+        self.subnet = f"{SUBNET_PREFIX}.{tag % 250 + 1}"
+        self._made: list[str] = []
+
+    def namespace(self, name: str) -> str:
+        return f"{self.prefix}-{name}"
+
+    def address(self, name: str) -> str:
+        return f"{self.subnet}.{self.names.index(name) + 1}"
+
+    def _outer(self, name: str) -> str:
+        """The bridge side of the host's veth pair (what `cut` takes down)."""
+        return f"{self.prefix}o{self.names.index(name)}"
+
+    def __enter__(self) -> Hosts:
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            self._made.append("bridge")
+            _ip("link", "set", self.bridge, "up")
+            for index, name in enumerate(self.names):
+                namespace, outer, inner = self.namespace(name), self._outer(name), f"eth{index}"
+                _ip("netns", "add", namespace)
+                self._made.append(name)
+                _ip("link", "add", outer, "type", "veth", "peer", "name", inner, "netns", namespace)
+                _ip("link", "set", outer, "master", self.bridge)
+                _ip("link", "set", outer, "up")
+                _ip("-n", namespace, "addr", "add", f"{self.address(name)}/24", "dev", inner)
+                _ip("-n", namespace, "link", "set", inner, "up")
+                _ip("-n", namespace, "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def command(self, name: str, argv: Sequence[str]) -> list[str]:
+        """`argv` run inside the host's namespace (`ip netns exec` execs it: same pid)."""
+        return ["ip", "netns", "exec", self.namespace(name), *argv]
+
+    def cut(self, name: str) -> None:
+        """The host's cable pulled out: nothing reaches it or leaves it."""
+        _ip("link", "set", self._outer(name), "down")
+
+    def restore(self, name: str) -> None:
+        _ip("link", "set", self._outer(name), "up")
+
+    def close(self) -> None:
+        for made in reversed(self._made):
+            if made == "bridge":
+                subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+            else:  # deleting the namespace deletes its veth pair with it
+                subprocess.run(["ip", "netns", "del", self.namespace(made)], capture_output=True)
+        self._made.clear()
