@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncfp8.failpoints import write_line
 from asyncfp8.metrics import read_jsonl
 
 LEDGER_FILE = "ledger.jsonl"
@@ -43,7 +44,7 @@ class Ledger:
             "dropped": [list(d) for d in dropped],
             "skipped": [_group(g) for g in skipped],
         }
-        self._file.write(json.dumps(record) + "\n")
+        write_line(self._file, json.dumps(record) + "\n", "ledger.mid_line")
 
     def close(self) -> None:
         self._file.close()

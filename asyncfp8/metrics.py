@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from asyncfp8.failpoints import write_line
+
 log = logging.getLogger("asyncfp8.metrics")
 METRICS_FILE = "metrics.jsonl"
 LOGGERS = ("jsonl", "tensorboard", "wandb")
@@ -287,7 +289,7 @@ class MetricsLog:
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step} | {key: _plain(value) for key, value in metrics.items()}
-        self._file.write(json.dumps(record) + "\n")
+        write_line(self._file, json.dumps(record) + "\n", "metrics.mid_line")
         if self._tensorboard is not None:
             for key, value in record.items():
                 if isinstance(value, int | float) and key != "step":

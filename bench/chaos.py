@@ -33,6 +33,7 @@ SIZES = {
     "impersonation": {"seconds": 10},
     "slow_worker": {"pauses": 5},
     "separate_hosts": {},
+    "torn_writes": {"kills": 20},
 }
 
 

@@ -13,6 +13,7 @@ import random
 import signal
 import statistics
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from asyncfp8.failpoints import ENV as FAILPOINTS_ENV
 from asyncfp8.learner import LATEST_VERSION_FILE
 from asyncfp8.ledger import read_ledger
 from asyncfp8.metrics import read_metrics
+from asyncfp8.report import per_step, summarize
 from asyncfp8.sync import Curve, TrajectorySender, VersionPublisher, VersionSubscriber
 from asyncfp8.sync.keys import make_keys
 from asyncfp8.sync.security import stop_authenticators
@@ -770,6 +772,128 @@ def _trained_from_after(run_dir: Path, sender_prefix: str, after: float) -> floa
     return None
 
 
+# -- 7. kills that tear the run's own files, resumed again and again ----------------------------
+
+
+def torn_writes(
+    work_dir: Path, model_dir: Path, kills: int = 20, seed: int = 0, steps: int = 150
+) -> FaultReport:
+    """SIGKILLs the learner `kills` times in a row, resuming it each time: in the middle
+    of writing a line of metrics.jsonl, in the middle of a line of ledger.jsonl (fail
+    points that leave the line torn), and at random moments; meanwhile this process
+    follows the files as the launcher's progress bar, the report and the audit read them.
+    Nothing may crash, every step must be in each file once, and the audit be clean."""
+    rng = random.Random(seed)
+    kinds = ["metrics.mid_line", "ledger.mid_line", "random"]
+    c = Cluster(
+        work_dir,
+        model_dir,
+        f"run.steps={steps}",
+        "run.workers=2",
+        "run.checkpoint_every=2",
+        "run.lease_timeout=4",
+        "sync.resend_after=2",
+    )
+    report = FaultReport("learner SIGKILL mid-write (torn lines) + resume, again and again", kills)
+    reader = _Follower(c.run_dir, steps)
+    try:
+        reader.start()
+        workers: list[subprocess.Popen] = []
+        for cycle in range(kills):
+            kind = kinds[cycle % len(kinds)]
+            resume = ["run.resume=true"] if cycle else []
+            if kind == "random":
+                learner = c.learner(*resume)
+                started = time.time()
+                _wait(
+                    lambda s=started, p=learner: (
+                        _alive(p, c) and any(r["time"] > s for r in read_ledger(c.run_dir)[-1:])
+                    ),
+                    120,
+                    "the resumed learner to train a step",
+                )
+                time.sleep(rng.uniform(0.05, 1.0))
+                learner.kill()
+            else:  # the 2nd to 5th line this incarnation writes to that file, torn
+                learner = c.learner(*resume, env={FAILPOINTS_ENV: f"{kind}={rng.randint(2, 5)}"})
+            if not workers:
+                workers = [c.worker(i) for i in (0, 1)]
+            code = learner.wait(timeout=240)
+            report.check(f"cycle {cycle} ({kind}): the learner died by SIGKILL", code == -9, code)
+            if kind != "random":
+                name = "metrics.jsonl" if kind.startswith("metrics") else "ledger.jsonl"
+                text = (c.run_dir / name).read_bytes()
+                report.check(
+                    f"cycle {cycle}: {name} was left with a torn last line",
+                    bool(text) and not text.endswith(b"\n"),
+                    text[-80:],
+                )
+        learner = c.learner("run.resume=true")
+        code = learner.wait(timeout=300)
+        report.check("the last resumed learner finished the run", code == 0, code)
+        for i, worker in enumerate(workers):
+            report.check(f"worker {i} finished when told", worker.wait(timeout=60) == 0, i)
+    finally:
+        reader.stop()
+        c.stop()
+    report.check("the readers never failed", not reader.errors, reader.errors[:3])
+    report.check("the readers read throughout", reader.reads > kills, reader.reads)
+    report.check(
+        "the progress bar ended at the last step",
+        reader.progress_step == steps,
+        reader.progress_step,
+    )
+    for name, records in (("metrics", read_metrics(c.run_dir)), ("ledger", read_ledger(c.run_dir))):
+        trained = [r["step"] for r in records if r["step"] > 0]  # step 0: the first evaluation
+        report.check(
+            f"{name}.jsonl holds every step once", trained == list(range(1, steps + 1)), ""
+        )
+        lines = (c.run_dir / f"{name}.jsonl").read_text().splitlines()
+        report.check(f"{name}.jsonl has no torn line left", len(lines) == len(records), len(lines))
+    report.details["resumes"] = kills
+    _audit(c, report, max_staleness=1)
+    return report
+
+
+class _Follower:
+    """Reads a run's files the way its readers do (the launcher's progress bar, the
+    report's summary, the audit's ledger) every 50 ms on a thread, keeping any error."""
+
+    def __init__(self, run_dir: Path, steps: int):
+        from asyncfp8.launch import Progress
+
+        self.progress = Progress(run_dir, steps)
+        self.run_dir, self.reads, self.errors = run_dir, 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+
+    @property
+    def progress_step(self) -> int:
+        return self.progress.bar.n
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._read()  # once more, after the last write
+
+    def _follow(self) -> None:
+        while not self._stop.wait(0.05):
+            self._read()
+
+    def _read(self) -> None:
+        try:
+            self.progress.update()
+            if per_step(self.run_dir):  # the report refuses a run with no trained step yet
+                summarize(self.run_dir)
+            read_ledger(self.run_dir)
+            self.reads += 1
+        except Exception as err:
+            self.errors.append(f"{type(err).__name__}: {err}")
+
+
 SCENARIOS = {
     "worker_kills": worker_kills,
     "learner_kills": learner_kills,
@@ -777,4 +901,5 @@ SCENARIOS = {
     "impersonation": impersonation,
     "slow_worker": slow_worker,
     "separate_hosts": separate_hosts,
+    "torn_writes": torn_writes,
 }

@@ -84,3 +84,8 @@ def test_shared_memory_is_refused_for_a_learner_on_another_host(tmp_path, tiny_m
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "sync.transport=shm, but the learner" in done.stdout + done.stderr
     assert time.monotonic() - started < 60
+
+
+def test_twenty_kills_mid_write_and_resumes_in_a_row(tmp_path, tiny_model_dir):
+    report = scenarios.torn_writes(tmp_path, tiny_model_dir, kills=20)
+    check(report)
