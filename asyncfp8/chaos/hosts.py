@@ -40,13 +40,18 @@ def _ip(*args: str) -> None:
 
 
 class Hosts:
-    """Namespaces named after the hosts (prefixed with this process's id, so that two
-    test sessions do not collide), one /24 subnet, one bridge in the calling namespace."""
+    """Namespaces named after the hosts (prefixed with this process's id and a count, so
+    that neither two test sessions nor two Hosts of one process collide), one /24 subnet,
+    one bridge in the calling namespace."""
+
+    made = 0  # Hosts made by this process: each gets names of its own
 
     def __init__(self, names: Sequence[str]):
         tag = os.getpid() % 100_000
+        Hosts.made += 1
         self.names = list(names)
-        self.prefix = f"af8{tag}"
+        # Interface names are at most 15 bytes: "af8" + 5 + 2 + "o" + the host index.
+        self.prefix = f"af8{tag}{Hosts.made % 100:02d}"
         self.bridge = f"{self.prefix}br"
         self.subnet = f"{SUBNET_PREFIX}.{tag % 250 + 1}"
         self._made: list[str] = []
@@ -99,6 +104,9 @@ class Hosts:
         for made in reversed(self._made):
             if made == "bridge":
                 subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
-            else:  # deleting the namespace deletes its veth pair with it
+            else:
+                # The pair goes now (deleting one end deletes both); with the namespace only,
+                # the kernel would remove it later, once the namespace's processes are gone.
+                subprocess.run(["ip", "link", "del", self._outer(made)], capture_output=True)
                 subprocess.run(["ip", "netns", "del", self.namespace(made)], capture_output=True)
         self._made.clear()
