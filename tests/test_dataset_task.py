@@ -181,6 +181,9 @@ def test_bad_files_and_settings_are_named(tmp_path, tiny_model_dir):
     with pytest.raises(FileNotFoundError, match=r"task\.path=.*nope\.jsonl: no such file"):
         build(tmp_path / "nope.jsonl")
     (tmp_path / "d.txt").write_text("hello\n")
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ValueError, match=r"folder is a directory, but not one written by datasets"):
+        build(tmp_path / "folder")
     with pytest.raises(ValueError, match=r"cannot tell the format from the suffix '\.txt'"):
         build(tmp_path / "d.txt")
     (tmp_path / "broken.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": oops}\n')

@@ -37,7 +37,13 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     import datasets
 
     if path.is_dir():
-        loaded = datasets.load_from_disk(str(path))
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except FileNotFoundError as err:
+            raise ValueError(
+                f"task.path={path} is a directory, but not one written by datasets' "
+                f"save_to_disk ({err}); give a .jsonl, .json, .parquet or .csv file instead"
+            ) from None
         if isinstance(loaded, datasets.DatasetDict):
             if "train" not in loaded:
                 raise ValueError(
