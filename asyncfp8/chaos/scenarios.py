@@ -123,6 +123,21 @@ def _wait(predicate, timeout: float, what: str, poll: float = 0.05):
     raise TimeoutError(f"{what} within {timeout} s")
 
 
+def _kill_after_a_step(c: Cluster, learner: subprocess.Popen, delay_s: float) -> None:
+    """SIGKILLs `learner` `delay_s` after it has trained its first step (a random moment of
+    the scenario's choosing, once the incarnation is up and training)."""
+    started = time.time()
+    _wait(
+        lambda: (
+            _alive(learner, c) and any(r["time"] > started for r in read_ledger(c.run_dir)[-1:])
+        ),
+        120,
+        "the resumed learner to train a step",
+    )
+    time.sleep(delay_s)
+    learner.kill()
+
+
 def _alive(process: subprocess.Popen, c: Cluster) -> bool:
     if process.poll() is not None:
         raise RuntimeError(f"the learner exited with {process.returncode}:\n{c.log('learner')}")
@@ -248,16 +263,7 @@ def learner_kills(
             resume = ["run.resume=true"] if cycle else []
             if kind == "random":
                 learner = c.learner(*resume)
-                started = time.time()
-                _wait(
-                    lambda s=started, p=learner: (
-                        _alive(p, c) and any(r["time"] > s for r in read_ledger(c.run_dir)[-1:])
-                    ),
-                    120,
-                    "the resumed learner to train a step",
-                )
-                time.sleep(rng.uniform(0.2, 1.5))
-                learner.kill()
+                _kill_after_a_step(c, learner, rng.uniform(0.2, 1.5))
             else:  # a fail point, armed for this incarnation only (counts are per process)
                 # Past the first versions of the incarnation (about 15 chunks each here),
                 # so that the workers have reconnected and receive part of the version.
@@ -804,16 +810,7 @@ def torn_writes(
             resume = ["run.resume=true"] if cycle else []
             if kind == "random":
                 learner = c.learner(*resume)
-                started = time.time()
-                _wait(
-                    lambda s=started, p=learner: (
-                        _alive(p, c) and any(r["time"] > s for r in read_ledger(c.run_dir)[-1:])
-                    ),
-                    120,
-                    "the resumed learner to train a step",
-                )
-                time.sleep(rng.uniform(0.05, 1.0))
-                learner.kill()
+                _kill_after_a_step(c, learner, rng.uniform(0.05, 1.0))
             else:  # the 2nd to 5th line this incarnation writes to that file, torn
                 learner = c.learner(*resume, env={FAILPOINTS_ENV: f"{kind}={rng.randint(2, 5)}"})
             if not workers:

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .base import Prompt, RewardFn, Task, check_heldout_fraction, is_heldout
+from .base import FileTask, Prompt, RewardFn, check_heldout_fraction
 from .verified import math_verify_reward
 
 log = logging.getLogger(__name__)
@@ -142,11 +141,12 @@ def gold_answer(value: Any, where: str, column: str) -> str:
     return text
 
 
-class DatasetTask(Task):
+class DatasetTask(FileTask):
     """The rows of a user's file, reshuffled every pass, less a `heldout_fraction` of them
     (chosen by a hash of the prompt) kept for held-out evaluation."""
 
     name = "dataset"
+    item = "row"
 
     def __init__(
         self,
@@ -189,27 +189,19 @@ class DatasetTask(Task):
         self.rows = [self._row(row, number) for number, row in enumerate(read_rows(self.path), 1)]
         if not self.rows:
             raise ValueError(f"task.path={self.path}: no rows")
-        heldout = [is_heldout(row["key"], heldout_fraction) for row in self.rows]
-        self.train_rows = [i for i, held in enumerate(heldout) if not held]
-        self.heldout_rows = [i for i, held in enumerate(heldout) if held]
-        if not self.train_rows:
-            raise ValueError(
-                f"{self.path}: every row is held out (task.heldout_fraction="
-                f"{heldout_fraction}); lower it"
-            )
+        self._split([row["key"] for row in self.rows], heldout_fraction)
         log.info(
             "task dataset: %d rows of %s (%d training, %d held out) read and checked in %.1f s; "
             "prompts %s",
             len(self.rows),
             self.path,
-            len(self.train_rows),
-            len(self.heldout_rows),
+            len(self.train_items),
+            len(self.heldout_items),
             time.perf_counter() - started,
             "rendered with the model's chat template"
             if self.tokenizer is not None
             else f"as text ({self.text_template!r}, no chat template)",
         )
-        self._epoch_order: tuple[int, list[int]] | None = None
 
     @staticmethod
     def _chat_tokenizer(setting: str | bool, model_dir: str | Path | None):
@@ -294,34 +286,9 @@ class DatasetTask(Task):
             text = text[len(bos) :]
         return text
 
-    def __len__(self) -> int:
-        """Rows in the prompt stream (the held-out ones are not)."""
-        return len(self.train_rows)
-
-    def _order(self, epoch: int) -> list[int]:
-        """A fresh shuffle per pass over the rows, fixed by (seed, epoch)."""
-        if self._epoch_order is None or self._epoch_order[0] != epoch:
-            order = list(self.train_rows)
-            random.Random(f"{self.seed}:{epoch}").shuffle(order)
-            self._epoch_order = (epoch, order)
-        return self._epoch_order[1]
-
     def _prompt(self, index: int, row_index: int) -> Prompt:
         row = self.rows[row_index]
         return Prompt(index=index, text=row["text"], answer=row["answer"], meta={"row": row["row"]})
-
-    def prompt(self, index: int) -> Prompt:
-        epoch, offset = divmod(index, len(self.train_rows))
-        return self._prompt(index, self._order(epoch)[offset])
-
-    def heldout_prompts(self, count: int) -> list[Prompt]:
-        """The first `count` held-out rows, in file order."""
-        if not self.heldout_rows:
-            raise ValueError(
-                f"task dataset: no row of {self.path} is held out (task.heldout_fraction is 0, "
-                "or the file is small): raise it, or turn evaluation off with eval.every=0"
-            )
-        return [self._prompt(i, row) for i, row in enumerate(self.heldout_rows[:count])]
 
     def completion(self, prompt: Prompt) -> str:
         """The gold answer as a completion: what build_task's trial call scores."""

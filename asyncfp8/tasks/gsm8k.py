@@ -8,12 +8,11 @@ start with its line number, not hours later when a worker reaches it.
 from __future__ import annotations
 
 import json
-import random
 from importlib import resources
 from pathlib import Path
 
 from .answers import final_number, parse_number, same_number
-from .base import Prompt, RewardFn, Task, check_heldout_fraction, is_heldout
+from .base import FileTask, Prompt, RewardFn, check_heldout_fraction
 from .verified import math_verify_reward
 
 SAMPLE_FILE = "gsm8k_sample.jsonl"
@@ -68,11 +67,12 @@ def read_gsm8k_jsonl(path: str | Path) -> list[dict[str, str]]:
     return records
 
 
-class GSM8KJsonlTask(Task):
+class GSM8KJsonlTask(FileTask):
     """The records of a file, reshuffled every pass, less a `heldout_fraction` of them
     (chosen by a hash of the question) kept for held-out evaluation."""
 
     name = "gsm8k_jsonl"
+    item = "record"
 
     def __init__(
         self,
@@ -86,27 +86,7 @@ class GSM8KJsonlTask(Task):
         self.path = Path(path) if path else bundled_sample_path()
         self.records = read_gsm8k_jsonl(self.path)
         self.seed = seed
-        heldout = [is_heldout(r["question"], heldout_fraction) for r in self.records]
-        self.train_records = [i for i, held in enumerate(heldout) if not held]
-        self.heldout_records = [i for i, held in enumerate(heldout) if held]
-        if not self.train_records:
-            raise ValueError(
-                f"{self.path}: every record is held out (task.heldout_fraction="
-                f"{heldout_fraction}); lower it"
-            )
-        self._epoch_order: tuple[int, list[int]] | None = None
-
-    def __len__(self) -> int:
-        """Records in the prompt stream (the held-out ones are not)."""
-        return len(self.train_records)
-
-    def _order(self, epoch: int) -> list[int]:
-        """A fresh shuffle per pass over the file, fixed by (seed, epoch)."""
-        if self._epoch_order is None or self._epoch_order[0] != epoch:
-            order = list(self.train_records)
-            random.Random(f"{self.seed}:{epoch}").shuffle(order)
-            self._epoch_order = (epoch, order)
-        return self._epoch_order[1]
+        self._split([r["question"] for r in self.records], heldout_fraction)
 
     def _prompt(self, index: int, record_index: int) -> Prompt:
         record = self.records[record_index]
@@ -116,20 +96,6 @@ class GSM8KJsonlTask(Task):
             answer=record["final"],
             meta={"record": record_index, "solution": record["answer"]},
         )
-
-    def prompt(self, index: int) -> Prompt:
-        epoch, offset = divmod(index, len(self.train_records))
-        return self._prompt(index, self._order(epoch)[offset])
-
-    def heldout_prompts(self, count: int) -> list[Prompt]:
-        """The first `count` held-out records, in file order."""
-        if not self.heldout_records:
-            raise ValueError(
-                f"gsm8k_jsonl: no record of {self.path} is held out (task.heldout_fraction is "
-                "0, or the file is small): raise it, or turn evaluation off with eval.every=0"
-            )
-        chosen = self.heldout_records[:count]
-        return [self._prompt(i, record) for i, record in enumerate(chosen)]
 
     def completion(self, prompt: Prompt) -> str:
         return " " + prompt.meta["solution"]
