@@ -72,6 +72,7 @@ from asyncfp8.process import (
     set_threads,
     setup_logging,
 )
+from asyncfp8.refit import ReferenceForward, probe_sequences, refit_summary
 from asyncfp8.runconfig import CONFIG_FILE, log_resume, restore_on_resume
 from asyncfp8.sync import (
     BackgroundPublisher,
@@ -174,6 +175,12 @@ class Learner:
                 self.ranks,
             )
         self.publisher = self.inbox = self.watch = self.ledger = self.metrics = None
+        # The refit probe's reference (asyncfp8/refit.py): what an engine running each
+        # version must compute on a few sequences, shipped with the version.
+        probe = cfg.sync.get("probe")
+        self.probe_reference = None
+        if self.ranks.main and probe is not None and probe.enabled:
+            self.probe_reference = ReferenceForward(model_dir, self.policy)
         if self.ranks.main:
             self._listen()
         if run.resume:
@@ -652,14 +659,14 @@ class Learner:
                 metrics[f"worker/{worker}/tokens_per_s"] = rate
                 metrics[f"worker/{worker}/paused_s"] = stats.get("paused_s", 0.0)
                 metrics[f"worker/{worker}/rejected_versions"] = stats.get("rejected_versions", 0.0)
-                metrics |= {  # the online drafter's (engine.speculative)
+                metrics |= {  # the online drafter's (engine.speculative), the refit probe's
                     f"worker/{worker}/{key}": value
                     for key, value in stats.items()
-                    if key.startswith(("spec/", "drafter/"))
+                    if key.startswith(("spec/", "drafter/", "refit/"))
                 }
         if tokens_per_s:
             metrics["throughput/tokens_per_s"] = sum(tokens_per_s)
-        return metrics
+        return metrics | refit_summary(counts["workers"])
 
     # -- versions ----------------------------------------------------------------------------
 
@@ -697,6 +704,7 @@ class Learner:
                 policy=self.policy.spec,
                 engine_config=self.policy.engine_config(),
                 dtype=self.dtype if self.policy.quantize_from == "compute" else None,
+                annotate=self._refit_probe(),
             )
         last = self.background.last  # the latest publish that finished
         return {
@@ -704,8 +712,25 @@ class Learner:
             "sync/bytes": last.bytes if last else 0,
             "sync/publish_s": last.seconds if last else 0.0,
             "sync/publish_wait_s": waited,
+            "sync/probe_s": self.background.annotate_s,
             "sync/seconds": time.perf_counter() - started,
         }
+
+    def _refit_probe(self):
+        """The refit probe of the version being published, made on the publishing thread
+        from its snapshot: the first rows the version was calibrated on (this step's
+        rollouts), cut to sync.probe.tokens, with the reference's log-probs."""
+        if self.probe_reference is None:
+            return None
+        settings = self.cfg.sync.probe
+        ids, lengths = probe_sequences(
+            self.calibration_batch["input_ids"],
+            self.calibration_batch["attention_mask"],
+            settings.sequences,
+            settings.tokens,
+        )
+        reference = self.probe_reference
+        return lambda snapshot, extra: reference.probe(snapshot, extra, ids, lengths).to_extra()
 
     # -- checkpoints -------------------------------------------------------------------------
 

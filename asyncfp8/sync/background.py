@@ -24,6 +24,10 @@ from .versions import PublishStats, VersionPublisher
 
 log = logging.getLogger("asyncfp8.sync")
 Quantize = Callable[[Iterable[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]]
+#: More extra tensors made from the snapshot and the caller's extra (the refit probe)
+Annotate = Callable[
+    [list[tuple[str, torch.Tensor]], Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]
+]
 
 
 class PublishFailed(RuntimeError):
@@ -38,6 +42,7 @@ class BackgroundPublisher:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._failed_version: int | None = None
+        self.annotate_s = 0.0  # the latest publish's annotate() time
 
     def submit(
         self,
@@ -48,13 +53,22 @@ class BackgroundPublisher:
         policy: str = "",
         engine_config: Mapping[str, Any] | None = None,
         dtype: torch.dtype | None = None,
+        annotate: Annotate | None = None,
     ) -> float:
         """Snapshots `weights` (as `dtype`; None: as they are) and publishes `quantize(snapshot)` plus
-        `extra` as version `version` in the background; returns the seconds spent
-        waiting for the previous publish to finish."""
+        `extra` (and `annotate(snapshot, extra)`) as version `version` in the background;
+        returns the seconds spent waiting for the previous publish to finish."""
         waited = self.wait()
         snapshot = self._snapshot(weights, dtype)
-        job = (version, snapshot, quantize, dict(extra or {}), policy, dict(engine_config or {}))
+        job = (
+            version,
+            snapshot,
+            quantize,
+            dict(extra or {}),
+            policy,
+            dict(engine_config or {}),
+            annotate,
+        )
         if not self.background:
             self._run(*job)
             self._raise()
@@ -100,9 +114,13 @@ class BackgroundPublisher:
             torch.cuda.synchronize()
         return snapshot
 
-    def _run(self, version, snapshot, quantize, extra, policy, engine_config) -> None:
+    def _run(self, version, snapshot, quantize, extra, policy, engine_config, annotate) -> None:
         try:
             with torch.no_grad():
+                if annotate is not None:
+                    started = time.perf_counter()
+                    extra |= annotate(snapshot, extra)
+                    self.annotate_s = time.perf_counter() - started
                 self.last = self.publisher.publish(
                     version, quantize(snapshot), extra, policy=policy, engine_config=engine_config
                 )

@@ -1,0 +1,501 @@
+"""The refit probe: with every version, proof that the engine runs what the learner sent.
+
+Other RL stacks have trained for hours on a refit that silently ran the wrong model
+(REFERENCES.md: calibrated FP8 KV scales dropped on one refit path; a stale kernel
+layout after a refit; a sleep mode that skipped the weight sync). Here every version
+carries a probe:
+
+- a few token sequences: those the version's KV scales were calibrated on (the latest
+  step's rollouts; the task's first prompts before the first step), cut to a fixed
+  length, so they are near-policy samples;
+- the log-probabilities the precision policy says an engine must give them
+  (`ReferenceForward`: the learner's weights fake-quantized as the policy quantizes
+  them, activations as its GEMMs see them, keys and values rounded to e4m3 with the
+  version's KV scales; in FP32), and the same under the previous version's weights;
+- the root mean square of every decoder layer's output, to say where an engine diverges.
+
+After applying a version, before generating with it, the worker scores the probe with
+its engine (teacher-forced, `ProbeScoring`), reads back its KV scales where the engine
+can (`KVScaleReadback`: an exact check), and `check`s: within the policy's tolerance
+(`PrecisionPolicy.probe_tolerance`, measured per precision and engine, docs/reliability.md)
+the version is used; beyond it the worker asks for a full snapshot once, re-applies,
+checks again, and stops, naming the version, the layers that diverge first and the
+likely cause.
+
+The probe travels as extra tensors of the version (names under `PROBE_PREFIX`), so it
+takes every path a version takes (ZeroMQ, shared memory, deltas, snapshots); the worker
+takes them out before the engine sees the version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from asyncfp8.precision import PrecisionPolicy
+from asyncfp8.precision.fp8_kv import fake_quantize_e4m3, kv_scale_names
+
+PROBE_PREFIX = "refit_probe."
+#: The attention implementation of the reference forward with an FP8 KV cache.
+REFERENCE_ATTENTION = "asyncfp8_probe_fp8_kv"
+#: A layer "diverges" when its output RMS differs from the reference's by more than this
+#: (relative, mean over the probe's positions) and by 10x more than any layer before it.
+#: Measured on the small model: a correct torch engine sits within 1e-7 at the layer a
+#: fault first touches; a skipped layer's update shows 2e-4 to 7e-4 there.
+LAYER_DIVERGES = 1e-4
+
+
+@dataclass(frozen=True)
+class ProbeTolerance:
+    """How far an engine's probe log-probs may be from the reference's: the mean and the
+    largest |Δ log p| over the probe's tokens."""
+
+    mean_abs: float
+    max_abs: float
+
+
+@dataclass
+class Probe:
+    """`input_ids` [P, L] int64 (right-padded with 0) and `lengths` [P]; `logprobs` and
+    `previous` [P, L - 1] fp32: the reference log p of token t+1 given tokens up to t under
+    this version and under the previous one (NaN where there is none: version 0, padding);
+    `layer_rms` [P, layers, L] fp32."""
+
+    input_ids: torch.Tensor
+    lengths: torch.Tensor
+    logprobs: torch.Tensor
+    previous: torch.Tensor
+    layer_rms: torch.Tensor
+
+    FIELDS = ("input_ids", "lengths", "logprobs", "previous", "layer_rms")
+
+    def sequences(self) -> list[list[int]]:
+        return [
+            row[:n].tolist()
+            for row, n in zip(self.input_ids, self.lengths.tolist(), strict=True)
+            if n >= 2
+        ]
+
+    def rows(self) -> list[int]:
+        return [i for i, n in enumerate(self.lengths.tolist()) if n >= 2]
+
+    def to_extra(self) -> dict[str, torch.Tensor]:
+        return {PROBE_PREFIX + name: getattr(self, name) for name in self.FIELDS}
+
+    @classmethod
+    def take(
+        cls, extra: Mapping[str, torch.Tensor]
+    ) -> tuple[Probe | None, dict[str, torch.Tensor]]:
+        """(the probe in a version's extra tensors or None, the other extra tensors)."""
+        rest = {k: v for k, v in extra.items() if not k.startswith(PROBE_PREFIX)}
+        if len(rest) == len(extra):
+            return None, rest
+        missing = [f for f in cls.FIELDS if PROBE_PREFIX + f not in extra]
+        if missing:
+            raise ValueError(f"a version's refit probe lacks {missing}")
+        return cls(**{f: extra[PROBE_PREFIX + f] for f in cls.FIELDS}), rest
+
+
+def probe_sequences(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, count: int, tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `count` rows of a (left- or right-padded) batch without their padding,
+    cut to `tokens`, as ([count, tokens] right-padded with 0, lengths [count]); rows that
+    are missing have length 0."""
+    ids = torch.zeros(count, tokens, dtype=torch.long)
+    lengths = torch.zeros(count, dtype=torch.long)
+    for row in range(min(count, input_ids.shape[0])):
+        valid = input_ids[row][attention_mask[row].bool()].cpu()[:tokens]
+        ids[row, : len(valid)] = valid
+        lengths[row] = len(valid)
+    return ids, lengths
+
+
+@contextlib.contextmanager
+def recording_layer_rms(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Within the block, each forward of `model` (a transformers causal LM) appends the
+    RMS of every decoder layer's output, [batch, tokens] fp32 per layer, to the list."""
+    recorded: list[torch.Tensor] = []
+    layers = model.model.layers
+
+    def hook(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        recorded.append(hidden.detach().float().pow(2).mean(-1).sqrt())
+
+    handles = [layer.register_forward_hook(hook) for layer in layers]
+    try:
+        yield recorded
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """log p(token t+1 | tokens up to t) [B, T-1] fp32 from logits [B, T, V]."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, input_ids[:, 1:, None])[..., 0]
+
+
+def _fake_quant_kv_attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    scales = getattr(module, "probe_kv_scales", None)
+    if scales is not None:
+        key = fake_quantize_e4m3(key, scales[0]).to(key.dtype)
+        value = fake_quantize_e4m3(value, scales[1]).to(value.dtype)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+class ReferenceLinear(torch.nn.Module):
+    """A linear layer as a quantized engine GEMM computes it: the policy's fake-quantized
+    input times its fake-quantized FP32 master weight, accumulated in FP32, the output in
+    the input's dtype (the built-in FP8 and INT8 modules do the same)."""
+
+    def __init__(self, linear: torch.nn.Linear, name: str, policy: PrecisionPolicy):
+        super().__init__()
+        self.name, self.policy = name, policy
+        self.master = torch.nn.Parameter(linear.weight.detach().float(), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.policy.fake_quantize_weight(self.name, self.master).float()
+        inputs = self.policy.fake_quantize_input(self.name, x).float()
+        bias = None if self.bias is None else self.bias.float()
+        return torch.nn.functional.linear(inputs, weight, bias).to(x.dtype)
+
+
+def _use_reference_linears(model: torch.nn.Module, policy: PrecisionPolicy) -> dict[str, str]:
+    """Swaps every linear layer the policy quantizes for a ReferenceLinear, in place;
+    {weight name: the name of the FP32 master that now holds it}."""
+    renamed = {}
+    for prefix, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            name = f"{prefix}.{child_name}.weight".lstrip(".")
+            if type(child) is torch.nn.Linear and policy.quantizes(name, child.weight):
+                setattr(module, child_name, ReferenceLinear(child, name, policy))
+                renamed[name] = name.removesuffix("weight") + "master"
+    return renamed
+
+
+class ReferenceForward:
+    """The learner's reference of what an engine running a version computes: a copy of
+    the model in the engine's compute dtype (the policy's `engine_config()["dtype"]`,
+    BF16 by default) whose quantized linear layers are fake-quantized by the policy
+    (weights and inputs) and, for an FP8 KV cache, whose attention reads keys and values
+    rounded to e4m3 with the version's scales. It lives on rank 0 and is loaded with the
+    masters each version is quantized from.
+
+    Why the engine's dtype and not FP32: this tiny model's logits reach -50, where BF16
+    resolves 0.25, so an FP32 reference sits up to 6.6 (mean 0.09) from a correct BF16
+    engine, far more than one optimizer step moves the log-probs (mean 0.018); a BF16
+    reference sits 0.007 (max 0.28) from it (tools/probe_noise.py)."""
+
+    def __init__(self, model_dir: str | Path, policy: PrecisionPolicy):
+        from transformers import AttentionInterface
+
+        from asyncfp8.models.loading import load_model
+
+        self.policy = policy
+        dtype = getattr(torch, policy.engine_config().get("dtype", "bfloat16"))
+        self.model = load_model(model_dir, dtype=dtype).eval()
+        # The weights a policy quantizes stay FP32 masters (a version is quantized from
+        # them); every other parameter is held in the engine's dtype, as engines hold it.
+        self.renamed = _use_reference_linears(self.model, policy)
+        self.model.requires_grad_(False)
+        self.params = dict(self.model.named_parameters())
+        self.fp8_kv = policy.engine_config().get("kv_cache_dtype") == "fp8"
+        if self.fp8_kv:
+            AttentionInterface.register(REFERENCE_ATTENTION, _fake_quant_kv_attention)
+            self.model.set_attn_implementation(REFERENCE_ATTENTION)
+        self.loaded = False
+
+    def load(self, masters: Iterable[tuple[str, torch.Tensor]], extra: Mapping[str, torch.Tensor]):
+        with torch.no_grad():
+            for name, tensor in masters:
+                name = self.renamed.get(name, name)
+                if name in self.params:
+                    self.params[name].copy_(tensor)
+        if self.fp8_kv:
+            for layer, module in enumerate(self.model.model.layers):
+                names = kv_scale_names(layer)
+                module.self_attn.probe_kv_scales = (
+                    extra[names["k"]].float(),
+                    extra[names["v"]].float(),
+                )
+        self.loaded = True
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log p [P, L-1], layer RMS [P, layers, L]); NaN where a row has no token."""
+        mask = torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]
+        with recording_layer_rms(self.model) as rms:
+            logits = self.model(input_ids=input_ids, attention_mask=mask.long()).logits
+        logp = next_token_logprobs(logits, input_ids).masked_fill(~mask[:, 1:], math.nan)
+        layer_rms = torch.stack(rms[-len(self.model.model.layers) :], dim=1)
+        return logp, layer_rms.masked_fill(~mask[:, None, :], math.nan)
+
+    def probe(
+        self,
+        masters: Iterable[tuple[str, torch.Tensor]],
+        extra: Mapping[str, torch.Tensor],
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> Probe:
+        """The probe of the version made of `masters` (and `extra`, its KV scales): the
+        previous version's log-probs first (the weights held now), then this one's."""
+        previous = torch.full((input_ids.shape[0], input_ids.shape[1] - 1), math.nan)
+        if self.loaded:
+            previous, _ = self.forward(input_ids, lengths)
+        self.load(masters, extra)
+        logprobs, layer_rms = self.forward(input_ids, lengths)
+        return Probe(input_ids, lengths, logprobs, previous, layer_rms)
+
+
+@dataclass
+class ProbeCheck:
+    """The outcome of scoring a version's probe on an engine."""
+
+    version: int
+    tokens: int
+    #: KL(reference || engine) per token, k3 estimate over the probe's (near-policy) tokens
+    kl: float
+    mean_abs: float
+    max_abs: float
+    tolerance: ProbeTolerance
+    problems: list[str] = field(default_factory=list)
+    layers: list[str] = field(default_factory=list)
+    cause: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "refit/probe_kl": self.kl,
+            "refit/probe_mean_abs_dlogp": self.mean_abs,
+            "refit/probe_max_abs_dlogp": self.max_abs,
+        }
+
+    def describe(self) -> str:
+        where = f"; diverging first at {', '.join(self.layers)}" if self.layers else ""
+        return (
+            f"version {self.version}: the engine's log-probs on the refit probe differ from "
+            f"the learner's reference ({'; '.join(self.problems)}){where}. Likely cause: "
+            f"{self.cause}"
+        )
+
+
+def _cat(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([row.float().reshape(-1) for row in rows]) if rows else torch.zeros(0)
+
+
+def check_probe(
+    version: int,
+    probe: Probe,
+    scores,
+    tolerance: ProbeTolerance,
+    sent_kv_scales: Mapping[str, torch.Tensor] | None = None,
+    engine_kv_scales: Mapping[str, float] | None = None,
+) -> ProbeCheck:
+    """Compares an engine's `Scores` of `probe.sequences()` with the reference."""
+    rows = probe.rows()
+    reference = [probe.logprobs[i, : int(probe.lengths[i]) - 1] for i in rows]
+    previous = [probe.previous[i, : int(probe.lengths[i]) - 1] for i in rows]
+    engine, ref, prev = _cat(scores.logprobs), _cat(reference), _cat(previous)
+    if engine.shape != ref.shape:
+        raise ValueError(
+            f"the engine scored {engine.numel()} probe tokens, the probe has {ref.numel()}"
+        )
+    finite = torch.isfinite(engine)
+    delta = (engine - ref)[finite]
+    ratio = delta.clamp(-30, 30)
+    check = ProbeCheck(
+        version=version,
+        tokens=int(ref.numel()),
+        kl=float((ratio.exp() - 1 - ratio).mean()) if delta.numel() else math.nan,
+        mean_abs=float(delta.abs().mean()) if delta.numel() else math.nan,
+        max_abs=float(delta.abs().max()) if delta.numel() else math.nan,
+        tolerance=tolerance,
+    )
+    kv_wrong = _kv_scales_wrong(sent_kv_scales or {}, engine_kv_scales)
+    on_previous = _closer_to_previous(engine, ref, prev)
+    if not bool(finite.all()):
+        check.problems.append(f"{int((~finite).sum())} of {engine.numel()} log-probs not finite")
+    if check.mean_abs > tolerance.mean_abs:
+        check.problems.append(
+            f"mean |Δ log p| {check.mean_abs:.4g} > {tolerance.mean_abs:g} allowed"
+        )
+    if check.max_abs > tolerance.max_abs:
+        check.problems.append(f"max |Δ log p| {check.max_abs:.4g} > {tolerance.max_abs:g} allowed")
+    if kv_wrong:
+        check.problems.append(f"KV scales not the version's: {'; '.join(kv_wrong[:3])}")
+    if on_previous:
+        check.problems.append(on_previous)
+    if not check.problems:
+        return check
+    check.layers = diverging_layers(probe, rows, scores.layer_rms)
+    if kv_wrong:
+        check.cause = (
+            "the version's KV-cache scales did not reach the engine's cache (dropped or "
+            "altered on the refit path); it quantizes keys and values with other scales"
+        )
+    elif not bool(finite.all()):
+        check.cause = "a NaN or Inf in a tensor the engine holds (a weight, a scale)"
+    elif on_previous:
+        check.cause = (
+            "the engine still runs the previous version (its log-probs match the previous "
+            "version's reference): the update did not take effect"
+        )
+    elif check.layers:
+        check.cause = (
+            f"the weights or scales of {check.layers[0]} in the engine are not the "
+            "version's (an update skipped, a scale layout transposed or corrupted)"
+        )
+    else:
+        check.cause = (
+            "the engine computes something other than the policy's reference: a weight or "
+            "scale not applied as sent, or an engine kernel outside the measured tolerance"
+        )
+    return check
+
+
+def _closer_to_previous(engine: torch.Tensor, ref: torch.Tensor, prev: torch.Tensor) -> str:
+    """A problem when the engine's log-probs are much closer to the previous version's
+    reference than to this one's (less than half as far): an update that did not take
+    effect. A step too small to tell the two apart is also one too small to matter."""
+    if not (torch.isfinite(prev).all() and torch.isfinite(engine).all()):
+        return ""
+    to_previous = float((engine - prev).abs().mean())
+    to_this = float((engine - ref).abs().mean())
+    if to_previous < 0.5 * to_this:
+        return (
+            f"closer to the previous version's reference (mean |Δ log p| {to_previous:.4g}) "
+            f"than to this version's ({to_this:.4g})"
+        )
+    return ""
+
+
+def _kv_scales_wrong(
+    sent: Mapping[str, torch.Tensor], held: Mapping[str, float] | None
+) -> list[str]:
+    if held is None:
+        return []
+    wrong = []
+    for name, tensor in sent.items():
+        if name not in held or name.endswith("q_scale"):
+            continue
+        want = float(tensor)
+        if not math.isclose(held[name], want, rel_tol=1e-6, abs_tol=0.0):
+            wrong.append(f"{name} is {held[name]:.6g}, sent {want:.6g}")
+    return wrong
+
+
+def diverging_layers(
+    probe: Probe, rows: Sequence[int], engine_rms: Sequence[torch.Tensor] | None
+) -> list[str]:
+    """The decoder layers where the engine's output RMS departs from the reference's
+    (relative difference above LAYER_DIVERGES and 10x any layer before), first one first;
+    empty when the engine reports no layer outputs."""
+    if engine_rms is None:
+        return []
+    differences = []
+    for layer in range(probe.layer_rms.shape[1]):
+        ref = _cat([probe.layer_rms[i, layer, : int(probe.lengths[i])] for i in rows])
+        got = _cat([rms[layer] for rms in engine_rms])
+        relative = (got - ref).abs() / ref.abs().clamp_min(1e-6)
+        differences.append(float(relative.nan_to_num(math.inf).mean()))
+    named, before = [], 0.0
+    for layer, difference in enumerate(differences):
+        if difference > LAYER_DIVERGES and difference > 10 * before:
+            named.append(f"model.layers.{layer} (output RMS off by {difference:.2g})")
+        before = max(before, difference)
+    return named
+
+
+#: |Δ log p| an engine may show against the reference: (mean, max) over the probe's
+#: tokens, per engine. Measured on the small model (docs/reliability.md, "The refit
+#: probe"): the built-in engine runs the reference's arithmetic, so it sits within 1e-3
+#: (max 0.11) for every built-in precision, while one optimizer step at lr 3e-4 moves
+#: the probe's log-probs by 0.014-0.12 on average.
+TOLERANCES = {
+    "torch": ProbeTolerance(mean_abs=0.005, max_abs=0.5),
+    "vllm": ProbeTolerance(mean_abs=0.05, max_abs=3.0),
+}
+
+
+def tolerance_for(policy: PrecisionPolicy, engine: str, cfg=None) -> ProbeTolerance:
+    """sync.probe.mean_abs / max_abs when set, else the policy's `probe_tolerance` (a
+    dict engine -> (mean, max), for a subclass whose engine kernels differ more), else
+    TOLERANCES."""
+    own = getattr(policy, "probe_tolerance", None) or {}
+    base = ProbeTolerance(*own[engine]) if engine in own else TOLERANCES.get(engine)
+    mean_abs = cfg.get("mean_abs") if cfg is not None else None
+    max_abs = cfg.get("max_abs") if cfg is not None else None
+    if base is None and (mean_abs is None or max_abs is None):
+        raise ValueError(
+            f"no refit-probe tolerance is measured for engine {engine!r}: set "
+            "sync.probe.mean_abs and sync.probe.max_abs, or sync.probe.enabled=false"
+        )
+    return ProbeTolerance(
+        mean_abs=float(base.mean_abs if mean_abs is None else mean_abs),
+        max_abs=float(base.max_abs if max_abs is None else max_abs),
+    )
+
+
+class RefitChecker:
+    """The worker's side: scores each version's probe on its engine and checks it."""
+
+    def __init__(self, engine, tolerance: ProbeTolerance):
+        self.engine, self.tolerance = engine, tolerance
+        self.reads_kv_scales = callable(getattr(engine, "held_kv_scales", None))
+        self.last_seconds = 0.0
+
+    @classmethod
+    def for_worker(cls, cfg, engine, policy: PrecisionPolicy) -> RefitChecker | None:
+        """None with sync.probe.enabled=false; an engine that cannot score a probe is
+        refused here, at start, naming the setting."""
+        if cfg is None or not cfg.get("enabled", True):
+            return None
+        from asyncfp8.engines.base import EngineUnsupported
+
+        if not callable(getattr(engine, "score", None)):
+            raise EngineUnsupported(
+                f"engine {engine.name} cannot score the refit probe (it has no score()): "
+                "sync.probe.enabled=false runs it without the check that each version "
+                "arrived intact (docs/reliability.md)"
+            )
+        return cls(engine, tolerance_for(policy, engine.name, cfg))
+
+    def check(self, version: int, probe: Probe, extra: Mapping[str, torch.Tensor]) -> ProbeCheck:
+        import time
+
+        started = time.perf_counter()
+        scores = self.engine.score(probe.sequences())
+        held = self.engine.held_kv_scales() if self.reads_kv_scales else None
+        self.last_seconds = time.perf_counter() - started
+        return check_probe(version, probe, scores, self.tolerance, extra, held)
+
+
+def refit_summary(workers: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """The learner's step metrics from its workers' latest probe checks: the worst
+    worker's KL and |Δ log p|, and failures and recoveries summed."""
+    checked = [stats for stats in workers.values() if stats.get("refit/probes")]
+    if not checked:
+        return {}
+    return {
+        "refit/probe_kl": max(s.get("refit/probe_kl", 0.0) for s in checked),
+        "refit/probe_max_abs_dlogp": max(s.get("refit/probe_max_abs_dlogp", 0.0) for s in checked),
+        "refit/probe_mean_abs_dlogp": max(
+            s.get("refit/probe_mean_abs_dlogp", 0.0) for s in checked
+        ),
+        "refit/failures": sum(s.get("refit/failures", 0.0) for s in checked),
+        "refit/recovered": sum(s.get("refit/recovered", 0.0) for s in checked),
+    }
