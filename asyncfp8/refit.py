@@ -233,13 +233,21 @@ class ReferenceForward:
     def forward(
         self, input_ids: torch.Tensor, lengths: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log p [P, L-1], layer RMS [P, layers, L]); NaN where a row has no token."""
-        mask = torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]
-        with recording_layer_rms(self.model) as rms:
-            logits = self.model(input_ids=input_ids, attention_mask=mask.long()).logits
-        logp = next_token_logprobs(logits, input_ids).masked_fill(~mask[:, 1:], math.nan)
-        layer_rms = torch.stack(rms[-len(self.model.model.layers) :], dim=1)
-        return logp, layer_rms.masked_fill(~mask[:, None, :], math.nan)
+        """(log p [P, L-1], layer RMS [P, layers, L]); NaN where a row has no token. One
+        row per forward, without padding, as engines score them (see TorchEngine.score)."""
+        rows, width = input_ids.shape
+        layers = len(self.model.model.layers)
+        logp = torch.full((rows, width - 1), math.nan)
+        layer_rms = torch.full((rows, layers, width), math.nan)
+        for row, length in enumerate(lengths.tolist()):
+            if length < 2:
+                continue
+            ids = input_ids[row : row + 1, :length]
+            with recording_layer_rms(self.model) as rms:
+                logits = self.model(input_ids=ids).logits
+            logp[row, : length - 1] = next_token_logprobs(logits, ids)[0]
+            layer_rms[row, :, :length] = torch.cat(rms[-layers:])
+        return logp, layer_rms
 
     def probe(
         self,

@@ -224,8 +224,8 @@ class Worker:
         """Applies a version and checks its refit probe before anything generates with it;
         a failed probe is answered by a full snapshot, applied and checked once more."""
         self._check_header(version)
-        probe, extra = Probe.take(version.extra)
-        weights = version.weights
+        probe, sent = Probe.take(version.extra)
+        weights, extra = version.weights, sent
         if self.fault is not None:  # the reliability suite's refit faults (chaos/refit_faults.py)
             weights, extra = self.fault.tamper(version.number, weights, extra, self.engine)
         started = time.perf_counter()
@@ -242,7 +242,7 @@ class Worker:
         self.stats["updates"] += 1
         if probe is None or self.probe is None:
             return
-        check = self.probe.check(version.number, probe, extra)
+        check = self.probe.check(version.number, probe, sent)
         self.stats |= check.metrics()
         self.stats["refit/probe_s"] += self.probe.last_seconds
         self.stats["refit/probes"] += 1

@@ -89,9 +89,9 @@ def refit_fault(
         )
         caught = int(detected.group(1)) if detected else None
         report.check("caught at the version it damaged", caught == damaged, (damaged, caught))
-        cause = re.search(r"Likely cause: ([^.]*)", log)
+        cause = re.search(r"Likely cause: (.*?)\. Asking", log)
         report.details["cause"] = cause.group(1) if cause else None
-        layers = re.search(r"diverging first at ([^)]*\))", log)
+        layers = re.search(r"diverging first at (.*?)\. Likely", log)
         report.details["first_layer"] = layers.group(1) if layers else None
         report.check(
             "recovered from a full snapshot",
