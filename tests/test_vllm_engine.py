@@ -260,8 +260,9 @@ def test_score_is_vllms_prompt_logprobs_under_the_current_version(tiny_model_dir
     sequences = probe_sequences(engine)
     update_ms = timed(lambda: engine.update_weights(2, state))
     score_ms = timed(lambda: engine.score(sequences))
-    # Measured (tiny model, 2 shared cores, best of 5): update 10-11 ms, score 9-10 ms; both
-    # mostly vLLM's per-call overhead at this size.
+    # Measured (tiny model, 2 cores, best of 5): update 10-11 ms, score 9-10 ms, both
+    # mostly vLLM's per-call overhead at this size; with another process busy on a core,
+    # 55-85 ms and 140-220 ms (vLLM's CPU threads wait on each other).
     print(f"vllm bf16: update_weights {update_ms:.1f} ms, score 4x32 tokens {score_ms:.1f} ms")
 
 

@@ -454,6 +454,15 @@ class VersionSubscriber:
             self._requested_at = time.monotonic()
             self.snapshot_requests += 1
 
+    def refetch(self) -> None:
+        """Asks for the learner's latest full version even when it is the one taken last
+        (a worker whose engine did not run it as sent: asyncfp8/refit.py); it comes back
+        as a whole version, not a delta, so nothing held is its base."""
+        if self.version is not None:
+            self.version -= 1
+        self._snapshot_pending = False
+        self.request_snapshot()
+
     def fall_back(self, reason: str) -> None:
         """Shared memory is unusable: ZeroMQ from now on (logged with the reason)."""
         log.warning(

@@ -89,3 +89,16 @@ def test_shared_memory_is_refused_for_a_learner_on_another_host(tmp_path, tiny_m
 def test_twenty_kills_mid_write_and_resumes_in_a_row(tmp_path, tiny_model_dir):
     report = scenarios.torn_writes(tmp_path, tiny_model_dir, kills=20)
     check(report)
+
+
+def test_a_refit_fault_is_caught_at_its_version_and_repaired_by_a_snapshot(
+    tiny_model_dir, tmp_path
+):
+    from asyncfp8.chaos.refit_scenarios import refit_fault
+
+    # The engine left on the previous version (TRL's sleep mode that skipped the sync):
+    # the worker's probe fails at that version, before it generates, a full snapshot
+    # repairs it, and the audit finds nothing lost or trained twice.
+    report = refit_fault(tmp_path, tiny_model_dir, "stale")
+    assert report.ok, report.failures()
+    assert "still runs the previous version" in report.details["cause"]

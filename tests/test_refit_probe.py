@@ -1,0 +1,185 @@
+"""The refit probe (asyncfp8/refit.py): the learner's reference agrees with the built-in
+engine exactly when the version arrived intact, and each refit fault of the reliability
+suite is caught at its version, with the layer it first touches and its likely cause."""
+
+import math
+
+import pytest
+import torch
+
+from asyncfp8.chaos.refit_faults import RefitFault
+from asyncfp8.engines.base import Scores
+from asyncfp8.engines.torch_engine import TorchEngine
+from asyncfp8.models import load_model, load_tokenizer
+from asyncfp8.precision import calibrate_version, get_policy, version_weights
+from asyncfp8.refit import (
+    TOLERANCES,
+    Probe,
+    ProbeTolerance,
+    ReferenceForward,
+    RefitChecker,
+    check_probe,
+    probe_sequences,
+    tolerance_for,
+)
+from asyncfp8.tasks import ArithmeticTask
+
+TASK = ArithmeticTask(seed=5)
+TIGHT = TOLERANCES["torch"]
+
+
+def masters(model):
+    return [(name, p.detach()) for name, p in model.named_parameters()]
+
+
+def stepped(model_dir, base, seed=1, lr=3e-4):
+    """One Adam-sized step from `base`: every parameter moved by ±lr."""
+    out = load_model(model_dir, dtype=torch.float32)
+    out.load_state_dict(base.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(torch.randn(p.shape, generator=g).sign() * lr)
+    return out
+
+
+@pytest.fixture(scope="module")
+def setting(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    texts = [TASK.prompt(i).text + TASK.completion(TASK.prompt(i)) for i in range(4)]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    ids, lengths = probe_sequences(batch["input_ids"], batch["attention_mask"], 4, 32)
+    calibration = tokenizer(
+        [TASK.prompt(i).text for i in range(16)], return_tensors="pt", padding=True
+    )
+    base = load_model(tiny_model_dir, dtype=torch.float32)
+    return dict(
+        ids=ids,
+        lengths=lengths,
+        calibration=dict(calibration),
+        base=base,
+        next=stepped(tiny_model_dir, base),
+    )
+
+
+def two_versions(model_dir, setting, spec, fault=None):
+    """Versions 0 and 1 through a reference and a torch engine; `fault` damages 1."""
+    policy = get_policy(spec)
+    policy.bind_model(setting["base"].config)
+    reference = ReferenceForward(model_dir, policy)
+    engine = TorchEngine(str(model_dir), spec, device="cpu")
+    for number, model in enumerate([setting["base"], setting["next"]]):
+        extra = calibrate_version(model, policy, setting["calibration"])
+        probe = reference.probe(masters(model), extra, setting["ids"], setting["lengths"])
+        weights, sent = dict(version_weights(policy, masters(model))), dict(extra)
+        applied = sent
+        if fault is not None:
+            weights, applied = fault.tamper(number, weights, sent, engine)
+        if fault is None or not fault.skips_update(number):
+            engine.update_weights(number, weights, applied)
+        check = RefitChecker(engine, TIGHT).check(number, probe, sent)
+    return check
+
+
+@pytest.mark.parametrize("spec", ["bf16", "fp8", "fp8_kv", "int8"])
+def test_an_intact_version_matches_the_reference_exactly(tiny_model_dir, setting, spec):
+    check = two_versions(tiny_model_dir, setting, spec)
+    # The reference runs the engine's arithmetic (BF16 activations, FP32 GEMM
+    # accumulation of the fake-quantized operands, the version's KV scales): measured 0.
+    assert check.passed, check.describe()
+    assert check.mean_abs < 1e-3 and check.max_abs < 0.05, (check.mean_abs, check.max_abs)
+    assert check.tokens == sum(int(n) - 1 for n in setting["lengths"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind", "cause", "layer"),
+    [
+        ("bf16", "stale", "still runs the previous version", "model.layers.0"),
+        ("bf16", "layer_skipped", "weights or scales of model.layers.1", "model.layers.1"),
+        ("int8", "nan", "NaN or Inf", "model.layers.0"),
+        ("fp8_kv", "kv_scales_dropped", "KV-cache scales did not reach", "model.layers.0"),
+        ("fp8_kv", "kv_scales_doubled", "KV-cache scales did not reach", None),
+    ],
+)
+def test_each_refit_fault_is_caught_with_its_cause(
+    tiny_model_dir, setting, spec, kind, cause, layer
+):
+    check = two_versions(tiny_model_dir, setting, spec, RefitFault(kind, 1))
+    assert not check.passed
+    assert check.version == 1
+    assert cause in check.cause, check.describe()
+    if layer is not None:
+        assert check.layers and check.layers[0].startswith(layer), check.layers
+
+
+def test_a_transposed_weight_scale_is_caught(tmp_path):
+    from asyncfp8.chaos.refit_scenarios import wide_model
+
+    model_dir = wide_model(tmp_path / "wide")  # 2x2 FP8 blocks per projection
+    tokenizer = load_tokenizer(model_dir)
+    batch = tokenizer([TASK.prompt(i).text for i in range(4)], return_tensors="pt", padding=True)
+    ids, lengths = probe_sequences(batch["input_ids"], batch["attention_mask"], 4, 32)
+    base = load_model(model_dir, dtype=torch.float32)
+    setting = dict(
+        ids=ids, lengths=lengths, calibration=dict(batch), base=base, next=stepped(model_dir, base)
+    )
+    assert two_versions(model_dir, setting, "fp8").passed
+    check = two_versions(model_dir, setting, "fp8", RefitFault("scale_transposed", 1))
+    assert not check.passed and check.layers, check.describe()
+
+
+def test_the_probe_travels_as_extra_tensors_and_is_taken_out_whole():
+    probe = Probe(
+        input_ids=torch.zeros(2, 4, dtype=torch.long),
+        lengths=torch.tensor([4, 0]),
+        logprobs=torch.zeros(2, 3),
+        previous=torch.full((2, 3), math.nan),
+        layer_rms=torch.ones(2, 2, 4),
+    )
+    scales = {"model.layers.0.self_attn.k_scale": torch.tensor(0.5)}
+    taken, rest = Probe.take(probe.to_extra() | scales)
+    assert rest.keys() == scales.keys()
+    assert taken.sequences() == [[0, 0, 0, 0]] and taken.rows() == [0]
+    assert Probe.take(scales) == (None, scales)
+    partial = {k: v for k, v in probe.to_extra().items() if not k.endswith("lengths")}
+    with pytest.raises(ValueError, match="lacks"):
+        Probe.take(partial)
+
+
+def test_the_check_compares_with_the_reference_independently():
+    # Two sequences, reference log-probs chosen by hand; the engine off by 0.1 on one token.
+    probe = Probe(
+        input_ids=torch.tensor([[1, 2, 3], [4, 5, 0]]),
+        lengths=torch.tensor([3, 2]),
+        logprobs=torch.tensor([[-1.0, -2.0], [-0.5, math.nan]]),
+        previous=torch.tensor([[-3.0, -3.0], [-3.0, math.nan]]),
+        layer_rms=torch.ones(2, 1, 3),
+    )
+    engine = Scores(logprobs=[torch.tensor([-1.0, -2.1]), torch.tensor([-0.5])])
+    check = check_probe(7, probe, engine, ProbeTolerance(0.05, 1.0))
+    assert check.tokens == 3
+    assert check.mean_abs == pytest.approx(0.1 / 3) and check.max_abs == pytest.approx(0.1)
+    r = -0.1  # k3 estimate of KL(reference || engine) over the three tokens
+    assert check.kl == pytest.approx((math.exp(r) - 1 - r) / 3, rel=1e-4)
+    assert check.passed
+    assert not check_probe(7, probe, engine, ProbeTolerance(0.01, 1.0)).passed
+
+
+def test_bad_input_is_refused_naming_the_setting(tiny_model_dir):
+    engine = TorchEngine(str(tiny_model_dir), "bf16", device="cpu")
+    with pytest.raises(ValueError, match="probe sequence 1 has 1 tokens"):
+        engine.score([[1, 2], [3]])
+
+    class NoScoring:
+        name = "sglang"
+
+    with pytest.raises(ValueError, match=r"cannot score the refit probe.*sync.probe.enabled=false"):
+        RefitChecker.for_worker({"enabled": True}, NoScoring(), get_policy("bf16"))
+    assert RefitChecker.for_worker({"enabled": False}, NoScoring(), get_policy("bf16")) is None
+    with pytest.raises(ValueError, match=r"no refit-probe tolerance .* engine 'sglang'"):
+        tolerance_for(get_policy("bf16"), "sglang", {"mean_abs": None, "max_abs": None})
+    assert tolerance_for(get_policy("bf16"), "torch", {"mean_abs": 0.1, "max_abs": None}) == (
+        ProbeTolerance(0.1, 0.1)
+    )
+    with pytest.raises(ValueError, match="ASYNCFP8_REFIT_FAULT: unknown fault 'oops'"):
+        RefitFault("oops", 1)
