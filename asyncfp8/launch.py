@@ -194,6 +194,10 @@ class Progress:
                 and sum(self.zero_spread) / ZERO_SPREAD_WINDOW > ZERO_SPREAD_WARN
             ):
                 extra["warn"] = "most groups without reward spread"
+            if r.get("refit/probe_mean_abs_dlogp") is not None:  # asyncfp8/refit.py
+                extra["probe"] = f"{r['refit/probe_mean_abs_dlogp']:.1e}"
+                if r.get("refit/failures"):
+                    extra["refit_failures"] = int(r["refit/failures"])
             self.bar.set_postfix(
                 **extra,
                 v=r.get("version"),

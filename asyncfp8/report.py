@@ -206,6 +206,11 @@ PANELS = [
     ("staleness/mean", "staleness, versions: mean (solid), max (dashed)", "linear"),
     ("throughput/samples_per_s", "samples/s received (solid), tokens/s / 100 (dashed)", "linear"),
     ("loss/policy", "policy loss", "linear"),
+    (
+        "refit/probe_mean_abs_dlogp",
+        "refit probe vs reference: mean |Δ log p| (solid), max / 10 (dashed)",
+        "linear",
+    ),
 ]
 SECOND_LINE = {
     "eval/pass1_greedy": ("eval/pass1_sampled", "--", 1.0),
@@ -213,6 +218,7 @@ SECOND_LINE = {
     "correction/frac_clipped": ("correction/frac_masked", ":", 1.0),
     "staleness/mean": ("staleness/max", "--", 1.0),
     "throughput/samples_per_s": ("throughput/tokens_per_s", "--", 0.01),
+    "refit/probe_mean_abs_dlogp": ("refit/probe_max_abs_dlogp", "--", 0.1),
 }
 
 

@@ -3,6 +3,11 @@
 then a table of what was injected, what was lost, and how long recovery took.
 
     python bench/chaos.py [--repeats 3] [--only worker_kills,...] [--out bench/results/chaos-cpu.json]
+    python bench/chaos.py --refit [--versions 500] [--out bench/results/chaos-refit-cpu.json]
+
+`--refit` runs the refit faults instead (asyncfp8/chaos/refit_faults.py, each damaging
+one version of one run; detected means caught at the version it damaged) and a clean
+run of `--versions` versions that counts false alarms.
 
 Recovery, per fault: worker kill, from SIGKILL to the replacement's first trained
 sample (process start included); learner kill, from its death to the resumed learner's
@@ -21,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncfp8.chaos import scenarios
+from asyncfp8.chaos import refit_scenarios, scenarios
+from asyncfp8.chaos.refit_faults import KINDS
 from asyncfp8.models import make_tiny_model
 from bench.common import write_json
 
@@ -42,7 +48,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default=",".join(scenarios.SCENARIOS))
     parser.add_argument("--out", default="bench/results/chaos-cpu.json")
+    parser.add_argument("--refit", action="store_true", help="the refit faults instead")
+    parser.add_argument("--versions", type=int, default=500, help="of the clean refit run")
     args = parser.parse_args()
+    if args.refit:
+        refit(args)
+        return
     names = args.only.split(",")
     unknown = set(names) - set(scenarios.SCENARIOS)
     if unknown:
@@ -98,6 +109,43 @@ def main() -> None:
     print(f"\nwritten {path}")
     if failures:
         print("\nFAILED checks:\n" + "\n".join(failures))
+        sys.exit(1)
+
+
+def refit(args) -> None:
+    root = Path(tempfile.mkdtemp(prefix="asyncfp8-refit-"))
+    model = make_tiny_model("tiny", out_dir=root / "model", progress=False)
+    reports = []
+    for kind in KINDS:
+        print(f"{kind} ...", flush=True)
+        reports.append(refit_scenarios.refit_fault(root, model, kind))
+    print(f"clean, {args.versions} versions ...", flush=True)
+    reports.append(refit_scenarios.refit_clean(root, model, versions=args.versions))
+    rows = []
+    for report in reports:
+        detected = next((ok for name, ok, _ in report.checks if name.startswith("caught")), None)
+        rows.append(
+            {
+                "fault": report.fault,
+                "injected": report.injected,
+                "detected": int(bool(detected)) if report.injected else 0,
+                "lost": report.lost,
+                "false_alarms": report.details.get("false_alarms", 0) or 0,
+                "checks": f"{sum(ok for _, ok, _ in report.checks)}/{len(report.checks)}",
+                "details": report.details,
+            }
+        )
+    print(f"\n{'fault':52} {'injected':>8} {'detected':>8} {'lost':>5} {'false alarms':>12} checks")
+    for row in rows:
+        print(
+            f"{row['fault']:52} {row['injected']:8d} {row['detected']:8d} {row['lost']:5d} "
+            f"{row['false_alarms']:12.0f} {row['checks']}"
+        )
+    path = write_json(args.out, {"scenarios": rows})
+    print(f"\nwritten {path}")
+    failed = [r.failures() for r in reports if not r.ok]
+    if failed:
+        print("\nFAILED checks:\n" + "\n".join(failed))
         sys.exit(1)
 
 
