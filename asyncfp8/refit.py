@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -500,8 +501,6 @@ class RefitChecker:
         return cls(engine, tolerance_for(policy, engine.name, cfg))
 
     def check(self, version: int, probe: Probe, extra: Mapping[str, torch.Tensor]) -> ProbeCheck:
-        import time
-
         started = time.perf_counter()
         scores = self.engine.score(probe.sequences())
         held = self.engine.held_kv_scales() if self.reads_kv_scales else None

@@ -227,7 +227,7 @@ class Worker:
         probe, sent = Probe.take(version.extra)
         weights, extra = version.weights, sent
         if self.fault is not None:  # the reliability suite's refit faults (chaos/refit_faults.py)
-            weights, extra = self.fault.tamper(version.number, weights, extra, self.engine)
+            weights, extra = self.fault.tamper(version.number, weights, extra)
         started = time.perf_counter()
         try:
             if self.fault is None or not self.fault.skips_update(version.number):

@@ -74,7 +74,7 @@ def two_versions(model_dir, setting, spec, fault=None):
         weights, sent = dict(version_weights(policy, masters(model))), dict(extra)
         applied = sent
         if fault is not None:
-            weights, applied = fault.tamper(number, weights, sent, engine)
+            weights, applied = fault.tamper(number, weights, sent)
         if fault is None or not fault.skips_update(number):
             engine.update_weights(number, weights, applied)
         check = RefitChecker(engine, TIGHT).check(number, probe, sent)

@@ -71,7 +71,6 @@ class RefitFault:
         version: int,
         weights: Mapping[str, torch.Tensor],
         extra: Mapping[str, torch.Tensor],
-        engine,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         weights, extra = dict(weights), dict(extra)
         if self.kind == "stale" or not self._due(version):
