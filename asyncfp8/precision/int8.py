@@ -216,6 +216,15 @@ class INT8Policy(PrecisionPolicy):
         dequantized = dequantize_per_channel(q, scale)
         return dequantized / factors[None, :] if factors is not None else dequantized
 
+    def reference_matmul(self, name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._factors(name, weight) is not None:  # smoothed: the fake-quant product
+            return super().reference_matmul(name, x, weight)
+        # Int8Linear's order: exact integer sums, then × activation scale × weight scale.
+        q, scale = quantize_per_channel(weight, name=name)
+        xq, x_scale = quantize_activations_int8(x.reshape(-1, x.shape[-1]))
+        out = (xq.double() @ q.double().t()).float() * x_scale * scale.t()
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
     def fake_quantize_input(self, name: str, x: torch.Tensor) -> torch.Tensor:
         factors = self._factors(name, x)
         flat = x.reshape(-1, x.shape[-1]).float()

@@ -170,6 +170,16 @@ class PrecisionPolicy:
         """The input of linear layer `name` as the engine's GEMM sees it."""
         return x
 
+    def reference_matmul(self, name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [..., K] times the FP32 master `weight` [N, K] of linear layer `name`, without
+        bias, as the engine's GEMM computes it: FP32 [..., N]. By default the fake-quantized
+        input times the fake-quantized weight, one FP32 sum over K. A policy whose engine
+        GEMM sums or scales in another order overrides it: the refit probe's reference
+        (asyncfp8/refit.py) must round as the engine does, because one BF16 ulp of a key
+        is a whole e4m3 step where the key sits on a rounding boundary."""
+        inputs = self.fake_quantize_input(name, x).float()
+        return inputs @ self.fake_quantize_weight(name, weight).float().t()
+
     def prepare_learner(self, model: torch.nn.Module) -> torch.nn.Module:
         """With `learner_forward="quantized"`, makes the learner's forward the engine's
         quantized one (fake-quant, straight-through gradients); parameter names and
@@ -250,6 +260,9 @@ class ComposedPolicy(PrecisionPolicy):
 
     def fake_quantize_input(self, name, x):
         return self._weights.fake_quantize_input(name, x)
+
+    def reference_matmul(self, name, x, weight):
+        return self._weights.reference_matmul(name, x, weight)
 
     def prepare_learner(self, model):
         for part in self.parts:
