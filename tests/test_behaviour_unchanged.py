@@ -1,0 +1,67 @@
+"""Structure may change, behaviour may not: the learner trained on the recorded groups
+gives the step metrics and parameters recorded before issue 27's redesign began, and
+the built-in engine the same log-probs (tests/behaviour.py wrote the fixture from the
+shipped model, at the commit it names).
+
+Tolerances: the recording machine's own rerun is bit-exact; another CPU sums in another
+order (AMX, AVX-512), which moves FP32 metrics by ~1e-6 relative and BF16 log-probs by
+about one BF16 step on a few tokens. A behaviour change (another loss, a missed
+correction, a version applied wrongly) moves them by orders of magnitude more."""
+
+import json
+
+import pytest
+import torch
+
+from tests.behaviour import CONFIGS, ENGINE_PRECISIONS, FIXTURE, engine_logprobs, groups_of, train
+
+RECORDED = json.loads(FIXTURE.read_text())
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from tests.behaviour import shipped_model
+
+    path = shipped_model()
+    assert path.name == RECORDED["model"], "the shipped model changed: re-record on purpose"
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(model_dir, tmp_path_factory):
+    groups = groups_of(RECORDED)
+    return {
+        name: train(model_dir, groups, overrides, tmp_path_factory.mktemp(name))
+        for name, overrides in CONFIGS.items()
+    }
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_the_learner_trains_as_before(model_dir, trained, config):
+    from asyncfp8.models import load_model
+
+    metrics, params = trained[config]
+    recorded = RECORDED["configs"][config]
+    assert recorded["overrides"] == CONFIGS[config]
+    for step, (now, before) in enumerate(zip(metrics, recorded["metrics"], strict=True)):
+        for key, value in before.items():
+            assert now[key] == pytest.approx(value, rel=1e-3, abs=1e-5), (step, key)
+    start = dict(load_model(model_dir, dtype=torch.float32).named_parameters())
+    assert params.keys() == recorded["parameters"].keys()
+    for name, (norm, moved) in recorded["parameters"].items():
+        assert params[name].norm().item() == pytest.approx(norm, rel=1e-5), name
+        # How far each tensor moved: Adam's first steps are ±lr wherever a gradient is
+        # not ~0, so this is the number and sign pattern of the updates, summed.
+        change = (params[name] - start[name].detach()).norm().item()
+        assert change == pytest.approx(moved, rel=1e-2, abs=1e-6), name
+
+
+@pytest.mark.parametrize("precision", ENGINE_PRECISIONS)
+def test_the_engine_scores_as_before(model_dir, trained, precision):
+    _, params = trained["decoupled_two_minibatches"]
+    now = engine_logprobs(model_dir, params, precision, RECORDED["sequences"])
+    before = RECORDED["engine"][precision]
+    diffs = torch.cat(
+        [torch.tensor(a) - torch.tensor(b) for a, b in zip(now, before, strict=True)]
+    ).abs()
+    assert diffs.mean().item() < 5e-3 and diffs.max().item() < 0.1, (diffs.mean(), diffs.max())
