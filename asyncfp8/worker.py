@@ -221,8 +221,9 @@ class Worker:
                 return False
 
     def _apply(self, version, retry_of: int | None = None) -> None:
-        """Applies a version and checks its refit probe before anything generates with it;
-        a failed probe is answered by a full snapshot, applied and checked once more."""
+        """Applies a version and checks its refit probe before anything generates with it.
+        A version the engine refuses, after one it took, or whose probe fails is answered
+        by a full snapshot, applied and checked once more."""
         self._check_header(version)
         probe, sent = Probe.take(version.extra)
         weights, extra = version.weights, sent
@@ -233,34 +234,40 @@ class Worker:
             if self.fault is None or not self.fault.skips_update(version.number):
                 self.engine.update_weights(version.number, weights, extra)
         except ValueError as err:
-            raise WorkerMisconfigured(
-                f"worker {self.id}: version {version.number} does not fit this worker's "
-                f"engine: {err}. Do the learner and the worker use the same model= and "
-                "precision=?"
-            ) from None
+            refused = f"version {version.number} does not fit this worker's engine: {err}"
+            if self.engine.version is None or retry_of is not None:
+                # The first version, or a snapshot too: the configuration, not the link.
+                raise WorkerMisconfigured(
+                    f"worker {self.id}: {refused}. Do the learner and the worker use the same "
+                    "model= and precision=?"
+                ) from None
+            self._refit_failed(version, f"{refused} (version {self.engine.version} fitted)")
+            return
         self.stats["update_s"] += time.perf_counter() - started
         self.stats["updates"] += 1
-        if probe is None or self.probe is None:
-            return
-        check = self.probe.check(version.number, probe, sent)
-        self.stats |= check.metrics()
-        self.stats["refit/probe_s"] += self.probe.last_seconds
-        self.stats["refit/probes"] += 1
-        if check.passed:
-            if retry_of is not None:
-                self.stats["refit/recovered"] += 1
-                self.log.warning(
-                    "version %d from a full snapshot passed its refit probe (version %d had not)",
-                    version.number,
-                    retry_of,
-                )
-            return
-        self.stats["refit/failures"] += 1
+        if probe is not None and self.probe is not None:
+            check = self.probe.check(version.number, probe, sent)
+            self.stats |= check.metrics()
+            self.stats["refit/probe_s"] += self.probe.last_seconds
+            self.stats["refit/probes"] += 1
+            if not check.passed:
+                if retry_of is not None:
+                    self.stats["refit/failures"] += 1
+                    raise RefitFailed(f"worker {self.id}: {check.describe()}")
+                self._refit_failed(version, check.describe())
+                return
         if retry_of is not None:
-            raise RefitFailed(f"worker {self.id}: {check.describe()}")
-        self.log.warning(
-            "%s. Asking the learner for a full snapshot to apply again.", check.describe()
-        )
+            self.stats["refit/recovered"] += 1
+            self.log.warning(
+                "version %d from a full snapshot passed its refit checks (version %d had not)",
+                version.number,
+                retry_of,
+            )
+
+    def _refit_failed(self, version, why: str) -> None:
+        """Nothing generates with `version`: a full snapshot replaces it, checked again."""
+        self.stats["refit/failures"] += 1
+        self.log.warning("%s. Asking the learner for a full snapshot to apply again.", why)
         self._apply(self._snapshot(), retry_of=version.number)
 
     def _snapshot(self):

@@ -99,18 +99,23 @@ def refit_fault(
         injected = re.search(rf"refit fault {kind} injected into version (\d+)", log)
         damaged = int(injected.group(1)) if injected else None
         report.check("the fault was injected", damaged is not None, damaged)
+        # Caught by the probe, or refused by the engine's own check of a version (vLLM
+        # takes a version whole, so a skipped layer fails there first).
         detected = re.search(
-            r"version (\d+): the engine's log-probs on the refit probe differ", log
+            r"version (\d+)(?:: the engine's log-probs on the refit probe differ| does not "
+            r"fit this worker's engine: (.*?) \(version \d+ fitted\))",
+            log,
         )
         caught = int(detected.group(1)) if detected else None
         report.check("caught at the version it damaged", caught == damaged, (damaged, caught))
         cause = re.search(r"Likely cause: (.*?)\. Asking", log)
-        report.details["cause"] = cause.group(1) if cause else None
+        refused = detected.group(2) if detected else None
+        report.details["cause"] = cause.group(1) if cause else refused and f"refused: {refused}"
         layers = re.search(r"diverging first at (.*?)\. Likely", log)
         report.details["first_layer"] = layers.group(1) if layers else None
         report.check(
             "recovered from a full snapshot",
-            "from a full snapshot passed its refit probe" in log,
+            "from a full snapshot passed its refit checks" in log,
             "",
         )
         report.check("the worker kept running", worker.poll() is None, worker.poll())
