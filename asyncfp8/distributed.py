@@ -201,6 +201,11 @@ def shard(
     return model
 
 
+def world_size() -> int:
+    """The process group's size; 1 without one (a train step run on its own, in a test)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def scale_gradients(model: nn.Module, factor: float) -> None:
     with torch.no_grad():
         for param in model.parameters():
@@ -213,7 +218,7 @@ def sum_over_ranks(values: dict[str, float]) -> dict[str, float]:
     Every rank passes the same keys."""
     keys = sorted(values)
     tensor = torch.tensor([values[key] for key in keys], dtype=torch.float64)
-    if dist.get_world_size() > 1:
+    if world_size() > 1:
         dist.all_reduce(tensor)
     return dict(zip(keys, tensor.tolist(), strict=True))
 
@@ -222,7 +227,7 @@ def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
     """Each value's maximum over every rank (same keys on every rank)."""
     keys = sorted(values)
     tensor = torch.tensor([values[key] for key in keys], dtype=torch.float64)
-    if dist.get_world_size() > 1:
+    if world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return dict(zip(keys, tensor.tolist(), strict=True))
 
@@ -230,14 +235,14 @@ def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
 def broadcast(obj: Any = None) -> Any:
     """Rank 0's `obj`, on every rank."""
     box = [obj]
-    if dist.get_world_size() > 1:
+    if world_size() > 1:
         dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))
     return box[0]
 
 
 def scatter(per_rank: list[Any] | None) -> Any:
     """Rank r gets `per_rank[r]` of rank 0's list (others pass None)."""
-    if dist.get_world_size() == 1:
+    if world_size() == 1:
         return per_rank[0]
     box: list[Any] = [None]
     dist.scatter_object_list(box, per_rank if dist.get_rank() == 0 else None, src=0)
@@ -246,7 +251,7 @@ def scatter(per_rank: list[Any] | None) -> Any:
 
 def gather(obj: Any) -> list[Any] | None:
     """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
-    if dist.get_world_size() == 1:
+    if world_size() == 1:
         return [obj]
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, out, dst=0)

@@ -212,7 +212,7 @@ def child(spec: dict) -> None:
 
     def step(groups) -> None:
         share = distributed.scatter(learner.shares(groups) if learner.ranks.main else None)
-        learner.train_step(share, groups if learner.ranks.main else None)
+        learner.train(share, groups if learner.ranks.main else None)
 
     cuda = learner.ranks.device.type == "cuda"
     step(groups_of(2 * world, PROMPT_TOKENS + 8, vocab, seed=1))  # warm-up (one-time costs)

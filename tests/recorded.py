@@ -118,6 +118,4 @@ def train(learner, groups: list[Group]) -> dict:
 
     main = learner.ranks.main
     share = distributed.scatter(learner.shares(groups) if main else None)
-    metrics = learner.train_step(share, groups if main else None)
-    learner.step += 1
-    return metrics
+    return learner.train(share, groups if main else None)

@@ -15,9 +15,10 @@ from omegaconf import OmegaConf
 
 from asyncfp8 import distributed
 from asyncfp8.batches import batch_tensors, check_split, plan_step
+from asyncfp8.checks import max_staleness_of
 from asyncfp8.inbox import Inbox
 from asyncfp8.launch import free_ports
-from asyncfp8.learner import Learner, lr_lambda, max_staleness_of
+from asyncfp8.learner import Learner, lr_lambda
 from asyncfp8.leases import LeaseBook
 from asyncfp8.logprobs import completion_logprobs, install_logprob_head
 from asyncfp8.models import load_model
@@ -173,7 +174,7 @@ def test_micro_batched_gradients_equal_the_whole_batch_gradient(
     3e-7 relative on this CPU), which a forward and backward carry to ~3e-6 of each
     tensor's norm, ~1.5e-6 at most per element."""
     monkeypatch.setattr(
-        "asyncfp8.learner.load_model",
+        "asyncfp8.learner.loop.load_model",
         lambda path, dtype=None, wanted=dtype: load_model(path, wanted),
     )
     # lr 0: the step leaves the weights alone, and its gradient stays in .grad. In float64
@@ -196,6 +197,53 @@ def test_micro_batched_gradients_equal_the_whole_batch_gradient(
         assert error <= tolerance, (name, error.item())
         if dtype == torch.float64:
             torch.testing.assert_close(micro[name], gradient, atol=1e-6, rtol=0, msg=name)
+
+
+def test_a_train_step_needs_no_sockets_and_trains_as_the_learner(
+    make_learner, recorded, tiny_model_dir
+):
+    """`TrainStep` over a plain (unsharded) model and AdamW, built from the config alone,
+    with no learner, process group, ports or processes: the learner's parameters after
+    two steps."""
+    from asyncfp8.correction import build_correction
+    from asyncfp8.learner import TrainStep, plan_shares
+    from asyncfp8.models import load_tokenizer
+
+    overrides = ["correction=token_tis", "optim.mini_batches=2"]
+    cfg = learner_config(tiny_model_dir, Path("unused"), *overrides)
+    optim = cfg.optim
+    model = load_model(tiny_model_dir, dtype=torch.float32)
+    install_logprob_head(model)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, cfg.run.steps))
+    step = TrainStep(
+        model,
+        optimizer,
+        scheduler,
+        build_correction(cfg.correction),
+        optim,
+        cfg.correction.mode,
+        cfg.run.temperature,
+        load_tokenizer(tiny_model_dir).pad_token_id,
+        torch.device("cpu"),
+    )
+    assert not torch.distributed.is_initialized()
+    for number, groups in enumerate(recorded[:2]):
+        sums = step(plan_shares(groups, optim, world=1)[0], number, version=0)
+        assert sums.totals["updates"] == 2 and len(sums.seen[0]) == 16
+
+    learner = make_learner(*overrides)
+    for groups in recorded[:2]:
+        train(learner, groups)
+    expected = distributed.full_state_dict(learner.model)
+    for name, value in model.named_parameters():
+        torch.testing.assert_close(value.detach(), expected[name], rtol=1e-5, atol=1e-6)
 
 
 def test_mini_batches_move_the_ratio_so_ppo_clips(make_learner, recorded):
@@ -321,9 +369,9 @@ def test_a_version_of_a_tied_model_sends_the_shared_weight_once(tmp_path, tiny_m
         def capture(version, weights, extra, **_):  # VersionPublisher.publish's arguments
             sent.update(weights)
 
-        learner.publisher.publish = capture
-        learner.publish()
-        learner.background.wait()  # the version is quantized and sent on a thread
+        learner.hub.versions.publish = capture
+        learner.publisher.publish()
+        learner.hub.sender.wait()  # the version is quantized and sent on a thread
         reference = dict(load_model(tied).named_parameters())
         assert set(sent) == set(reference) and "lm_head.weight" not in sent
         for name, value in sent.items():
@@ -354,15 +402,15 @@ def test_a_version_is_quantized_from_the_weights_precision_quantize_from_names(
         def capture(version, weights, extra, **_):  # VersionPublisher.publish's arguments
             sent.update(weights)
 
-        learner.publisher.publish = capture
+        learner.hub.versions.publish = capture
         # The model is saved in BF16: masters leave the BF16 grid once trained; a nudge
         # stands in for training here.
         with torch.no_grad():
             for param in learner.model.parameters():
                 param.mul_(1.001)
         masters = {n: t.clone() for n, t in distributed.full_state_dict(learner.model).items()}
-        learner.publish()
-        learner.background.wait()
+        learner.publisher.publish()
+        learner.hub.sender.wait()
         policy = learner.policy
         from_master = dict(policy.quantize_weights(masters.items()))
         from_bf16 = dict(

@@ -1,7 +1,7 @@
 import pytest
 
 from asyncfp8.failpoints import parse
-from asyncfp8.learner import Group
+from asyncfp8.inbox import Group
 from asyncfp8.ledger import LEDGER_FILE, Ledger, read_ledger
 from asyncfp8.sync import Trajectory
 

@@ -1,0 +1,41 @@
+"""python -m asyncfp8.learner [overrides...]: one learner process (or one rank under
+torchrun). Exit codes: 0 done, 2 a bad setting (said at start), 1 a failure, 128+N
+stopped by signal N (checkpointed: resume with run.resume=true)."""
+
+import logging
+import os
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
+from asyncfp8.process import setup_logging
+from asyncfp8.runconfig import log_resume, restore_on_resume
+
+from .loop import Learner
+
+log = logging.getLogger("asyncfp8.learner")
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    rank = os.environ.get("RANK", "0")  # set by torchrun
+    setup_logging("learner" if rank == "0" else f"learner-rank{rank}")
+    try:
+        cfg, changes = restore_on_resume(cfg, list(HydraConfig.get().overrides.task))
+        log_resume(cfg, changes, "learner")
+        learner = Learner(cfg)
+    except (ValueError, FileNotFoundError, MemoryError) as err:
+        log.error("%s", err)
+        sys.exit(2)
+    try:
+        sys.exit(learner.run())
+    except MemoryError as err:
+        log.error("%s", err)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

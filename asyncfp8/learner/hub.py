@@ -1,0 +1,269 @@
+"""Rank 0's side of the learner: the network, the books and the logs.
+
+`Hub` owns everything only rank 0 has: the sockets (versions out through the publisher,
+trajectories and lease requests in through the inbox, on its own thread), the lease
+book, the ledger of what each step trained on, the metrics log, and the protocol that
+hands every rank its share of a step (or STOP when the run stops). `RankHub` is its
+counterpart on the other ranks: it receives its share and does nothing else, so the
+learner's loop reads the same on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+from omegaconf import DictConfig, OmegaConf
+
+from asyncfp8 import distributed
+from asyncfp8.inbox import Group, Inbox
+from asyncfp8.leases import LeaseBook
+from asyncfp8.ledger import Ledger
+from asyncfp8.metrics import MetricsLog
+from asyncfp8.process import StopFlag, curve, endpoints
+from asyncfp8.runconfig import CONFIG_FILE
+from asyncfp8.sync import BackgroundPublisher, HandshakeWatch, Limits, VersionPublisher
+
+from .step import Share, StepSums, all_rewards_equal
+from .step_metrics import StepMetrics
+
+log = logging.getLogger("asyncfp8.learner")
+STOP = "stop"  # what rank 0 hands the others instead of a share when the run stops
+WAIT_LOG_S = 5.0  # how often a learner waiting for trajectories says so
+
+
+class Preempted(Exception):
+    """SIGTERM / Ctrl-C while waiting for data."""
+
+
+class Hub:
+    """Rank 0's sockets, books and logs (see the module's docstring)."""
+
+    sender: BackgroundPublisher
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        max_staleness: int,
+        world: int,
+        stop: StopFlag,
+        step_metrics: StepMetrics,
+    ):
+        run, sync = cfg.run, cfg.sync
+        self.cfg, self.max_staleness, self.world, self.stop = cfg, max_staleness, world, stop
+        self.step_metrics = step_metrics
+        addresses, secure = endpoints(sync, "bind"), curve(sync)
+        self.watch = HandshakeWatch()
+        book = LeaseBook(
+            capacity=(max_staleness + 1) * run.groups_per_step * sync.every,
+            timeout=run.lease_timeout,
+        )
+        sampling = {
+            "n": run.group_size,
+            "temperature": run.temperature,
+            "max_new_tokens": run.max_new_tokens,
+        }
+        try:
+            self.versions = VersionPublisher(
+                addresses.versions,
+                addresses.snapshots,
+                chunk_bytes=max(1, int(sync.chunk_mb * (1 << 20))),
+                curve=secure,
+                watch=self.watch,
+                transport=sync.transport,
+                zstd_level=sync.zstd_level,
+            )
+            self.sender = BackgroundPublisher(self.versions, background=sync.background)
+            self.inbox = Inbox(
+                addresses.trajectories,
+                book,
+                run.group_size,
+                sampling,
+                run.seed,
+                secure,
+                limits=Limits(max_message_bytes=int(sync.max_trajectory_mb * (1 << 20))),
+                watch=self.watch,
+            )
+        except zmq.ZMQError as err:
+            raise SystemExit(
+                f"learner: cannot listen on {addresses}: {err}. Is another learner running? "
+                "Pick other ports with sync.version_port=... sync.snapshot_port=... "
+                "sync.trajectory_port=..."
+            ) from None
+        self.ledger: Ledger | None = None
+        self.metrics: MetricsLog | None = None
+
+    def open_logs(self, run_dir: Path, resumed_step: int | None) -> None:
+        """The ledger and the metrics log (trimmed back to `resumed_step` on a resume),
+        and the run's config beside them."""
+        self.ledger = Ledger(run_dir, resumed_step=resumed_step)
+        # run.loggers: JSONL, TensorBoard, W&B (a resumed run continues its W&B run)
+        self.metrics = MetricsLog.for_run(self.cfg, resumed_step=resumed_step)
+        OmegaConf.save(self.cfg, run_dir / CONFIG_FILE, resolve=True)
+
+    def start(self) -> None:
+        self.inbox.start()
+
+    def say(self, message: str, *args: Any) -> None:
+        """Logs `message` once for the run (rank 0 speaks for every rank)."""
+        log.info(message, *args)
+
+    def published(self, sync_metrics: dict) -> None:
+        """The first version is out: work for it may be leased."""
+        self.inbox.trained(0, sync_metrics["sync/version"])
+
+    # -- a step's data -------------------------------------------------------------------
+
+    def next_share(
+        self, step: int, version: int, plan: Callable[[list[Group]], list[Share]]
+    ) -> tuple[Share, list[Group], float]:
+        """Waits for the step's groups and hands every rank its share of `plan(groups)`;
+        hands them STOP instead when the run stops. (rank 0's share, the groups, seconds
+        waited)."""
+        waited = time.perf_counter()
+        try:
+            if self.stop:
+                raise Preempted
+            groups = self._wait_for_groups(step, version)
+        except Preempted:
+            distributed.scatter([(STOP, self.stop.signal or 15)] * self.world)
+            raise
+        except SystemExit:
+            distributed.scatter([(STOP, None)] * self.world)
+            raise
+        share = distributed.scatter(plan(groups))
+        return share, groups, time.perf_counter() - waited
+
+    def _wait_for_groups(self, step: int, version: int) -> list[Group]:
+        run = self.cfg.run
+        skip = all_rewards_equal if run.dynamic_sampling else None
+        waited_since = time.monotonic()
+        while True:
+            groups = self.inbox.take(
+                run.groups_per_step, version, self.max_staleness, WAIT_LOG_S, skip=skip
+            )
+            if groups is not None:
+                return groups
+            if self.stop:
+                raise Preempted
+            waited = time.monotonic() - waited_since
+            counts = self.inbox.snapshot_counts()
+            if waited > run.worker_wait_timeout:
+                raise SystemExit(
+                    f"learner: no {run.groups_per_step} groups after {waited:.0f} s "
+                    f"(run.worker_wait_timeout); workers heard from: "
+                    f"{sorted(counts['workers']) or 'none'}. Are workers running and "
+                    f"connecting to {endpoints(self.cfg.sync, 'connect').trajectories}?"
+                )
+            log.info(
+                "step %d: waiting for trajectories (%.0f s; %d groups ready, %d open; workers %s)",
+                step,
+                waited,
+                counts["queue/ready_groups"],
+                counts["queue/open_groups"],
+                sorted(counts["workers"]) or "none yet",
+            )
+
+    # -- after a step --------------------------------------------------------------------
+
+    def trained(
+        self, step: int, version: int, groups: list[Group], sums: StepSums, lr: float, kl: bool
+    ) -> dict[str, Any]:
+        """Books the step in the ledger; its metrics."""
+        skipped = self.inbox.take_skipped()
+        self.ledger.write(step, version, groups, self.inbox.take_dropped(), skipped)
+        metrics = self.step_metrics.of_step(groups, sums, version, lr, kl)
+        return metrics | {"groups/skipped": len(skipped)}
+
+    def record(
+        self, step: int, metrics: dict[str, Any], groups: int, published: dict, times: dict
+    ) -> None:
+        """Tells the inbox what was trained and published, adds the rollout side's
+        metrics since the previous step and the clock's (`times`), and writes them."""
+        self.inbox.trained(groups, published.get("sync/version"))
+        counts = self.inbox.snapshot_counts()
+        metrics |= self.step_metrics.throughput(counts, times["time/step_total_s"])
+        metrics["total/rejected/snapshot_request"] = self.versions.rejected
+        metrics["total/failed_handshakes"] = self.watch.failures
+        self.metrics.write(step, metrics | times)
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        if metrics:
+            self.metrics.write(step, metrics)
+
+    # -- state, end ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return self.inbox.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inbox.load_state_dict(state)
+
+    def finish(self) -> None:
+        """Tells the workers the run is done, and gives them a moment to hear it."""
+        self.inbox.finish(linger=15)
+
+    def close(self) -> None:
+        self.inbox.close()
+        self.versions.close()
+        self.watch.close()
+        if self.ledger is not None:
+            self.ledger.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+class RankHub:
+    """The other ranks' hub: their share of each step from rank 0, and nothing else."""
+
+    sender = None
+
+    def __init__(self, stop: StopFlag):
+        self.stop = stop
+
+    def open_logs(self, run_dir: Path, resumed_step: int | None) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def say(self, message: str, *args: Any) -> None:
+        pass
+
+    def published(self, sync_metrics: dict) -> None:
+        pass
+
+    def next_share(self, step: int, version: int, plan) -> tuple[Share, None, float]:
+        waited = time.perf_counter()
+        share = distributed.scatter(None)
+        if isinstance(share, tuple) and share[0] == STOP:
+            if share[1] is None:
+                raise SystemExit(1)  # rank 0 failed and said why in its log
+            self.stop.signal = share[1]
+            raise Preempted
+        return share, None, time.perf_counter() - waited
+
+    def trained(self, step, version, groups, sums, lr, kl) -> dict[str, Any]:
+        return {}
+
+    def record(self, step, metrics, groups, published, times) -> None:
+        pass
+
+    def write(self, step, metrics) -> None:
+        pass
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

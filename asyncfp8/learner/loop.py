@@ -1,0 +1,312 @@
+"""The learner: trains the policy on the workers' trajectories and publishes versions.
+
+The loop (`Learner.run`) is the algorithm; each part has its own module:
+- `step.py`: one training step (advantages, mini/micro-batches, correction, loss,
+  AdamW), a plain object with no sockets;
+- `hub.py`: rank 0's sockets, lease book, ledger and metrics log, and the hand-out of
+  each step's shares (`RankHub` on the other ranks does nothing but receive);
+- `publisher.py`: a version out (number reserved, weights gathered, KV scales
+  calibrated, the refit probe, the background sender);
+- `checkpoints.py`: checkpoints, resume and export;
+- `step_metrics.py`: what rank 0 logs per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from asyncfp8 import distributed
+from asyncfp8.batches import check_split
+from asyncfp8.checks import check_config, max_staleness_of
+from asyncfp8.evaluation import HeldOut
+from asyncfp8.inbox import Group
+from asyncfp8.logprobs import install_logprob_head
+from asyncfp8.models import load_model, load_tokenizer, run_model_dir
+from asyncfp8.process import StopFlag, endpoints, set_threads
+from asyncfp8.refit import ReferenceForward
+
+from .checkpoints import Checkpointer
+from .hub import Hub, Preempted, RankHub
+from .publisher import FIRST_CALIBRATION_PROMPTS, Publisher
+from .step import Share, StepSums, TrainStep, lr_lambda, plan_shares
+from .step_metrics import StepMetrics
+
+log = logging.getLogger("asyncfp8.learner")
+
+
+class Learner:
+    def __init__(self, cfg: DictConfig):
+        self.cfg, run, optim = cfg, cfg.run, cfg.optim
+        self.stop = StopFlag()
+        # The whole config, before a socket is bound or the model loaded.
+        self.model_dir = model_dir = run_model_dir(cfg)
+        checked = check_config(cfg, model_dir, "learner")
+        self.task, self.policy, self.correction = checked.task, checked.policy, checked.correction
+        self.ranks = distributed.start(run.device, run.dist_timeout)
+        check_split(run.groups_per_step * run.group_size, optim.mini_batches, self.ranks.world)
+        set_threads(run.threads, run.workers + self.ranks.world)
+        for seed in (torch.manual_seed, random.seed, np.random.seed):
+            seed(run.seed)
+        self.dir = Path(run.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+        self.dtype = distributed.compute_dtype(run.compute_dtype, self.ranks.device)
+        self.model = self._load(model_dir, frozen=False)
+        # KL-to-reference: a frozen copy of the starting policy, sharded like it.
+        self.reference = self._load(model_dir, frozen=True) if optim.kl_coef > 0 else None
+        self.tokenizer = tokenizer = load_tokenizer(model_dir)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=optim.lr,
+            betas=tuple(optim.betas),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(optim, run.steps)
+        )
+        self.train_step = TrainStep(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.correction,
+            optim,
+            cfg.correction.mode,
+            run.temperature,
+            tokenizer.pad_token_id,
+            self.ranks.device,
+            reference=self.reference,
+            world=self.ranks.world,
+        )
+        self.hub = (
+            Hub(
+                cfg,
+                max_staleness_of(run),
+                self.ranks.world,
+                self.stop,
+                StepMetrics(self.correction, tokenizer.pad_token_id),
+            )
+            if self.ranks.main
+            else RankHub(self.stop)
+        )
+        self.publisher = Publisher(
+            self.model,
+            self.policy,
+            cfg.sync,
+            self.ranks,
+            self.dir,
+            self.dtype,
+            tokenizer.pad_token_id,
+            self._prompt_batch(),
+            self.hub.sender,
+            self._probe_reference(),
+        )
+        self.checkpointer = Checkpointer(
+            self.dir, self.model, self.optimizer, self.scheduler, self.ranks, run.keep_checkpoints
+        )
+        self.heldout = None
+        if cfg.eval.every:
+            self.heldout = HeldOut(
+                self.task,
+                tokenizer,
+                cfg.eval.prompts,
+                cfg.eval.samples,
+                run.max_new_tokens,
+                run.temperature,
+                run.seed,
+                self.ranks,
+            )
+        self.step = 0
+        # Training time before this process (a resumed run), and the step it resumed at.
+        self.elapsed_before, self.resumed_from = 0.0, None
+        self.started = time.perf_counter()
+        if run.resume:
+            self._restore()
+        self.hub.open_logs(self.dir, self.step if run.resume else None)
+        self._log_start()
+
+    @property
+    def version(self) -> int | None:
+        """The latest version published."""
+        return self.publisher.version
+
+    @version.setter
+    def version(self, number: int | None) -> None:
+        self.publisher.version = number
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        run, hub = self.cfg.run, self.hub
+        hub.start()
+        hub.published(self.publisher.publish())
+        if self.step == 0:
+            self.checkpoint()  # so that a learner killed before its first interval can resume
+            if baseline := self._evaluation():  # the policy before any step
+                hub.write(0, baseline | {"version": self.version})
+        self.started = self.last_step = time.perf_counter()
+        try:
+            while self.step < run.steps:
+                share, groups, waited = hub.next_share(self.step, self.version, self.shares)
+                metrics = self.train(share, groups)
+                due = self.step % self.cfg.sync.every == 0 or self.step == run.steps
+                published = self.publisher.publish() if due else {}
+                metrics |= published | self._evaluation()
+                hub.record(self.step, metrics, len(groups or ()), published, self._times(waited))
+                if self.step % run.checkpoint_every == 0 and self.step < run.steps:
+                    self.checkpoint()
+                # .get: a run saved before run.export_every existed resumes without it
+                export_every = run.get("export_every", 0)
+                if export_every and self.step % export_every == 0 and self.step < run.steps:
+                    self.export()
+        except Preempted:
+            hub.say(
+                "stopped by signal %s at step %d; checkpoint %s; continue with "
+                "run.resume=true run.dir=%s",
+                self.stop.signal,
+                self.step,
+                self.checkpoint(),
+                self.dir,
+            )
+            self.close()
+            return 128 + (self.stop.signal or 15)
+        self.checkpoint()
+        self.export()
+        hub.finish()
+        hub.say("finished %d steps; last version %d", self.step, self.version)
+        self.close()
+        return 0
+
+    def shares(self, groups: list[Group]) -> list[Share]:
+        """Every rank's share of a batch (rank 0 plans, `Hub.next_share` hands out)."""
+        return plan_shares(groups, self.cfg.optim, self.ranks.world)
+
+    def train(self, share: Share, groups: list[Group] | None) -> dict[str, Any]:
+        """One step on this rank's share (every rank calls it; rank 0 also passes the
+        step's groups and gets the step's metrics back)."""
+        sums: StepSums = self.train_step(share, self.step, self.version)
+        self.publisher.calibrate_on(share.calibration)
+        self.step += 1
+        lr = self.scheduler.get_last_lr()[0]
+        return self.hub.trained(
+            self.step, self.version, groups, sums, lr, self.reference is not None
+        )
+
+    # -- parts of the loop -------------------------------------------------------------------
+
+    def _times(self, waited: float) -> dict[str, float]:
+        now = time.perf_counter()
+        times = {
+            "time/wait_s": waited,
+            "time/step_total_s": now - self.last_step,
+            "time/elapsed_s": self.elapsed_before + now - self.started,
+        }
+        self.last_step = now
+        if self.resumed_from is not None:  # the first step after a resume says so
+            times["run/resumed_from_step"], self.resumed_from = self.resumed_from, None
+        return times
+
+    def _evaluation(self) -> dict[str, Any]:
+        """Held-out pass@1 when it is due: before the first step, every `eval.every`
+        steps and after the last (collective)."""
+        every = self.cfg.eval.every
+        if self.heldout is None or (self.step % every and self.step != self.cfg.run.steps):
+            return {}
+        started = time.perf_counter()
+        metrics = self.heldout.evaluate(self.model)
+        metrics["time/eval_s"] = time.perf_counter() - started
+        self.hub.say(
+            "held-out pass@1 after %d steps: greedy %.3f, sampled %.3f (%d prompts, %.1f s)",
+            self.step,
+            metrics["eval/pass1_greedy"],
+            metrics["eval/pass1_sampled"],
+            metrics["eval/prompts"],
+            metrics["time/eval_s"],
+        )
+        return metrics
+
+    def checkpoint(self) -> Path:
+        elapsed = self.elapsed_before + time.perf_counter() - self.started
+        return self.checkpointer.save(self.step, self.version, self.hub.state_dict(), elapsed)
+
+    def export(self) -> Path:
+        return self.checkpointer.export(self.step, self.model_dir)
+
+    def close(self) -> None:
+        self.hub.close()
+        distributed.close()
+
+    # -- start -------------------------------------------------------------------------------
+
+    def _load(self, model_dir: Path, frozen: bool) -> torch.nn.Module:
+        model = self.policy.prepare_learner(load_model(model_dir, dtype=torch.float32))
+        install_logprob_head(model)
+        if frozen:
+            model.requires_grad_(False)
+        return distributed.shard(
+            model,
+            self.ranks.device,
+            self.dtype,
+            frozen=frozen,
+            activation_checkpointing=self.cfg.optim.activation_checkpointing and not frozen,
+        )
+
+    def _prompt_batch(self) -> dict[str, torch.Tensor]:
+        """Calibration data before the first step: the task's first prompts."""
+        texts = [self.task.prompt(i).text for i in range(FIRST_CALIBRATION_PROMPTS)]
+        batch = self.tokenizer(texts, return_tensors="pt", padding=True)
+        return {key: value.to(self.ranks.device) for key, value in batch.items()}
+
+    def _probe_reference(self) -> ReferenceForward | None:
+        """The refit probe's reference (asyncfp8/refit.py), on rank 0: what an engine
+        running each version must compute on a few sequences, shipped with the version."""
+        probe = self.cfg.sync.get("probe")
+        if not self.ranks.main or probe is None or not probe.enabled:
+            return None
+        return ReferenceForward(self.model_dir, self.policy)
+
+    def _restore(self) -> None:
+        restored = self.checkpointer.restore()
+        self.step, self.version = restored.step, restored.version
+        self.elapsed_before, self.resumed_from = restored.elapsed_s, restored.step
+        self.hub.load_state_dict(restored.inbox)
+        self.hub.say(
+            "resumed from %s: step %d, version %d (the next is %d), next prompt %d; saved "
+            "by %d rank(s), resumed on %d",
+            restored.folder,
+            self.step,
+            self.version,
+            self.version + 1,
+            restored.inbox["book"]["next_prompt"],
+            restored.world_size,
+            self.ranks.world,
+        )
+
+    def _log_start(self) -> None:
+        cfg, run = self.cfg, self.cfg.run
+        self.hub.say(
+            "model %s (%.2fM parameters), precision %s (learner forward: %s, quantized from: "
+            "%s), correction %s (%s), %s mode, max staleness %d, %d rank(s) on %s computing "
+            "in %s, listening on %s",
+            self.model_dir,
+            sum(p.numel() for p in self.model.parameters()) / 1e6,
+            self.policy.spec,
+            self.policy.learner_forward,
+            self.policy.quantize_from,
+            self.correction.name,
+            cfg.correction.mode,
+            run.mode,
+            max_staleness_of(run),
+            self.ranks.world,
+            self.ranks.device.type,
+            str(self.dtype).removeprefix("torch."),
+            endpoints(cfg.sync, "bind").trajectories,
+        )

@@ -1,0 +1,237 @@
+"""One training step, pure of sockets and processes: a model, an optimizer and the
+settings in; the step's sums out.
+
+`plan_shares` turns a batch of GRPO groups into every rank's share: group-relative
+advantages over the whole batch, then each rank's part of every mini-batch cut into
+micro-batches (`asyncfp8.batches`), plus the calibration rows of the next version.
+
+`TrainStep` trains one share: for each of `optim.ppo_epochs` × `optim.mini_batches`
+optimizer steps it recomputes the sampled tokens' log-probabilities micro-batch by
+micro-batch (gradients accumulated), lets the correction weigh them against the rollout
+engine's, takes the clipped policy loss (plus the KL-to-reference and entropy terms when
+set) and steps AdamW. The loss of a mini-batch is a mean over all of it, across
+micro-batches and ranks. Every rank calls it; with one process the collectives it
+uses are local (a HashStore process group, no sockets).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from asyncfp8 import distributed
+from asyncfp8.batches import batch_tensors, plan_step
+from asyncfp8.correction.registry import Correction
+from asyncfp8.failpoints import failpoint
+from asyncfp8.inbox import Group
+from asyncfp8.logprobs import completion_logprobs
+from asyncfp8.losses import aggregate_parts, group_advantages, kl_penalty, policy_loss_terms
+from asyncfp8.sync import Trajectory
+
+Row = tuple[int, Trajectory, float]  # (sample index in the batch, trajectory, advantage)
+
+
+@dataclass
+class Share:
+    """What one rank trains in a step: per mini-batch, its micro-batches of rows; and the
+    calibration rows of the next version, the same on every rank."""
+
+    mini_batches: list[list[list[Row]]]
+    calibration: list[Trajectory]
+
+
+@dataclass
+class StepSums:
+    """What a step adds up (rank 0 turns it into metrics): per sample, the log-probs the
+    correction saw (every rank's, gathered); loss sums and counts over the updates."""
+
+    seen: list[dict[int, torch.Tensor]] | None
+    totals: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def lr_lambda(optim: DictConfig, steps: int):
+    """The learning-rate factor of `optim.schedule` at each step: a linear warm-up over
+    `optim.warmup_steps`, then constant or cosine down to 0.1."""
+    if optim.schedule not in ("constant", "cosine"):
+        raise ValueError(f"optim.schedule must be constant or cosine, got {optim.schedule!r}")
+
+    def factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.schedule == "cosine":
+            progress = min(1.0, (step - optim.warmup_steps) / max(1, steps - optim.warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+def plan_shares(groups: list[Group], optim: DictConfig, world: int) -> list[Share]:
+    """GRPO advantages over the whole batch, then every rank's part of every mini-batch,
+    cut into micro-batches; the calibration rows are the batch's first samples that fit
+    one micro-batch."""
+    trajectories = [t for group in groups for t in group.trajectories]
+    rewards = torch.tensor([t.reward for t in trajectories])
+    group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories])
+    advantages = group_advantages(rewards, group_index, scale=optim.advantage_scale).tolist()
+    lengths = [len(t.prompt_ids) + len(t.token_ids) for t in trajectories]
+    plan = plan_step(lengths, optim.mini_batches, world, optim.micro_batch_tokens)
+    calibration = trajectories[:1]
+    budget = optim.micro_batch_tokens or math.inf
+    for t in trajectories[1:]:
+        width = max(len(c.prompt_ids) + len(c.token_ids) for c in [*calibration, t])
+        if (len(calibration) + 1) * width > budget:
+            break
+        calibration.append(t)
+    return [
+        Share(
+            [
+                [[(i, trajectories[i], advantages[i]) for i in micro] for micro in mini[rank]]
+                for mini in plan
+            ],
+            calibration,
+        )
+        for rank in range(world)
+    ]
+
+
+class TrainStep:
+    """The policy update of one batch share (see the module's docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        correction: Correction,
+        optim: DictConfig,
+        correction_mode: str,
+        temperature: float,
+        pad_token_id: int,
+        device: torch.device,
+        reference: torch.nn.Module | None = None,
+        world: int = 1,
+    ):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.correction, self.optim, self.mode = correction, optim, correction_mode
+        self.temperature, self.pad_token_id, self.device = temperature, pad_token_id, device
+        self.reference, self.world = reference, world
+
+    def __call__(self, share: Share, step: int, version: int) -> StepSums:
+        optim = self.optim
+        started = time.perf_counter()
+        batches = [[self._tensors(rows) for rows in mini] for mini in share.mini_batches]
+        # π_prox is the policy before this step's first update: with one update, each
+        # micro-batch's own forward; with several, a recompute before the first.
+        proximal = None
+        if self.mode == "decoupled" and optim.mini_batches * optim.ppo_epochs > 1:
+            with torch.no_grad(), distributed.memory_advice("the recompute", self.memory()):
+                proximal = [[self.logprobs(self.model, b)[0] for b in mini] for mini in batches]
+        seen: dict[int, torch.Tensor] = {}  # per sample: the log-probs the correction saw
+        totals: dict[str, float] = defaultdict(float)
+        for epoch, (m, mini) in itertools.product(range(optim.ppo_epochs), enumerate(batches)):
+            self.optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = defaultdict(float)
+            for j, micro in enumerate(mini):
+                with distributed.memory_advice("a train step", self.memory(micro)):
+                    learner_logp = self._micro_batch(
+                        micro, proximal[m][j] if proximal else None, version, sums
+                    )
+                if epoch == 0:
+                    for row, index in enumerate(micro["index"]):
+                        seen[index] = learner_logp[row][micro["mask"][row]].cpu()
+            # The loss is a mean over the whole mini-batch: its sums over micro-batches
+            # and ranks, divided by the whole count.
+            sums = distributed.sum_over_ranks(sums)
+            distributed.scale_gradients(self.model, 1.0 / max(sums["denominator"], 1.0))
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), optim.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):  # a sharded (FSDP2) model's norm is a DTensor
+                grad_norm = grad_norm.full_tensor()
+            if not torch.isfinite(grad_norm):
+                raise FloatingPointError(f"step {step}: gradient norm is {grad_norm.item()}")
+            self.optimizer.step()
+            for key, value in sums.items():
+                totals[key] += value
+            for key in ("policy", "total"):
+                totals[f"{key}_loss"] += sums[key] / max(sums["denominator"], 1.0)
+            totals["grad_norm"] += grad_norm.item()
+            totals["updates"] += 1
+        self.scheduler.step()
+        failpoint("learner.mid_step")  # weights changed; nothing recorded or published yet
+        return StepSums(distributed.gather(seen), dict(totals), time.perf_counter() - started)
+
+    def _micro_batch(
+        self, micro: dict, proximal: torch.Tensor | None, version: int, sums: dict
+    ) -> torch.Tensor:
+        """Forward and backward of one micro-batch; adds its loss numerator, denominator
+        and counts to `sums`. Returns the log-probs the correction saw."""
+        optim = self.optim
+        logp, entropy = self.logprobs(self.model, micro)
+        if proximal is None:
+            proximal = logp.detach()
+        terms = policy_loss_terms(
+            self.correction,
+            logp,
+            micro["rollout_logp"],
+            micro["advantages"],
+            micro["mask"],
+            proximal_logp=proximal,
+            versions=micro["versions"],
+            current_version=version,
+            mode=self.mode,
+            kind=optim.loss,
+            clip_low=optim.clip_low,
+            clip_high=optim.clip_high,
+            clip_ratio_c=optim.clip_ratio_c,
+        )
+        kept = terms.mask.to(logp.dtype)
+        per_token = terms.per_token - optim.entropy_coef * entropy
+        if self.reference is not None:
+            with torch.no_grad():
+                reference_logp, _ = self.logprobs(self.reference, micro)
+            kl = kl_penalty(logp, reference_logp, optim.kl_estimator)
+            per_token = per_token + optim.kl_coef * kl
+            sums["kl"] += (kl.detach() * kept).sum().item()
+        numerator, denominator = aggregate_parts(per_token, terms.mask, optim.aggregation)
+        numerator.backward()
+        sums["total"] += numerator.item()
+        policy = aggregate_parts(terms.per_token.detach(), terms.mask, optim.aggregation)[0]
+        sums["policy"] += policy.item()
+        sums["denominator"] += denominator
+        sums["entropy"] += (entropy.detach() * kept).sum().item()
+        sums["kept"] += kept.sum().item()
+        sums["clipped"] += terms.clipped.sum().item()
+        return proximal if self.mode == "decoupled" else logp.detach()
+
+    def _tensors(self, rows: list[Row]) -> dict[str, Any]:
+        batch = batch_tensors([t for _, t, _ in rows], self.pad_token_id)
+        batch["advantages"] = torch.tensor([advantage for _, _, advantage in rows])
+        batch = {key: value.to(self.device) for key, value in batch.items()}
+        return batch | {"index": [index for index, _, _ in rows]}
+
+    def logprobs(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return completion_logprobs(model, batch, self.temperature, self.optim.logprob_chunk_tokens)
+
+    def memory(self, micro: dict | None = None) -> dict[str, Any]:
+        """What bounds a step's memory, for an out-of-memory message."""
+        optim = self.optim
+        shape = {"micro-batch": "{} × {} tokens".format(*micro["input_ids"].shape)} if micro else {}
+        return shape | {
+            "optim.micro_batch_tokens": optim.micro_batch_tokens,
+            "optim.activation_checkpointing": optim.activation_checkpointing,
+            "optim.logprob_chunk_tokens": optim.logprob_chunk_tokens,
+            "ranks": self.world,
+        }
+
+
+def all_rewards_equal(group: Group) -> bool:
+    """No reward spread: GRPO gives every sample advantage 0 (DAPO skips such groups)."""
+    return len({t.reward for t in group.trajectories}) == 1
