@@ -16,7 +16,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from asyncfp8.batches import check_split
 from asyncfp8.correction import Correction, build_correction
-from asyncfp8.losses import KL_ESTIMATORS
 from asyncfp8.metrics import loggers_of
 from asyncfp8.precision import PrecisionPolicy, build_policy
 from asyncfp8.process import check_counts, curve, endpoints
@@ -25,7 +24,6 @@ from asyncfp8.sync.versions import is_local
 from asyncfp8.tasks import Task, build_task
 
 TENSORBOARD_INSTALL = 'pip install -c constraints.txt -e ".[tensorboard]"'
-SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
@@ -67,10 +65,6 @@ def check_training(cfg: DictConfig) -> None:
     for key in ("kl_coef", "entropy_coef"):
         if not optim[key] >= 0:
             raise ValueError(f"optim.{key} must be >= 0, got {optim[key]!r}")
-    if optim.kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(
-            f"optim.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {optim.kl_estimator!r}"
-        )
     if optim.clip_ratio_c is not None and not optim.clip_ratio_c > 1:
         raise ValueError(f"optim.clip_ratio_c must be > 1 or null (off), got {optim.clip_ratio_c}")
 
@@ -135,10 +129,6 @@ def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
     if role == "launcher" and (not isinstance(run.workers, int) or run.workers < 1):
         raise ValueError(
             f"run.workers must be >= 1 for the launcher (it starts them), got {run.workers!r}"
-        )
-    if cfg.optim.schedule not in SCHEDULES:
-        raise ValueError(
-            f"optim.schedule must be one of {', '.join(SCHEDULES)}, got {cfg.optim.schedule!r}"
         )
     if run.tensorboard not in (True, False, "auto"):
         raise ValueError(f"run.tensorboard must be true, false or auto, got {run.tensorboard!r}")

@@ -2,13 +2,16 @@
 
 Importing it (Hydra does, before composing) stores the schemas the YAML files extend:
 `schema/precision` (asyncfp8.precision.schema), `schema/reward` and
-`schema/correction/<name>` (asyncfp8.correction.schema)."""
+`schema/correction/<name>` (asyncfp8.correction.schema), `schema/run`, `schema/optim`,
+`schema/sync`, `schema/eval` and `schema/engine/<name>` (asyncfp8.conf.schemas)."""
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from asyncfp8.correction.schema import register_schemas as _register_correction_schemas
 from asyncfp8.precision.schema import schema_node as _precision_schema
+
+from .schemas import register_schemas as _register_group_schemas
 
 
 def _reward_schema():
@@ -23,3 +26,4 @@ def _reward_schema():
 ConfigStore.instance().store(group="schema", name="precision", node=_precision_schema())
 ConfigStore.instance().store(group="schema", name="reward", node=_reward_schema())
 _register_correction_schemas()
+_register_group_schemas()

@@ -59,9 +59,8 @@ class StepSums:
 
 def lr_lambda(optim: DictConfig, steps: int):
     """The learning-rate factor of `optim.schedule` at each step: a linear warm-up over
-    `optim.warmup_steps`, then constant or cosine down to 0.1."""
-    if optim.schedule not in ("constant", "cosine"):
-        raise ValueError(f"optim.schedule must be constant or cosine, got {optim.schedule!r}")
+    `optim.warmup_steps`, then constant or cosine down to 0.1 (the config's schema allows
+    no other `optim.schedule`)."""
 
     def factor(step: int) -> float:
         if step < optim.warmup_steps:
