@@ -31,6 +31,7 @@ import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra comp
 from asyncfp8.chaos.refit_faults import RefitFault
 from asyncfp8.checks import check_config
 from asyncfp8.engines import EngineUnsupported, SamplingParams, build_engine
+from asyncfp8.engines.base import KVCacheReset
 from asyncfp8.models import run_model_dir
 from asyncfp8.precision.policy import plain
 from asyncfp8.process import (
@@ -265,9 +266,12 @@ class Worker:
             )
 
     def _refit_failed(self, version, why: str) -> None:
-        """Nothing generates with `version`: a full snapshot replaces it, checked again."""
+        """Nothing generates with `version`: its KV cache is wiped (it may hold what the
+        damaged version computed) and a full snapshot replaces it, checked again."""
         self.stats["refit/failures"] += 1
         self.log.warning("%s. Asking the learner for a full snapshot to apply again.", why)
+        if isinstance(self.engine, KVCacheReset):
+            self.engine.clear_kv_cache()
         self._apply(self._snapshot(), retry_of=version.number)
 
     def _snapshot(self):

