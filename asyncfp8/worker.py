@@ -236,12 +236,14 @@ class Worker:
                 self.engine.update_weights(version.number, weights, extra)
         except ValueError as err:
             refused = f"version {version.number} does not fit this worker's engine: {err}"
-            if self.engine.version is None or retry_of is not None:
-                # The first version, or a snapshot too: the configuration, not the link.
+            if self.engine.version is None:  # the first version: the configuration
                 raise WorkerMisconfigured(
                     f"worker {self.id}: {refused}. Do the learner and the worker use the same "
                     "model= and precision=?"
                 ) from None
+            if retry_of is not None:  # the snapshot too, after versions that fitted
+                self.stats["refit/failures"] += 1
+                raise RefitFailed(f"worker {self.id}: {refused}") from None
             self._refit_failed(version, f"{refused} (version {self.engine.version} fitted)")
             return
         self.stats["update_s"] += time.perf_counter() - started
@@ -271,7 +273,10 @@ class Worker:
         self.stats["refit/failures"] += 1
         self.log.warning("%s. Asking the learner for a full snapshot to apply again.", why)
         if isinstance(self.engine, KVCacheReset):
-            self.engine.clear_kv_cache()
+            try:
+                self.engine.clear_kv_cache()
+            except Exception as err:  # the snapshot may still repair it: its probe decides
+                self.log.warning("could not wipe the engine's KV cache: %s", err)
         self._apply(self._snapshot(), retry_of=version.number)
 
     def _snapshot(self):

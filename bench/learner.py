@@ -7,14 +7,15 @@ world size.
 Every row runs in a fresh process (under torchrun for a world size above 1): a
 random-init Qwen2 of the row's shape, the real `Learner` (Hydra config, FSDP2, the
 chunked log-softmax head), one warm-up step on a small batch, then one timed
-`Learner.train_step` on a batch of GRPO groups of random tokens (one optimizer step:
-forward, backward, clip, AdamW). tokens/s counts every token of the batch (prompt and
-completion). Peak memory is, on a CPU, the largest resident set of any rank over its
-life (model, optimizer and the step; `rss_before_step_bytes` is what it held before the
-timed step), on a GPU the peak of allocated memory during the step. On a CPU each rank
-is one core (one torch thread). On a GPU the row also gives the model-FLOPs utilization:
-(6 × parameters + 6 × layers × hidden × sequence length) FLOPs per token (forward and
-backward, causal attention) over the GPU's dense BF16 peak from `asyncfp8.plan.gpus`.
+`Learner.train` (its `TrainStep`, plus rank 0's ledger line and step metrics) on a batch
+of GRPO groups of random tokens (one optimizer step: forward, backward, clip, AdamW).
+tokens/s counts every token of the batch (prompt and completion). Peak memory is, on a
+CPU, the largest resident set of any rank over its life (model, optimizer and the step;
+`rss_before_step_bytes` is what it held before the timed step), on a GPU the peak of
+allocated memory during the step. On a CPU each rank is one core (one torch thread). On
+a GPU the row also gives the model-FLOPs utilization: (6 × parameters + 6 × layers ×
+hidden × sequence length) FLOPs per token (forward and backward, causal attention) over
+the GPU's dense BF16 peak from `asyncfp8.plan.gpus`.
 
 The large-vocabulary rows (151,936 tokens, hidden 64) are the case the chunked head is
 for: the batch's full-vocabulary FP32 logits would be 64 × 512 × 151,936 × 4 B = 19.9 GB;
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or ROOT / "bench" / "results" / f"learner-{tag}.json")
     table = Table(
         out,
-        what="one Learner.train_step (forward, backward, clip, AdamW) on a random-init "
+        what="one Learner.train step (forward, backward, clip, AdamW) on a random-init "
         "Qwen2; * = the full-vocabulary logits recompute this replaced, for comparison",
         models=MODELS,
         load_average=os.getloadavg(),

@@ -82,6 +82,22 @@ def test_a_wrong_value_fails_at_composition_naming_the_key(override, message):
     assert f"full_key: {key}" in cause or key.split(".")[-1] in cause
 
 
+@pytest.mark.parametrize(
+    ("override", "key", "value"),
+    [
+        ("run.loggers=wandb", "run.loggers", "wandb"),  # one name, as metrics.py takes it
+        ("engine.speculative.mode=false", "engine.speculative.mode", False),  # off
+        ("engine.speculative.mode=null", "engine.speculative.mode", None),
+        ("run.worker_id=3", "run.worker_id", "3"),  # what the launcher passes
+        ("engine.device=cuda:1", "engine.device", "cuda:1"),
+        ("sync.chunk_mb=0.5", "sync.chunk_mb", 0.5),
+        ("optim.clip_ratio_c=null", "optim.clip_ratio_c", None),
+    ],
+)
+def test_the_values_the_code_takes_still_compose(override, key, value):
+    assert OmegaConf.select(composed(override), key) == value
+
+
 def test_an_engine_typed_by_its_own_schema():
     cfg = composed("engine=vllm", "engine.kv_cache_gib=2")
     assert cfg.engine.kv_cache_gib == 2.0 and cfg.engine.get("slots") is None

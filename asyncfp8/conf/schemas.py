@@ -103,7 +103,7 @@ class RunConfig:
     keep_checkpoints: int = MISSING
     export_every: int = MISSING
     worker_wait_timeout: float = MISSING
-    loggers: list[str] = MISSING
+    loggers: Any = MISSING  # a list, or one name (run.loggers=wandb): asyncfp8/metrics.py
     tensorboard: Any = MISSING  # auto | true | false (checks.check_config)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
@@ -179,7 +179,7 @@ class EvalConfig:
 class SpeculativeConfig:
     """`engine.speculative` (asyncfp8.speculative.settings checks what types cannot)."""
 
-    mode: str = MISSING  # none | fixed | adaptive ("none" as a string: false means off too)
+    mode: Any = MISSING  # none | fixed | adaptive; false or null mean none (settings.py)
     draft_tokens: int = MISSING
     threshold: int = MISSING
     patience: int = MISSING
@@ -208,7 +208,7 @@ class TorchEngineConfig:
 class VLLMEngineConfig:
     name: str = MISSING
     max_model_len: int | None = MISSING
-    kv_cache_gib: float = MISSING
+    kv_cache_gib: int = MISSING  # VLLM_CPU_KVCACHE_SPACE takes whole GiB
     enforce_eager: bool = MISSING
     seed: int = MISSING
 

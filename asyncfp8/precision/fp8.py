@@ -322,7 +322,7 @@ class FP8Policy(PrecisionPolicy):
         padding = -x.shape[-1] % block
         inputs = F.pad(self.fake_quantize_input(name, x).float(), (0, padding))
         weight = F.pad(self.fake_quantize_weight(name, weight).float(), (0, padding))
-        out = torch.zeros(*inputs.shape[:-1], weight.shape[0], dtype=torch.float32)
+        out = inputs.new_zeros(*inputs.shape[:-1], weight.shape[0])
         for start in range(0, inputs.shape[-1], block):
             out += inputs[..., start : start + block] @ weight[:, start : start + block].t()
         return out
