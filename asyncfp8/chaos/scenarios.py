@@ -603,13 +603,33 @@ def impersonation(
 # -- 5. a slow worker ---------------------------------------------------------------------------
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_until_busy(pid: int, patience_s: float, window_s: float = 0.3) -> bool:
+    """Waits (at most `patience_s`) until the process burns more than half a core over
+    `window_s`: a worker generating, so holding a lease, rather than one polling for
+    capacity (which a fast machine leaves it doing most of the time)."""
+    deadline = time.monotonic() + patience_s
+    while time.monotonic() < deadline:
+        before = _cpu_seconds(pid)
+        time.sleep(window_s)
+        if _cpu_seconds(pid) - before > 0.5 * window_s:
+            return True
+    return False
+
+
 def slow_worker(
     work_dir: Path, model_dir: Path, pauses: int = 3, pause_s: float = 5.0, seed: int = 0
 ) -> FaultReport:
     """Freezes one worker (SIGSTOP, as a swapping or oversubscribed host would) for
     `pause_s` at a time until `pauses` freezes caught it holding a lease (a worker frozen
     while it waits for capacity holds none, and on a fast machine that is common); those
-    leases expire while it is frozen. At most `3 * pauses` freezes are tried."""
+    leases expire while it is frozen; a freeze waits for the worker to be busy generating.
+    At most `4 * pauses` freezes are tried."""
     rng = random.Random(seed)
     lease_timeout = 2.0
     c = Cluster(
@@ -619,6 +639,9 @@ def slow_worker(
         "run.workers=2",
         f"run.lease_timeout={lease_timeout}",
         "run.max_staleness=1",
+        # Longer generations: a worker holds its lease for most of its time, not 6 tokens'
+        # worth between two round trips to the learner, so a freeze usually catches one.
+        "run.max_new_tokens=48",
     )
     report = FaultReport("slow worker (SIGSTOP / SIGCONT)", injected=pauses)
     try:
@@ -628,8 +651,9 @@ def slow_worker(
         c.wait_for_step(5)
         stalls = []
         caught = 0  # freezes during which one of the slow worker's leases expired
-        while caught < pauses and len(stalls) < 3 * pauses:
+        while caught < pauses and len(stalls) < 4 * pauses:
             time.sleep(rng.uniform(0.5, 1.5))
+            _wait_until_busy(slow.pid, patience_s=5.0)  # generating: it holds a lease
             expiries = c.log("learner", tail=0).count("expired after")
             os.kill(slow.pid, signal.SIGSTOP)
             stopped = time.time()
