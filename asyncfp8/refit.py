@@ -40,6 +40,7 @@ import torch
 
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.precision.fp8_kv import fake_quantize_e4m3, kv_scale_names
+from asyncfp8.precision.manifest import Role, TensorRole
 
 PROBE_PREFIX = "refit_probe."
 #: The attention implementation of the reference forward with an FP8 KV cache.
@@ -92,11 +93,23 @@ class Probe:
         return {PROBE_PREFIX + name: getattr(self, name) for name in self.FIELDS}
 
     @classmethod
+    def roles(cls) -> dict[str, TensorRole]:
+        """The manifest entries of the tensors `to_extra` gives."""
+        return {PROBE_PREFIX + name: TensorRole(Role.PROBE) for name in cls.FIELDS}
+
+    @classmethod
     def take(
-        cls, extra: Mapping[str, torch.Tensor]
+        cls,
+        extra: Mapping[str, torch.Tensor],
+        manifest: Mapping[str, TensorRole] | None = None,
     ) -> tuple[Probe | None, dict[str, torch.Tensor]]:
-        """(the probe in a version's extra tensors or None, the other extra tensors)."""
-        rest = {k: v for k, v in extra.items() if not k.startswith(PROBE_PREFIX)}
+        """(the probe in a version's extra tensors or None, the other extra tensors): the
+        tensors whose role in `manifest` is `Role.PROBE` (without a manifest: the names
+        `to_extra` gives)."""
+        if manifest is None:
+            rest = {k: v for k, v in extra.items() if k not in cls.roles()}
+        else:
+            rest = {k: v for k, v in extra.items() if manifest[k].role is not Role.PROBE}
         if len(rest) == len(extra):
             return None, rest
         missing = [f for f in cls.FIELDS if PROBE_PREFIX + f not in extra]

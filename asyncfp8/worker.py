@@ -226,14 +226,14 @@ class Worker:
         A version the engine refuses, after one it took, or whose probe fails is answered
         by a full snapshot, applied and checked once more."""
         self._check_header(version)
-        probe, sent = Probe.take(version.extra)
+        probe, sent = Probe.take(version.extra, version.manifest)
         weights, extra = version.weights, sent
         if self.fault is not None:  # the reliability suite's refit faults (chaos/refit_faults.py)
-            weights, extra = self.fault.tamper(version.number, weights, extra)
+            weights, extra = self.fault.tamper(version.number, weights, extra, version.manifest)
         started = time.perf_counter()
         try:
             if self.fault is None or not self.fault.skips_update(version.number):
-                self.engine.update_weights(version.number, weights, extra)
+                self.engine.update_weights(version.number, weights, extra, version.manifest)
         except ValueError as err:
             refused = f"version {version.number} does not fit this worker's engine: {err}"
             if self.engine.version is None:  # the first version: the configuration

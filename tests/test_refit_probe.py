@@ -11,7 +11,8 @@ from asyncfp8.chaos.refit_faults import RefitFault
 from asyncfp8.engines.base import Scores
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.models import load_model, load_tokenizer
-from asyncfp8.precision import calibrate_version, get_policy, version_weights
+from asyncfp8.precision import calibrate_version, extra_roles, get_policy, version_weights
+from asyncfp8.precision.manifest import decoder_layers
 from asyncfp8.refit import (
     TOLERANCES,
     Probe,
@@ -71,12 +72,13 @@ def two_versions(model_dir, setting, spec, fault=None):
     for number, model in enumerate([setting["base"], setting["next"]]):
         extra = calibrate_version(model, policy, setting["calibration"])
         probe = reference.probe(masters(model), extra, setting["ids"], setting["lengths"])
-        weights, sent = dict(version_weights(policy, masters(model))), dict(extra)
-        applied = sent
+        roles = extra_roles(policy, extra)  # the version's manifest, as the learner sends it
+        weights = dict(version_weights(policy, masters(model), roles, decoder_layers(model)))
+        sent = applied = dict(extra)
         if fault is not None:
-            weights, applied = fault.tamper(number, weights, sent)
+            weights, applied = fault.tamper(number, weights, sent, roles)
         if fault is None or not fault.skips_update(number):
-            engine.update_weights(number, weights, applied)
+            engine.update_weights(number, weights, applied, roles)
         check = RefitChecker(engine, TIGHT).check(number, probe, sent)
     return check
 

@@ -17,6 +17,7 @@ import zmq
 
 from asyncfp8.failpoints import ENV as FAILPOINTS_ENV
 from asyncfp8.launch import free_ports
+from asyncfp8.precision.manifest import WEIGHT
 from asyncfp8.sync import BackgroundPublisher, PublishFailed, VersionPublisher, VersionSubscriber
 
 LOOPBACK = "tcp://127.0.0.1:*"
@@ -346,7 +347,7 @@ def test_fuzzed_notices_through_a_real_socket_are_all_rejected_then_a_good_one_a
     writer = SegmentWriter("fuzz", chunk_bytes=1 << 20)
     writer.begin(0)
     for name, tensor in model(0, 0).items():
-        writer.put("weights", name, tensor)
+        writer.put(WEIGHT, name, tensor)
     good = [writer.commit("bf16", {}), b""]
     rogue = context.socket(zmq.PUB)
     rogue.bind(LOOPBACK)
@@ -407,7 +408,7 @@ def test_a_large_tensor_goes_in_aligned_pieces_and_a_spoiled_piece_is_refused():
         frames = []
         for version in range(3):  # version 0 makes the segments, 1 and 2 are written live
             writer.begin(version)
-            frames = [f for name, t in weights.items() for f in writer.put("weights", name, t)]
+            frames = [f for name, t in weights.items() for f in writer.put(WEIGHT, name, t)]
             frames.append(writer.commit("bf16", {}))
         notices = [parse_notice(frame, Limits()) for frame in frames]
         pieces = [p for notice in notices for p in notice["tensors"] if p["name"] == "big"]

@@ -10,7 +10,8 @@ snapshot and no samples. Faults:
 
 - kv_scales_dropped: the version's KV scales never reach the cache (it runs with 1.0)
 - kv_scales_doubled: every KV scale ×2
-- layer_skipped: layer 1's tensors are left out (the engine keeps the previous version's)
+- layer_skipped: layer 1 keeps the previous version's tensors (an engine that skipped
+  loading it: the version still arrives whole, so only the probe can tell)
 - scale_transposed: the first weight scale with two dimensions of 2 or more is read in
   the transposed order (same shape: what a kernel expecting the other layout does)
 - nan: one value of one weight tensor is NaN
@@ -26,7 +27,7 @@ from collections.abc import Mapping
 
 import torch
 
-from asyncfp8.precision.fp8_kv import KV_SCALE_NAME
+from asyncfp8.precision.manifest import Role, TensorRole
 
 ENV = "ASYNCFP8_REFIT_FAULT"
 KINDS = (
@@ -46,6 +47,7 @@ class RefitFault:
             raise ValueError(f"{ENV}: unknown fault {kind!r}; known: {', '.join(KINDS)}")
         self.kind, self.at, self.done = kind, at, False
         self.version: int | None = None  # the version it damaged
+        self.previous_layer: dict[str, torch.Tensor] = {}  # layer_skipped: what layer 1 held
 
     @classmethod
     def from_env(cls) -> RefitFault | None:
@@ -71,11 +73,17 @@ class RefitFault:
         version: int,
         weights: Mapping[str, torch.Tensor],
         extra: Mapping[str, torch.Tensor],
+        manifest: Mapping[str, TensorRole],
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         weights, extra = dict(weights), dict(extra)
+        if self.kind == "layer_skipped" and not self._due(version):
+            # Copies: a subscriber reuses its buffers for later versions.
+            self.previous_layer = {
+                k: v.clone() for k, v in weights.items() if manifest[k].layer == 1
+            }
         if self.kind == "stale" or not self._due(version):
             return weights, extra
-        kv = [name for name in extra if KV_SCALE_NAME.match(name)]
+        kv = [name for name in extra if manifest[name].role is Role.KV_SCALE]
         if self.kind == "kv_scales_dropped":
             if not kv:
                 raise ValueError(f"{ENV}: {self.kind} needs a precision with KV scales")
@@ -85,15 +93,15 @@ class RefitFault:
                 raise ValueError(f"{ENV}: {self.kind} needs a precision with KV scales")
             extra |= {name: extra[name] * 2 for name in kv}
         elif self.kind == "layer_skipped":
-            if version == 0:
+            if not self.previous_layer:
                 return weights, extra  # nothing earlier to keep
-            weights = {k: v for k, v in weights.items() if not k.startswith("model.layers.1.")}
+            weights |= self.previous_layer
         elif self.kind == "scale_transposed":
             name = next(
                 (
                     k
                     for k, v in weights.items()
-                    if "scale" in k and v.dim() == 2 and min(v.shape) >= 2
+                    if manifest[k].role is Role.WEIGHT_SCALE and v.dim() == 2 and min(v.shape) >= 2
                 ),
                 None,
             )
@@ -108,7 +116,7 @@ class RefitFault:
             name = next(
                 k
                 for k, v in weights.items()
-                if ".layers." in k and v.is_floating_point() and v.dim() == 2
+                if manifest[k].layer is not None and v.is_floating_point() and v.dim() == 2
             )
             damaged = weights[name].clone()
             damaged.view(-1)[0] = math.nan

@@ -9,6 +9,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from asyncfp8.precision.manifest import TensorRole
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -64,9 +66,13 @@ class RolloutEngine(Protocol):
         version: int,
         named_tensors: Mapping[str, torch.Tensor],
         extra: Mapping[str, torch.Tensor] | None = None,
+        manifest: Mapping[str, TensorRole] | None = None,
     ) -> None:
         """Applies a whole version (weights as the precision policy produced them, plus
-        extra tensors such as KV scales) between generations: all of it or none."""
+        extra tensors such as KV scales) between generations: all of it or none.
+        `manifest` is the version's header (each tensor's role; None: a version made in
+        this process, whose roles are the engine's own); every engine checks a version
+        with `asyncfp8.precision.check_received` before writing any of it."""
 
     def close(self) -> None: ...
 

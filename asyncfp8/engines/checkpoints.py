@@ -1,22 +1,17 @@
 """What the vLLM and SGLang adapters share: the checkpoint a quantized policy starts them
-from (exported once, cached beside the model), and the check that a version fits that
-checkpoint, made before any of it is applied."""
+from (exported once, cached beside the model), and what a version must hold to fit that
+checkpoint (`version_specs`, for `asyncfp8.precision.check_received`)."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
 from pathlib import Path
-
-import torch
 
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.precision.export import export_checkpoint, read_tensors, unquantized_layers
-from asyncfp8.precision.fp8_kv import KV_SCALE_NAME
+from asyncfp8.precision.manifest import TensorSpec, kv_scale_specs
 
 from .base import EngineUnsupported
-
-TensorSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 def refuse_unsupported(
@@ -64,30 +59,13 @@ def policy_checkpoint(policy: PrecisionPolicy, source: Path, export_dir: str | N
     return out
 
 
-def tensor_specs(model_dir: Path) -> TensorSpecs:
-    """Name → (shape, dtype) of every tensor of a checkpoint."""
-    return {name: (tuple(t.shape), t.dtype) for name, t in read_tensors(model_dir)}
-
-
-def check_version(
-    version: int, named_tensors: Mapping[str, torch.Tensor], expected: TensorSpecs
-) -> None:
-    """Refuses a version with an unknown tensor, a wrong shape or dtype, or (unless it has
-    no weights at all) a missing weight: versions are applied whole."""
-    for name, tensor in named_tensors.items():
-        spec = expected.get(name)
-        if spec is None:
-            raise ValueError(
-                f"version {version}: unknown tensor {name!r} (is the worker's model the learner's?)"
-            )
-        if (tuple(tensor.shape), tensor.dtype) != spec:
-            raise ValueError(
-                f"version {version}: {name} is {tuple(tensor.shape)} {tensor.dtype}, the engine expects "
-                f"{spec[0]} {spec[1]}"
-            )
-    missing = [n for n in expected if n not in named_tensors and not KV_SCALE_NAME.match(n)]
-    if named_tensors and missing:
-        raise ValueError(
-            f"version {version} lacks {len(missing)} of the engine's weights (first: "
-            f"{missing[0]}); a version is applied whole"
-        )
+def version_specs(model_dir: Path, policy: PrecisionPolicy) -> dict[str, TensorSpec]:
+    """What a version may hold for an engine started from the checkpoint in `model_dir`:
+    every tensor of the checkpoint (a weight or a weight's scale: the checkpoint does not
+    say which), and the KV scales the policy calibrates, with their roles."""
+    kv = kv_scale_specs(policy.extra_roles() if policy.needs_calibration else {})
+    checkpoint = {
+        name: TensorSpec(tuple(tensor.shape), tensor.dtype)
+        for name, tensor in read_tensors(model_dir)
+    }
+    return checkpoint | kv

@@ -37,10 +37,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from asyncfp8.models.loading import check_model_dir
-from asyncfp8.precision import PrecisionPolicy, get_policy
+from asyncfp8.precision import PrecisionPolicy, TensorRole, check_received, get_policy
 
 from .base import EngineUnsupported, Sample, SamplingParams
-from .checkpoints import check_version, policy_checkpoint, refuse_unsupported, tensor_specs
+from .checkpoints import policy_checkpoint, refuse_unsupported, version_specs
 
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3"}
 
@@ -74,7 +74,7 @@ class SGLangEngine:
             ) from None
 
         self.model_dir = policy_checkpoint(self.policy, check_model_dir(model_dir), export_dir)
-        self.expected = tensor_specs(self.model_dir)
+        self.expected = version_specs(self.model_dir, self.policy)
         self.engine = sglang.Engine(
             model_path=str(self.model_dir),
             dtype="bfloat16",
@@ -92,9 +92,10 @@ class SGLangEngine:
         version: int,
         named_tensors: Mapping[str, torch.Tensor],
         extra: Mapping[str, torch.Tensor] | None = None,
+        manifest: Mapping[str, TensorRole] | None = None,
     ) -> None:
-        check_version(version, named_tensors, self.expected)
         pairs = [*named_tensors.items(), *(extra or {}).items()]
+        check_received(version, pairs, manifest, self.expected)
         if pairs:
             success, message = self.engine.update_weights_from_tensor(
                 named_tensors=pairs, flush_cache=True

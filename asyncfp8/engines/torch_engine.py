@@ -5,7 +5,6 @@ is not vLLM, but its FP8 / INT8 / FP8-KV numerics are the ones an engine would s
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -15,7 +14,15 @@ import torch
 
 from asyncfp8.models.loading import load_model, load_tokenizer
 from asyncfp8.precision import PrecisionPolicy, get_policy
-from asyncfp8.precision.fp8_kv import KV_SCALE_NAME, kv_scale_names
+from asyncfp8.precision.fp8_kv import kv_scale_names
+from asyncfp8.precision.manifest import (
+    Role,
+    TensorRole,
+    TensorSpec,
+    check_received,
+    decoder_layers,
+    kv_scale_specs,
+)
 from asyncfp8.precision.modules import QuantizedLinear, apply_policy
 from asyncfp8.refit import next_token_logprobs, recording_layer_rms
 from asyncfp8.speculative import DrafterTrainer, SpeculationController
@@ -155,6 +162,7 @@ class TorchEngine:
         self.tokenizer = tokenizer
         if self.policy.model_config is None:
             self.policy.bind_model(self.model.config)
+        layer_of = decoder_layers(self.model)  # read before quantized modules replace linears
         try:
             apply_policy(self.model, self.policy)
         except NotImplementedError as err:
@@ -196,6 +204,7 @@ class TorchEngine:
             if isinstance(module, QuantizedLinear)
             for name in module.expects
         }
+        self.expected = self._version_specs(layer_of)
         self._probe()
         self.speculation: SlotSpeculation | None = None
         if self.speculative.enabled:
@@ -275,37 +284,52 @@ class TorchEngine:
 
     # -- weights -----------------------------------------------------------------------------
 
+    def _version_specs(self, layer_of: Mapping[str, int]) -> dict[str, TensorSpec]:
+        """What a version holds for this engine, with each tensor's role: the parameters
+        (and the biases quantized modules keep), each quantized module's tensors as the
+        policy names their roles, and the KV scales of an e4m3 cache."""
+        specs = {
+            name: TensorSpec(
+                tuple(tensor.shape), tensor.dtype, TensorRole(Role.WEIGHT, layer_of.get(name))
+            )
+            for name, tensor in self._params.items()
+        }
+        for module in {id(m): m for m in self._owners.values()}.values():
+            source = module.source_name
+            for name, (shape, dtype) in module.expects.items():
+                role = TensorRole(self.policy.output_role(source, name), layer_of.get(source))
+                specs[name] = TensorSpec(shape, dtype, role)
+        if self.fp8_kv:
+            specs |= kv_scale_specs(self.policy.extra_roles())
+        return specs
+
     def update_weights(
         self,
         version: int,
         named_tensors: Mapping[str, torch.Tensor],
         extra: Mapping[str, torch.Tensor] | None = None,
+        manifest: Mapping[str, TensorRole] | None = None,
     ) -> None:
-        """Checks every tensor against the model first and only then writes any: a
+        """Checks the version first (`check_received`) and only then writes any of it: a
         version is applied whole or not at all. Values are copied into the existing
         storage (no parameter, buffer or KV scale moves), so a captured decode graph
         runs the new version."""
+        extra = extra or {}
+        roles = check_received(
+            version, [*named_tensors.items(), *extra.items()], manifest, self.expected
+        )
         params, layers, kv = [], {}, {}
         for name, tensor in named_tensors.items():
             if name in self._owners:
                 layers.setdefault(self._owners[name], {})[name] = tensor
-            elif name in self._params:
-                param = self._params[name]
-                if (tuple(param.shape), param.dtype) != (tuple(tensor.shape), tensor.dtype):
-                    raise ValueError(
-                        f"version {version}: {name} is {tuple(tensor.shape)} {tensor.dtype}, the "
-                        f"engine's {tuple(param.shape)} {param.dtype} (do the learner and this "
-                        "worker use the same model and precision?)"
-                    )
-                params.append((param, tensor))
             else:
-                raise ValueError(
-                    f"version {version}: unknown tensor {name!r} (is the worker's model the learner's?)"
-                )
-        for name, tensor in (extra or {}).items():
-            kv.update(self._check_kv_scale(version, name, tensor))
-        for module, tensors in layers.items():
-            module.check(version, tensors)
+                params.append((self._params[name], tensor))
+        for name, tensor in extra.items():
+            role = roles[name]
+            # A q scale (which vLLM may apply) is taken and not used: queries stay in the
+            # model dtype here.
+            if role.role is Role.KV_SCALE and role.part != "q":
+                kv[(role.layer, role.part)] = tensor.detach().float().reshape(())
         with torch.no_grad():
             for module, tensors in layers.items():
                 module.load(tensors)
@@ -330,34 +354,6 @@ class TorchEngine:
         old_scale = self.kv_scales[layer]["kv".index(part)]
         buffer = (decoder.cache.keys if part == "k" else decoder.cache.values)[layer]
         buffer.copy_(quantize_kv(buffer.float() * old_scale, new_scale.to(old_scale.device)))
-
-    def _check_kv_scale(self, version: int, name: str, tensor: torch.Tensor) -> dict:
-        """{(layer, "k" | "v"): fp32 0-dim value} for a KV scale this engine uses; a q
-        scale (which vLLM may apply) is accepted and not used: queries stay in the model
-        dtype here. Anything else is refused."""
-        match = KV_SCALE_NAME.match(name)
-        if match is None or not self.fp8_kv:
-            raise ValueError(
-                f"version {version}: extra tensor {name!r} is not a KV scale this engine "
-                f"uses (precision {self.policy.name!r})"
-            )
-        layer, part = int(match.group(1)), match.group(2)
-        if layer >= len(self.kv_scales):
-            raise ValueError(
-                f"version {version}: {name} is for layer {layer}; the model has "
-                f"{len(self.kv_scales)} layers"
-            )
-        if tensor.numel() != 1 or not tensor.is_floating_point():
-            raise ValueError(
-                f"version {version}: {name} must be one floating-point value, got "
-                f"{tensor.dtype} {tuple(tensor.shape)}"
-            )
-        value = tensor.detach().float().reshape(())
-        if not (math.isfinite(float(value)) and float(value) > 0):
-            raise ValueError(
-                f"version {version}: {name} is {float(value)}; a KV scale must be finite and > 0"
-            )
-        return {} if part == "q" else {(layer, part): value}
 
     # -- the refit probe -----------------------------------------------------------------------
 

@@ -47,12 +47,12 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from asyncfp8.models.loading import check_model_dir
-from asyncfp8.precision import PrecisionPolicy, get_policy
+from asyncfp8.precision import PrecisionPolicy, TensorRole, check_received, get_policy
 from asyncfp8.precision.fp8_kv import kv_scale_names
 from asyncfp8.precision.int8 import SCALE_SUFFIX
 
 from .base import EngineUnsupported, Sample, SamplingParams, Scores
-from .checkpoints import check_version, policy_checkpoint, refuse_unsupported, tensor_specs
+from .checkpoints import policy_checkpoint, refuse_unsupported, version_specs
 
 WORKS_ON_CPU = "bf16, fp8_kv and int8 (or engine=torch, which runs every precision)"
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -207,7 +207,7 @@ class VLLMEngine:
         # A policy with a checkpoint format (quantized weights, KV-scale parameters) needs
         # vLLM started from a checkpoint in that format.
         self.model_dir = policy_checkpoint(self.policy, source, export_dir)
-        self.expected = tensor_specs(self.model_dir)
+        self.expected = version_specs(self.model_dir, self.policy)
         self.llm = LLM(
             model=str(self.model_dir),
             dtype="bfloat16",
@@ -227,9 +227,12 @@ class VLLMEngine:
         version: int,
         named_tensors: Mapping[str, torch.Tensor],
         extra: Mapping[str, torch.Tensor] | None = None,
+        manifest: Mapping[str, TensorRole] | None = None,
     ) -> None:
         extra = extra or {}
-        check_version(version, named_tensors, self.expected)
+        check_received(
+            version, [*named_tensors.items(), *(extra or {}).items()], manifest, self.expected
+        )
         if not named_tensors and extra and self._int8_on_cpu:
             # Layerwise reload drops the int8 layers' None-valued parameters when it
             # brings no weights for them, and only a whole version can rebuild them.

@@ -22,8 +22,9 @@ from omegaconf import DictConfig
 from asyncfp8 import distributed
 from asyncfp8.batches import batch_tensors
 from asyncfp8.logprobs import without_logits
-from asyncfp8.precision import PrecisionPolicy, calibrate_version, version_weights
-from asyncfp8.refit import ReferenceForward, probe_sequences
+from asyncfp8.precision import PrecisionPolicy, calibrate_version, extra_roles, version_weights
+from asyncfp8.precision.manifest import decoder_layers
+from asyncfp8.refit import Probe, ReferenceForward, probe_sequences
 from asyncfp8.sync import BackgroundPublisher, Trajectory
 
 from .checkpoints import LATEST_VERSION_FILE
@@ -51,6 +52,8 @@ class Publisher:
         #: the rows the next version's KV scales (and its refit probe) come from
         self.calibration_batch = first_calibration
         self.version: int | None = None  # the latest version published
+        #: each parameter's decoder layer, for the versions' manifests
+        self.layers = decoder_layers(model)
 
     def calibrate_on(self, trajectories: list[Trajectory]) -> None:
         """The next version calibrates on these rows (the latest step's rollouts)."""
@@ -80,15 +83,19 @@ class Publisher:
         # precision.quantize_from=compute the policy gets the masters rounded to the
         # compute dtype, as the learner's forward sees them.
         masters = ((name, full[name]) for name, _ in self.model.named_parameters())
+        # The manifest: the extra tensors' roles now, each weight's as the sender's thread
+        # quantizes it.
+        roles = extra_roles(self.policy, extra) | Probe.roles()
         waited = self.sender.submit(
             self.version,
             masters,
-            functools.partial(version_weights, self.policy),
+            functools.partial(version_weights, self.policy, roles=roles, layers=self.layers),
             extra=extra,
             policy=self.policy.spec,
             engine_config=self.policy.engine_config(),
             dtype=self.dtype if self.policy.quantize_from == "compute" else None,
             annotate=self._refit_probe(),
+            roles=roles,
         )
         last = self.sender.last  # the latest publish that finished
         return {

@@ -13,12 +13,12 @@ with the version under the names vLLM loads.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 import torch
 
 from .fp8 import FP8_MAX
+from .manifest import Role, TensorRole
 from .policy import PrecisionPolicy, register_policy
 
 CAPTURE_IMPLEMENTATION = "asyncfp8_kv_capture"
@@ -33,12 +33,19 @@ KV_CACHE_SCHEME = {
 MAX_QUANTILE_ELEMENTS = 1 << 24  # torch.quantile's input limit
 
 
-KV_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?([qkv])_scale$")
-
-
 def kv_scale_names(layer: int) -> dict[str, str]:
+    """{"q" | "k" | "v": the name vLLM loads that scale of `layer` under}."""
     prefix = f"model.layers.{layer}.self_attn"
     return {"q": f"{prefix}.attn.q_scale", "k": f"{prefix}.k_scale", "v": f"{prefix}.v_scale"}
+
+
+def kv_scale_roles(layers: int) -> dict[str, TensorRole]:
+    """{name: role} of every KV scale of a model with `layers` decoder layers."""
+    return {
+        name: TensorRole(Role.KV_SCALE, layer, part)
+        for layer in range(layers)
+        for part, name in kv_scale_names(layer).items()
+    }
 
 
 def fake_quantize_e4m3(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
@@ -112,6 +119,9 @@ class FP8KVPolicy(PrecisionPolicy):
 
     def engine_config(self) -> dict:
         return {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}
+
+    def extra_roles(self) -> dict[str, TensorRole]:
+        return kv_scale_roles(self.require_model().num_hidden_layers)
 
     def checkpoint_config(self, unquantized_layers=()) -> dict:
         """A compressed-tensors config with only a KV-cache scheme: it is what makes

@@ -3,9 +3,9 @@
 Engine side (the built-in torch engine): `apply_policy` replaces every linear layer whose
 weight the policy `quantizes` by the policy's own runtime module (`linear_module`, a
 `QuantizedLinear`), so that the mismatch a real engine shows is reproduced on any
-machine. A `QuantizedLinear` knows the tensor names it owns, checks a version's tensors
-against them and copies new values into its existing storage (a captured CUDA graph
-keeps pointing at the right memory).
+machine. A `QuantizedLinear` knows the tensors it owns (the engine checks a version
+against them, `asyncfp8.precision.manifest.check_received`) and copies new values into
+its existing storage (a captured CUDA graph keeps pointing at the right memory).
 
 Learner side (`precision.learner_forward=quantized`): `use_fake_quant` makes each such
 layer multiply the policy's quantize-dequantized weight and input, with straight-through
@@ -31,28 +31,13 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         #: full name -> (shape, dtype) of every tensor a version must bring for this layer
         self.expects = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+        #: the learner weight these tensors were made from (set by `apply_policy`)
+        self.source_name = ""
         self.register_buffer("bias", bias, persistent=False)
 
-    def check(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Refuses, before anything is written, a version whose tensors for this layer are
-        missing, extra or of another shape or dtype."""
-        missing = sorted(set(self.expects) - set(tensors))
-        if missing:
-            raise ValueError(
-                f"version {version}: {missing[0]} is missing; this engine runs "
-                f"{sorted(self.expects)} as one quantized layer (do the learner and this worker "
-                "use the same precision?)"
-            )
-        for name, tensor in tensors.items():
-            shape, dtype = self.expects[name]
-            if (tuple(tensor.shape), tensor.dtype) != (shape, dtype):
-                raise ValueError(
-                    f"version {version}: {name} is {tuple(tensor.shape)} {tensor.dtype}, this "
-                    f"engine's {shape} {dtype} (do the learner and this worker use the same precision?)"
-                )
-
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copies a checked version's tensors into this module's buffers, in place."""
+        """Copies a checked version's tensors (every one in `expects`) into this module's
+        buffers, in place."""
         raise NotImplementedError
 
 
@@ -81,6 +66,7 @@ def apply_policy(model: nn.Module, policy: PrecisionPolicy, real: bool = True) -
                 f"precision {policy.name!r}: linear_module gave a {type(module).__name__} for "
                 f"{weight_name}, not an asyncfp8.precision.modules.QuantizedLinear"
             )
+        module.source_name = weight_name
         setattr(parent, child_name, module)
     return model
 

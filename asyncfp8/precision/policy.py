@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .manifest import Role, TensorRole
 from .schema import check_params, parameters
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -101,6 +102,18 @@ class PrecisionPolicy:
     def passthrough(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor the policy does not quantize, as the engine gets it."""
         return tensor.to(self.engine_dtype) if tensor.is_floating_point() else tensor
+
+    def output_role(self, source: str, output: str) -> Role:
+        """The role of `output`, one of the tensors `quantize_tensor(source, ...)` made:
+        the weight itself under its own name, any other a scale of it. A format whose
+        outputs are otherwise (a zero point, two halves of a weight) says so here."""
+        return Role.WEIGHT if output == source else Role.WEIGHT_SCALE
+
+    def extra_roles(self) -> dict[str, TensorRole]:
+        """{name: role} of every tensor `calibrate` may return (KV scales, with their
+        layer and part), for the version's manifest; a name `calibrate` returns that is
+        not here travels as `Role.EXTRA`, which no built-in engine takes."""
+        return {}
 
     def quantize_weights(self, named_tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
         """Streams (name, tensor) pairs through the policy, one learner tensor at a time."""
@@ -248,6 +261,15 @@ class ComposedPolicy(PrecisionPolicy):
 
     def passthrough(self, name, tensor):
         return self._weights.passthrough(name, tensor)
+
+    def output_role(self, source, output):
+        return self._weights.output_role(source, output)
+
+    def extra_roles(self):
+        roles: dict[str, TensorRole] = {}
+        for part in self.parts:
+            roles |= part.extra_roles()
+        return roles
 
     def linear_module(self, name, tensors, bias, real=True):
         return self._weights.linear_module(name, tensors, bias, real)

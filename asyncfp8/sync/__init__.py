@@ -11,7 +11,7 @@ from .codec import Version, VersionAssembler, decode_version, encode_chunks, enc
 from .limits import Limits, RejectedMessage
 from .security import Curve, HandshakeWatch
 from .trajectories import Trajectory, TrajectoryReceiver, TrajectorySender
-from .versions import PublishStats, VersionPublisher, VersionSubscriber
+from .version_pubsub import PublishStats, VersionPublisher, VersionSubscriber
 
 __all__ = [
     "BackgroundPublisher",

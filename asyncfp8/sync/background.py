@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from .versions import PublishStats, VersionPublisher
+from ..precision.manifest import TensorRole
+from .version_pubsub import PublishStats, VersionPublisher
 
 log = logging.getLogger("asyncfp8.sync")
 Quantize = Callable[[Iterable[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]]
@@ -54,9 +55,11 @@ class BackgroundPublisher:
         engine_config: Mapping[str, Any] | None = None,
         dtype: torch.dtype | None = None,
         annotate: Annotate | None = None,
+        roles: Mapping[str, TensorRole] | None = None,
     ) -> float:
         """Snapshots `weights` (as `dtype`; None: as they are) and publishes `quantize(snapshot)` plus
-        `extra` (and `annotate(snapshot, extra)`) as version `version` in the background;
+        `extra` (and `annotate(snapshot, extra)`) as version `version` in the background,
+        each tensor with its role in `roles` (which `quantize` may fill as it streams);
         returns the seconds spent waiting for the previous publish to finish."""
         waited = self.wait()
         snapshot = self._snapshot(weights, dtype)
@@ -68,6 +71,7 @@ class BackgroundPublisher:
             policy,
             dict(engine_config or {}),
             annotate,
+            roles,
         )
         if not self.background:
             self._run(*job)
@@ -114,7 +118,9 @@ class BackgroundPublisher:
             torch.cuda.synchronize()
         return snapshot
 
-    def _run(self, version, snapshot, quantize, extra, policy, engine_config, annotate) -> None:
+    def _run(
+        self, version, snapshot, quantize, extra, policy, engine_config, annotate, roles
+    ) -> None:
         try:
             with torch.no_grad():
                 if annotate is not None:
@@ -122,7 +128,12 @@ class BackgroundPublisher:
                     extra |= annotate(snapshot, extra)
                     self.annotate_s = time.perf_counter() - started
                 self.last = self.publisher.publish(
-                    version, quantize(snapshot), extra, policy=policy, engine_config=engine_config
+                    version,
+                    quantize(snapshot),
+                    extra,
+                    policy=policy,
+                    engine_config=engine_config,
+                    roles=roles,
                 )
         except BaseException as err:  # re-raised on the learner's thread by the next call
             log.exception("publishing version %d failed", version)

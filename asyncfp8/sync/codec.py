@@ -1,14 +1,17 @@
 """Weight versions as ZeroMQ messages: a header frame and a payload frame per chunk.
 
-A version is typed and one-way: its tensors come in two sections, `weights` (what the
-precision policy made of the model) and `extra` (per-version tensors such as KV
-scales), and the header carries the policy name and the engine config it was made for.
+A version is typed and one-way: every tensor carries its role in the header (a
+`TensorRole`: weight, weight scale, KV scale with its layer and part, ...; the
+manifest, `asyncfp8.precision.manifest`), which puts it in one of two sections,
+`weights` (what the precision policy made of the model) or `extra` (per-version tensors
+such as KV scales), and the header carries the policy name and the engine config it
+was made for.
 
 A version travels as chunk messages `[header, payload]`. The header frame is a topic
 byte (`V`, which subscribers filter on) and a msgpack map sealed with its xxh3-64
 digest: format, version number, the publisher's stream id, the delta base, policy and
 engine config, chunk index, the payload's length, and for each tensor with data in the
-chunk: name, section, dtype, shape, encoding (`full` or `delta`), the xxh3-64 of the
+chunk: name, role (role, layer, kv_part), dtype, shape, encoding (`full` or `delta`), the xxh3-64 of the
 rebuilt tensor, and its parts (where in the payload, how long, xxh3-64 of those bytes).
 A `full` tensor's bytes travel as `data` parts that each say where in the tensor they
 start (`at`), so a large tensor spans chunks of a few MiB: a receiver writes each
@@ -29,11 +32,14 @@ import numpy as np
 import torch
 import xxhash
 
+from ..precision.manifest import WIRE_KEYS, TensorRole, default_role
 from .copyhash import copy_xxh3
 from .delta import apply_delta, encode_delta
 from .limits import Limits, RejectedMessage
 
-FORMAT_VERSION = 3  # 3: a full tensor has no result checksum (its parts' checksums cover it)
+# 3: a full tensor has no result checksum (its parts' checksums cover it); 4: each
+# tensor's role (role, layer, kv_part) replaces its section
+FORMAT_VERSION = 4
 VERSION_TOPIC = b"V"  # first byte of a chunk's header frame: what a SUB socket filters on
 SECTIONS = ("weights", "extra")
 DTYPES: dict[str, torch.dtype] = {
@@ -103,29 +109,51 @@ class Version:
     engine_config: dict[str, Any] = field(default_factory=dict)
     wire_bytes: int = 0
     transport: str = "tcp"  # how it arrived: "tcp" (any ZeroMQ transport) or "shm"
+    #: every tensor's role, as its header says (`asyncfp8.precision.manifest`)
+    manifest: dict[str, TensorRole] = field(default_factory=dict)
 
 
-def by_section(
+def entry_role(entry: Mapping[str, Any]) -> TensorRole:
+    """The role a received header entry carries (RejectedMessage if malformed)."""
+    try:
+        return TensorRole.from_wire(entry)
+    except ValueError as err:
+        raise RejectedMessage(f"{entry.get('name')}: {err}") from None
+
+
+def same_role(entry: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
+    return all(entry.get(key) == other.get(key) for key in WIRE_KEYS)
+
+
+def received_version(
     entries: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, torch.Tensor]
-) -> dict[str, dict[str, torch.Tensor]]:
-    """A received version's tensors split into their sections, as its entries say."""
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, TensorRole]]:
+    """A received version's (weights, extra, manifest), split by the roles its entries carry."""
+    manifest = {name: entry_role(entry) for name, entry in entries.items()}
     sections: dict[str, dict[str, torch.Tensor]] = {section: {} for section in SECTIONS}
-    for name, entry in entries.items():
-        sections[entry["section"]][name] = tensors[name]
-    return sections
+    for name, role in manifest.items():
+        sections[role.section][name] = tensors[name]
+    return sections["weights"], sections["extra"], manifest
 
 
-Tagged = Iterable[tuple[str, str, torch.Tensor]]  # (section, name, tensor)
+Tagged = Iterable[tuple[TensorRole, str, torch.Tensor]]  # (role, name, tensor)
 
 
 def tag_sections(
-    weights: Iterable[tuple[str, torch.Tensor]], extra: Mapping[str, torch.Tensor] | None
-) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(section, name, tensor) for the weights, then the extra tensors."""
-    for name, tensor in weights:
-        yield "weights", name, tensor
-    for name, tensor in (extra or {}).items():
-        yield "extra", name, tensor
+    weights: Iterable[tuple[str, torch.Tensor]],
+    extra: Mapping[str, torch.Tensor] | None,
+    roles: Mapping[str, TensorRole] | None = None,
+) -> Iterator[tuple[TensorRole, str, torch.Tensor]]:
+    """(role, name, tensor) for the weights, then the extra tensors. A tensor's role is
+    read from `roles` once it has come (a stream may fill `roles` as it yields, as
+    `version_weights` does); one without a role is a plain weight, or an `extra`."""
+    roles = roles or {}
+    for section, named in (("weights", weights), ("extra", (extra or {}).items())):
+        for name, tensor in named:
+            role = roles.get(name) or default_role(section)
+            if role.section != section:
+                raise ValueError(f"{name}: a {role.role.value} tensor sent as {section}")
+            yield role, name, tensor
 
 
 def encode_chunks(
@@ -140,9 +168,10 @@ def encode_chunks(
     update_base: bool = False,
     stream: str = "",
     zstd_level: int = 1,
+    roles: Mapping[str, TensorRole] | None = None,
 ) -> Iterator[list[bytes]]:
     """One `[header, payload]` message per chunk of about `chunk_bytes`, streamed from
-    `weights` then `extra`. Tensors with an entry of the same dtype and shape in `base`
+    `weights` then `extra`, each tensor with its role in `roles` (`tag_sections`). Tensors with an entry of the same dtype and shape in `base`
     (the receiver's previous version) go as deltas when that is smaller. With
     `update_base`, `base` holds this version afterwards: tensors it has are overwritten
     in place, new ones are copied in, so a sender keeps one copy of the model. `stream`
@@ -150,7 +179,7 @@ def encode_chunks(
     two streams (a learner that died mid-publish and the one that resumed it)."""
     return encode_tagged(
         version,
-        tag_sections(weights, extra),
+        tag_sections(weights, extra, roles),
         base=base,
         base_version=base_version,
         policy=policy,
@@ -175,7 +204,7 @@ def encode_tagged(
     zstd_level: int = 1,
     share_base: bool = False,
 ) -> Iterator[list[bytes]]:
-    """`encode_chunks` over (section, name, tensor) triples. With `update_base`, a tensor
+    """`encode_chunks` over (role, name, tensor) triples. With `update_base`, a tensor
     that goes whole is copied into `base` and into its message in one pass (read once).
     With `share_base` too, a chunk that is one slice of one such tensor is not copied a
     second time: its payload frame is a view of `base` (the caller must then keep `base`
@@ -237,7 +266,7 @@ def encode_tagged(
         pending.append((part, data, into))
         size += len(data)
 
-    for section, name, tensor in tagged:
+    for role, name, tensor in tagged:
         tensor = tensor.detach().contiguous()
         if tensor.dtype not in DTYPE_NAMES:
             raise ValueError(f"{name}: dtype {tensor.dtype} cannot be sent")
@@ -246,7 +275,7 @@ def encode_tagged(
         names.add(name)
         entry = {
             "name": name,
-            "section": section,
+            **role.wire(),
             "dtype": DTYPE_NAMES[tensor.dtype],
             "shape": list(tensor.shape),
             "result_checksum": None,  # a full tensor's parts each have theirs
@@ -386,10 +415,7 @@ def parse_header(frame: bytes, limits: Limits) -> dict[str, Any]:
             "tensor entry without a name",
         )
         name = entry["name"]
-        _check(
-            entry.get("section") in SECTIONS,
-            f"{name}: unknown section {entry.get('section')!r} (expected one of {SECTIONS})",
-        )
+        entry_role(entry)
         _check(entry.get("dtype") in DTYPES, f"{name}: unknown dtype {entry.get('dtype')!r}")
         shape = entry.get("shape")
         _check(
@@ -524,15 +550,16 @@ class VersionAssembler:
             f"{len(self.complete)} of {len(self.entries)} tensors complete, "
             f"total_tensors says {header['total_tensors']}",
         )
-        sections = by_section(self.entries, self.tensors)
+        weights, extra, manifest = received_version(self.entries, self.tensors)
         return Version(
             self.version,
-            sections["weights"],
-            sections["extra"],
+            weights,
+            extra,
             header.get("base_version"),
             header["policy"],
             header["engine_config"],
             self.wire_bytes,
+            manifest=manifest,
         )
 
     def feed(self, frames: list[bytes]) -> Version | None:
@@ -554,9 +581,10 @@ class VersionAssembler:
             _check(
                 entry["encoding"] == "full"
                 and name not in self.complete
+                and same_role(entry, first)
                 and all(
                     entry[key] == first[key]
-                    for key in ("section", "dtype", "shape", "encoding", "result_checksum")
+                    for key in ("dtype", "shape", "encoding", "result_checksum")
                 ),
                 f"{name}: sent again, or continued with different fields",
             )

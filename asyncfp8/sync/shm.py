@@ -41,14 +41,16 @@ import msgpack
 import numpy as np
 import torch
 
+from ..precision.manifest import TensorRole
 from .codec import (
     DTYPE_NAMES,
     DTYPES,
-    SECTIONS,
     Storage,
     Version,
-    by_section,
     byte_view,
+    entry_role,
+    received_version,
+    same_role,
     seal,
     unseal,
 )
@@ -111,19 +113,19 @@ class SegmentWriter:
         self.seq = seq + 1 if seq % 2 == 0 else seq + 2  # odd while written, even when done
         self._write_header(self.target, self.seq, -1)
 
-    def put(self, section: str, name: str, tensor: torch.Tensor) -> list[bytes]:
+    def put(self, role: TensorRole, name: str, tensor: torch.Tensor) -> list[bytes]:
         """Writes one tensor of the version; the notices to send now (a group is done)."""
         tensor = tensor.detach().contiguous()
         entry = None if self.layout is None else self.layout.get(name)
         fits = (
             entry is not None
             and name not in self.written
-            and entry["section"] == section
+            and same_role(entry, role.wire())
             and entry["dtype"] == DTYPE_NAMES.get(tensor.dtype)
             and entry["shape"] == list(tensor.shape)
         )
         if self.target is None or not fits:
-            self._hold(section, name, tensor)
+            self._hold(role, name, tensor)
             return []
         return self._write(name, entry, byte_view(tensor))
 
@@ -158,7 +160,7 @@ class SegmentWriter:
                 break
         return notices
 
-    def _hold(self, section: str, name: str, tensor: torch.Tensor) -> None:
+    def _hold(self, role: TensorRole, name: str, tensor: torch.Tensor) -> None:
         """A tensor the segments have no place for (first version, or a new layout): the
         version is written at `commit` into segments made for it. What was already
         written into the old ones is copied out first."""
@@ -171,7 +173,7 @@ class SegmentWriter:
             self._hold_written()
         if tensor.dtype not in DTYPE_NAMES:
             raise ValueError(f"{name}: dtype {tensor.dtype} cannot be sent")
-        self.held.append((section, name, tensor))
+        self.held.append((role, name, tensor))
 
     def commit(self, policy: str, engine_config: dict[str, Any]) -> bytes:
         """Completes the version; the final notice."""
@@ -200,7 +202,7 @@ class SegmentWriter:
         into new ones at `commit`."""
         for written in self.written.values():
             view = self._tensor_view(self.target, written)
-            self.held.append((written["section"], written["name"], view.clone()))
+            self.held.append((entry_role(written), written["name"], view.clone()))
         self.target, self.written, self.pending, self.pieces = None, {}, [], []
 
     def abort(self) -> None:
@@ -259,13 +261,13 @@ class SegmentWriter:
 
     # -- segments ------------------------------------------------------------------------------
 
-    def _make_segments(self, tensors: list[tuple[str, str, torch.Tensor]]) -> None:
+    def _make_segments(self, tensors: list[tuple[TensorRole, str, torch.Tensor]]) -> None:
         layout, cursor = {}, HEADER_BYTES
-        for section, name, tensor in tensors:
+        for role, name, tensor in tensors:
             nbytes = tensor.numel() * tensor.element_size()
             layout[name] = {
                 "name": name,
-                "section": section,
+                **role.wire(),
                 "dtype": DTYPE_NAMES[tensor.dtype],
                 "shape": list(tensor.shape),
                 "offset": cursor,
@@ -399,7 +401,7 @@ def parse_notice(frame: bytes, limits: Limits) -> dict[str, Any]:
     for entry in notice["tensors"]:
         check(isinstance(entry, dict) and isinstance(entry.get("name"), str), "unnamed tensor")
         name = entry["name"]
-        check(entry.get("section") in SECTIONS, f"{name}: unknown section {entry.get('section')!r}")
+        entry_role(entry)
         check(entry.get("dtype") in DTYPES, f"{name}: unknown dtype {entry.get('dtype')!r}")
         shape = entry.get("shape")
         check(
@@ -544,10 +546,8 @@ class ShmAssembler:
             elif (
                 name in self.complete
                 or piece["at"] != self.received[name]
-                or any(
-                    piece[key] != entry[key]
-                    for key in ("section", "dtype", "shape", "offset", "bytes")
-                )
+                or not same_role(piece, entry)
+                or any(piece[key] != entry[key] for key in ("dtype", "shape", "offset", "bytes"))
             ):
                 raise RejectedMessage(f"notice names {name} twice, or its pieces do not follow")
             at, length = piece["at"], piece["length"]
@@ -571,14 +571,15 @@ class ShmAssembler:
                 f"{len(self.complete)} of {len(self.entries)} tensors complete, total_tensors "
                 f"says {notice['total_tensors']}"
             )
-        sections = by_section(self.entries, self.tensors)
+        weights, extra, manifest = received_version(self.entries, self.tensors)
         return Version(
             self.version,
-            sections["weights"],
-            sections["extra"],
+            weights,
+            extra,
             None,
             notice["policy"],
             notice["engine_config"],
             self.wire_bytes,
             transport="shm",
+            manifest=manifest,
         )

@@ -33,12 +33,14 @@ import torch
 import zmq
 
 from ..failpoints import failpoint
+from ..precision.manifest import TensorRole
 from .codec import (
     VERSION_TOPIC,
     Tagged,
     Version,
     VersionAssembler,
     encode_tagged,
+    entry_role,
     parse_header,
     tag_sections,
 )
@@ -140,7 +142,7 @@ class VersionPublisher:
         )  # resolves "tcp://127.0.0.1:*"
         self.topics: set[bytes] = set()  # topics someone subscribes to (XPUB reports them)
         self.state: dict[str, torch.Tensor] = {}  # the latest version: the base of deltas
-        self.sections: dict[str, str] = {}
+        self.roles: dict[str, TensorRole] = {}  # of the latest version's tensors, for snapshots
         self._state_in_shm = False  # state views the latest segment rather than own copies
         # Frames sent zero-copy from `state` (a full tensor's chunks): ZeroMQ reads them
         # until these say done, and `state` must not change under them (`_settle_state`).
@@ -192,9 +194,11 @@ class VersionPublisher:
         extra: Mapping[str, torch.Tensor] | None = None,
         policy: str = "",
         engine_config: Mapping[str, Any] | None = None,
+        roles: Mapping[str, TensorRole] | None = None,
     ) -> PublishStats:
         """Sends version `version`: `weights` (streamed: one tensor at a time is enough)
-        and `extra` (e.g. KV scales) as separate sections, with the policy name and the
+        and `extra` (e.g. KV scales) as separate sections, each tensor with its role in
+        `roles` (its manifest: `codec.tag_sections`), with the policy name and the
         engine config it was made for. The publisher keeps its own copy of the version
         (the base of the next delta, and what snapshots send): the tensors it is given
         may be reused by the caller as soon as this returns."""
@@ -215,7 +219,7 @@ class VersionPublisher:
                 self._state_in_shm = False
             if to_shm and self.shm is None:
                 to_shm = self._make_writer()
-            tagged = self._into_segment(version, tag_sections(weights, extra), to_shm)
+            tagged = self._into_segment(version, tag_sections(weights, extra, roles), to_shm)
             wire, sent = 0, 0
             update_base = not self._state_in_shm and not to_shm
             try:
@@ -253,7 +257,7 @@ class VersionPublisher:
                         [self.shm.commit(policy, engine_config), b""], copy=False
                     )
                     self.state, self._state_in_shm = self.shm.state(), True
-                    self.sections = {name: e["section"] for name, e in self.shm.layout.items()}
+                    self.roles = {name: entry_role(e) for name, e in self.shm.layout.items()}
                     sent += 1
             except BaseException:
                 if self.shm is not None:
@@ -293,23 +297,23 @@ class VersionPublisher:
         return self.shm is not None
 
     def _into_segment(self, version: int, tagged: Tagged, to_shm: bool) -> Iterator:
-        """The tensors (their sections noted for snapshots), each written into the shared
+        """The tensors (their roles noted for snapshots), each written into the shared
         segment on its way past, with a notice per `chunk_bytes` written, when local
         workers take shared memory."""
         if to_shm:
             self.shm.begin(version)
         notices = 0
-        for section, name, tensor in tagged:
-            self.sections[name] = section
+        for role, name, tensor in tagged:
+            self.roles[name] = role
             if not to_shm:
-                yield section, name, tensor
+                yield role, name, tensor
                 continue
-            for notice in self.shm.put(section, name, tensor):
+            for notice in self.shm.put(role, name, tensor):
                 if notices:
                     failpoint("publish.between_chunks")
                 self.pub.send_multipart([notice, b""], copy=False)
                 notices += 1
-            yield section, name, tensor
+            yield role, name, tensor
 
     def _keep(self, tagged: Tagged) -> None:
         """Nobody subscribes: only the state moves on, for snapshots and later deltas."""
@@ -351,7 +355,7 @@ class VersionPublisher:
                 else:
                     for message in encode_tagged(
                         self.version,
-                        ((self.sections[name], name, t) for name, t in self.state.items()),
+                        ((self.roles[name], name, t) for name, t in self.state.items()),
                         policy=self.policy,
                         engine_config=self.engine_config,
                         chunk_bytes=self.chunk_bytes,
@@ -368,7 +372,7 @@ class VersionPublisher:
         if self.shm.latest_notice is None or self.shm.latest_notice["version"] != self.version:
             self.shm.begin(self.version)
             for name, tensor in list(self.state.items()):
-                self.shm.put(self.sections[name], name, tensor)
+                self.shm.put(self.roles[name], name, tensor)
             self.shm.commit(self.policy, self.engine_config)
             if self._state_in_shm:  # the views now point at a segment about to be reused
                 self.state = self.shm.state()
