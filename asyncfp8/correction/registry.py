@@ -10,13 +10,23 @@ from typing import Any
 
 import torch
 
-from . import methods
 from .base import (
     LOG_RATIO_CLAMP,
     RAW_LOG_RATIO_LIMIT,
     CorrectionBatch,
     CorrectionResult,
     MethodResult,
+)
+from .methods import (
+    KL_ESTIMATORS,
+    geo_rs,
+    kl_rejection,
+    none,
+    seq_mis,
+    seq_tis,
+    stale_tis,
+    token_mis,
+    token_tis,
 )
 from .metrics import mismatch_metrics, staleness_metrics, weight_metrics
 
@@ -194,15 +204,15 @@ def build_correction(cfg: Mapping[str, Any]) -> Correction:
     return get_correction(name, max_staleness=max_staleness, **params)
 
 
-register_correction("none", methods.none)
-register_correction("token_tis", methods.token_tis)
-register_correction("token_mis", methods.token_mis)
-register_correction("icepop", methods.token_mis)
-register_correction("seq_tis", methods.seq_tis)
-register_correction("seq_mis", methods.seq_mis)
-register_correction("geo_rs", methods.geo_rs)
-register_correction("stale_tis", methods.stale_tis)
-for _estimator in methods.KL_ESTIMATORS:
-    register_correction(f"token_{_estimator}", methods.kl_rejection(_estimator, "token"))
+register_correction("none", none)
+register_correction("token_tis", token_tis)
+register_correction("token_mis", token_mis)
+register_correction("icepop", token_mis)
+register_correction("seq_tis", seq_tis)
+register_correction("seq_mis", seq_mis)
+register_correction("geo_rs", geo_rs)
+register_correction("stale_tis", stale_tis)
+for _estimator in KL_ESTIMATORS:
+    register_correction(f"token_{_estimator}", kl_rejection(_estimator, "token"))
     for _level in ("sum", "mean", "max"):
-        register_correction(f"seq_{_level}_{_estimator}", methods.kl_rejection(_estimator, _level))
+        register_correction(f"seq_{_level}_{_estimator}", kl_rejection(_estimator, _level))
