@@ -234,7 +234,7 @@ def test_draft_feeds_live_rows_their_real_positions_paired_with_the_next_token(t
     decoder = SlotDecoder(e.model, 3, 64, record_hidden=True)
     prompts = [e.tokenizer(text)["input_ids"] for text in ("1+2=", "hello there", "37*2")]
     decoder.fill([0, 1, 2], prompts)
-    spec.start_rows([0, 1, 2])
+    spec.started([0, 1, 2])
     last = torch.tensor([5, 6, 7])
     spec.sync(decoder, last, [True, True, True])
     decoder.step(last)
