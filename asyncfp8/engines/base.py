@@ -36,6 +36,15 @@ class SamplingParams:
             )
 
 
+def check_slots(slots: object) -> None:
+    """`engine.slots` (the torch engine) is null or an int >= 1: the one check, made by
+    the config checks before anything loads and by the engine itself."""
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+        raise ValueError(
+            f"engine.slots must be null (static batches) or an int >= 1, got {slots!r}"
+        )
+
+
 @dataclass
 class Sample:
     """One completion. `logprobs[i]` is the fp32 log-probability of `token_ids[i]` under

@@ -24,7 +24,7 @@ from asyncfp8.speculative.drafter import Drafter
 from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
 from asyncfp8.speculative.slots import SlotSpeculation
 
-from .base import EngineUnsupported, Sample, SamplingParams, Scores
+from .base import EngineUnsupported, Sample, SamplingParams, Scores, check_slots
 from .decode import ATTENTION, LAYER_KINDS, Prefill, forward_static, processed_logprobs
 from .kernels import KernelUnavailable
 from .kernels.common import describe_device
@@ -126,12 +126,7 @@ class TorchEngine:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"engine.{key} must be an int >= 1, got {value!r}")
-        if slots is not None and (
-            isinstance(slots, bool) or not isinstance(slots, int) or slots < 1
-        ):
-            raise ValueError(
-                f"engine.slots must be null (static batches) or an int >= 1, got {slots!r}"
-            )
+        check_slots(slots)
         self.speculative = SpeculativeSettings.from_config(speculative, self.name, slots)
         if (model is None) != (tokenizer is None) or (model is None and model_dir is None):
             raise ValueError("TorchEngine needs model_dir, or both model and tokenizer")
