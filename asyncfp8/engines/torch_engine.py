@@ -243,6 +243,17 @@ class TorchEngine:
             raise ValueError("this engine has no drafter (engine.speculative.mode=none)")
         load_drafter_state(self.speculation, state)
 
+    @property
+    def speculating(self) -> bool:
+        """Whether this engine speculates (engine.speculative.mode other than none)."""
+        return self.speculation is not None
+
+    def acceptance_by_version(self) -> dict[int, dict[str, float]]:
+        """The drafter's acceptance per policy version (the trainer's records)."""
+        if self.speculation is None:
+            raise ValueError("this engine has no drafter (engine.speculative.mode=none)")
+        return self.speculation.trainer.acceptance_by_version()
+
     def speculation_metrics(self) -> dict[str, float]:
         """Acceptance (rate, mean accepted length), drafter losses, the fraction of steps
         that speculated and the controller's choices; empty without a drafter."""
