@@ -73,7 +73,7 @@ class TorchEngine:
     """The built-in engine.
 
     device: `auto`, `cpu`, `cuda` or `cuda:N`: where the model is loaded, quantized (the
-    Triton quantizers on CUDA), run and sampled (a generator on that device).
+    Triton quantizers on CUDA), run and sampled.
     finish_check_every: ask the device which sequences have ended every k decode steps
     (each ask is a sync); outputs do not depend on it.
     cache_block: KV caches are sized in multiples of this many positions, so that
