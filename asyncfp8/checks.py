@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from asyncfp8.batches import check_split
 from asyncfp8.correction import Correction, build_correction
+from asyncfp8.engines.base import check_slots
 from asyncfp8.metrics import loggers_of
 from asyncfp8.precision import PrecisionPolicy, build_policy
 from asyncfp8.process import check_counts, curve, endpoints
@@ -75,11 +76,8 @@ def check_inflight_updates(cfg: DictConfig) -> None:
     loop. vLLM and SGLang apply versions between generate
     calls (their update waits for running requests), so they are refused here, by name."""
     slots = cfg.engine.get("slots")
-    bad_slots = isinstance(slots, bool) or not isinstance(slots, int) or slots < 1
-    if cfg.engine.name == "torch" and slots is not None and bad_slots:
-        raise ValueError(
-            f"engine.slots must be null (static batches) or an int >= 1, got {slots!r}"
-        )
+    if cfg.engine.name == "torch":
+        check_slots(slots)
     wanted = cfg.run.get("inflight_updates", False)
     if wanted not in (True, False):
         raise ValueError(f"run.inflight_updates must be true or false, got {wanted!r}")

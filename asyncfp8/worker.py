@@ -31,7 +31,7 @@ import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra comp
 from asyncfp8.chaos.refit_faults import RefitFault
 from asyncfp8.checks import check_config
 from asyncfp8.engines import EngineUnsupported, SamplingParams, build_engine
-from asyncfp8.engines.base import KVCacheReset
+from asyncfp8.engines.base import InflightUpdates, KVCacheReset, SpeculativeDrafts
 from asyncfp8.models import run_model_dir
 from asyncfp8.precision.policy import plain
 from asyncfp8.process import (
@@ -81,7 +81,8 @@ class Worker:
         self.task, self.policy = checked.task, checked.policy
         self.engine = build_engine(cfg.engine, str(model_dir), self.policy)
         if run.get("inflight_updates", False):
-            if not getattr(self.engine, "supports_inflight_updates", False):
+            engine = self.engine
+            if not (isinstance(engine, InflightUpdates) and engine.supports_inflight_updates):
                 raise EngineUnsupported(
                     f"run.inflight_updates=true: engine {self.engine.name} cannot apply a "
                     "version between decode steps (engine=torch with engine.slots=N can)"
@@ -131,7 +132,7 @@ class Worker:
         # saved under the run directory and taken up again by a worker of the same id.
         self.drafter_path = Path(run.dir) / "drafters" / f"worker-{self.id}.pt"
         self.drafter_saved = time.monotonic()
-        if getattr(self.engine, "speculation", None) is not None and self.drafter_path.is_file():
+        if self._speculating() and self.drafter_path.is_file():
             self.engine.load_drafter_state(torch.load(self.drafter_path, weights_only=False))
             self.log.info("drafter restored from %s", self.drafter_path)
         self.log.info(
@@ -384,10 +385,14 @@ class Worker:
         self._drafter_checkpoint()
         self.sender.pump()
 
+    def _speculating(self) -> bool:
+        """Whether the engine runs an online drafter, whose state this worker keeps."""
+        return isinstance(self.engine, SpeculativeDrafts) and self.engine.speculating
+
     def _drafter_checkpoint(self, force: bool = False) -> None:
         """The drafter's metrics go out with the next lease request; its state is saved
         at most every DRAFTER_SAVE_EVERY s (and at the end), written whole then renamed."""
-        if getattr(self.engine, "speculation", None) is None:
+        if not self._speculating():
             return
         self.stats |= self.engine.speculation_metrics()
         if not force and time.monotonic() - self.drafter_saved < DRAFTER_SAVE_EVERY:
@@ -396,7 +401,7 @@ class Worker:
         partial = self.drafter_path.with_suffix(".tmp")
         torch.save(self.engine.drafter_state(), partial)
         partial.replace(self.drafter_path)
-        acceptance = self.engine.speculation.trainer.acceptance_by_version()
+        acceptance = self.engine.acceptance_by_version()
         self.drafter_path.with_suffix(".acceptance.json").write_text(
             json.dumps({str(v): record for v, record in acceptance.items()}, indent=1)
         )

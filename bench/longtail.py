@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Table, failure, machine
 
 from asyncfp8.engines.base import SamplingParams
-from asyncfp8.engines.slots import SlotStats
+from asyncfp8.engines.slot_loop import SlotStats
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.models import resolve_model_dir
 from asyncfp8.tasks import ArithmeticTask

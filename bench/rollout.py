@@ -16,10 +16,11 @@ On a GPU (`--device cuda`), the torch engine decodes a random-init Qwen2 shaped 
 Qwen2.5-1.5B (hidden 1536, 28 layers, intermediate 8960, 12 query / 2 KV heads × 128,
 vocabulary 151,936, tied embeddings), built on the GPU (nothing is downloaded), in bf16,
 fp8, fp8+fp8_kv and int8, at batch 1 and 64 after a 256- and an 8192-token prompt. It
-times the engine's own decode loop (`TorchEngine.start`, then `decode`: sampling, the
-CUDA-graph decode step, bookkeeping) over `--new-tokens` tokens, after one untimed run of
-the same shape (Triton compiles, the graph is captured): tokens/s = batch × (new tokens −
-1) / the loop's time, median of `--repeats`. Each row also carries the memory-bandwidth
+times the engine's own decode loop (`TorchEngine.generate_requests`: one slot per
+sequence, per-request sampling, the CUDA-graph decode step, bookkeeping) over
+`--new-tokens` tokens, less the same call for 1 token (prefill and first token), after
+one untimed run of each (Triton compiles, the graph is captured): tokens/s = batch ×
+(new tokens − 1) / the difference of the medians of `--repeats`. Each row also carries the memory-bandwidth
 floor: the bytes one decode step must read (every weight of the engine's model once, the
 tied embedding as the LM head, plus the KV cache at the mean context) over the copy
 bandwidth measured in the same run; `fraction_of_floor` = tokens/s over the floor's
@@ -346,28 +347,29 @@ def gpu_engine(precision: str, device: torch.device, shape: dict, eager: bool):
 
 
 def gpu_row(engine, device, prompt_tokens: int, batch: int, new_tokens: int, repeats: int) -> dict:
-    """One row: the engine's decode loop timed at this batch and context (median of
-    `repeats` after one untimed run that compiles and captures)."""
-    from asyncfp8.engines.decode import decode
-
+    """One row: the engine's decode loop timed at this batch and context: the median of
+    `repeats` generations of `new_tokens` less that of 1-token ones (prefill and first
+    token), each after one untimed run that compiles and captures."""
     synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
-    eos, pad = engine.tokenizer.eos_token_id, engine.tokenizer.pad_token_id
-    generator = torch.Generator(device=device)
-    prompt = torch.randint(
-        3, eos, (prompt_tokens,), device=device, generator=generator.manual_seed(1)
-    )
+    eos = engine.tokenizer.eos_token_id
+    generator = torch.Generator(device=device).manual_seed(1)
+    prompt = torch.randint(3, eos, (prompt_tokens,), device=device, generator=generator)
     prompts = [prompt.tolist()] * batch
-    times = []
-    for repeat in range(repeats + 1):  # the first run compiles and captures
-        decoder, logits = engine.start(prompts, new_tokens)
-        synchronize()
-        begin = time.perf_counter()
-        decode(decoder, logits, sampling, generator.manual_seed(repeat), eos, pad)
-        synchronize()
-        times.append(time.perf_counter() - begin)
-        del decoder, logits  # the engine keeps its decoder; only it may hold the cache
-    seconds = statistics.median(times[1:])
+
+    def median_time(tokens: int) -> float:
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=tokens, ignore_eos=True)
+        times = []
+        for repeat in range(repeats + 1):  # the first run compiles and captures
+            sampling = SamplingParams(**{**sampling.__dict__, "seed": repeat})
+            synchronize()
+            begin = time.perf_counter()
+            engine.generate_requests(prompts, [tokens] * batch, sampling)
+            synchronize()
+            times.append(time.perf_counter() - begin)
+        return statistics.median(times[1:])
+
+    # Each length's untimed first run builds the decoder its cache size needs.
+    seconds = max(median_time(new_tokens) - median_time(1), 1e-9)
     rate = batch * (new_tokens - 1) / seconds
     weight_bytes = step_weight_bytes(engine.model)
     kv_bytes = kv_bytes_per_step(

@@ -23,11 +23,16 @@ from asyncfp8.precision.fp8_kv import kv_scale_names
 from tests.taught import PROMPTS
 
 
-def engine(model_dir, slots, policy="bf16", check_every=3):
+def engine(model_dir, slots, policy="bf16", check_every=3, max_batch=64):
     # FP32 activations: rows of different batches then agree to ~1e-6 (bf16 would round
     # batch-dependent GEMM sums differently).
     return TorchEngine(
-        str(model_dir), policy, dtype=torch.float32, slots=slots, finish_check_every=check_every
+        str(model_dir),
+        policy,
+        dtype=torch.float32,
+        slots=slots,
+        finish_check_every=check_every,
+        max_batch=max_batch,
     )
 
 
@@ -59,10 +64,22 @@ def test_greedy_slots_give_the_static_paths_tokens(taught_model_dir):
 
 
 def test_sampled_tokens_do_not_depend_on_slots_or_order(tiny_model_dir):
+    # Nor on whether engine.slots is set: without it a call is one static batch of up to
+    # max_batch slots (here 24, 3 and 1 of them), through the same loop and streams.
     sampling = SamplingParams(n=4, temperature=1.0, top_k=20, max_new_tokens=12, seed=7)
     runs = [
-        engine(tiny_model_dir, slots, check_every=check).generate(PROMPTS, sampling)
-        for slots, check in ((2, 1), (5, 4), (8, 2), (24, 8))
+        engine(tiny_model_dir, slots, check_every=check, max_batch=batch).generate(
+            PROMPTS, sampling
+        )
+        for slots, check, batch in (
+            (2, 1, 64),
+            (5, 4, 64),
+            (8, 2, 64),
+            (24, 8, 64),
+            (None, 3, 64),
+            (None, 2, 3),
+            (None, 1, 1),
+        )
     ]
     for other in runs[1:]:
         assert_same(runs[0], other)

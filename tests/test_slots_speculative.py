@@ -234,7 +234,7 @@ def test_draft_feeds_live_rows_their_real_positions_paired_with_the_next_token(t
     decoder = SlotDecoder(e.model, 3, 64, record_hidden=True)
     prompts = [e.tokenizer(text)["input_ids"] for text in ("1+2=", "hello there", "37*2")]
     decoder.fill([0, 1, 2], prompts)
-    spec.start_rows([0, 1, 2])
+    spec.started([0, 1, 2])
     last = torch.tensor([5, 6, 7])
     spec.sync(decoder, last, [True, True, True])
     decoder.step(last)
@@ -266,3 +266,26 @@ def test_draft_feeds_live_rows_their_real_positions_paired_with_the_next_token(t
 def test_mode_none_needs_nothing():
     assert not SpeculativeSettings.from_config({"mode": "none"}, "vllm", None).enabled
     assert not SpeculativeSettings.from_config(None, "torch", None).enabled
+
+
+def test_the_worker_sees_the_drafter_and_in_flight_updates_as_protocols(trained, tiny_model_dir):
+    """What the worker checks with isinstance: an engine with a drafter speculates and
+    reports acceptance per version; one without refuses its drafter's state; an object
+    that lacks the methods is not taken for either."""
+    from asyncfp8.engines.base import InflightUpdates, SpeculativeDrafts
+
+    assert isinstance(trained, SpeculativeDrafts) and trained.speculating
+    acceptance = trained.acceptance_by_version()
+    assert acceptance == trained.speculation.trainer.acceptance_by_version() and acceptance
+    plain = engine(tiny_model_dir, slots=None)
+    assert isinstance(plain, SpeculativeDrafts) and not plain.speculating
+    with pytest.raises(ValueError, match="no drafter"):
+        plain.acceptance_by_version()
+    assert isinstance(trained, InflightUpdates) and trained.supports_inflight_updates
+    assert isinstance(plain, InflightUpdates) and not plain.supports_inflight_updates
+
+    class Elsewhere:  # an engine without either feature (vLLM, SGLang)
+        name, version = "other", None
+
+    assert not isinstance(Elsewhere(), SpeculativeDrafts)
+    assert not isinstance(Elsewhere(), InflightUpdates)

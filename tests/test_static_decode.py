@@ -1,7 +1,8 @@
-"""The torch engine's static decode path (asyncfp8/engines/decode.py, kv_cache.py):
-the same logits as a growing cache, weights updated in place, finish checks every k
-steps without changing outputs, the device option and what is refused at start; on a
-GPU (marked `gpu`, skipped without CUDA) the CUDA-graph decode step."""
+"""The torch engine's decode over a static KV cache (asyncfp8/engines/slots.py,
+decode.py, kv_cache.py): the same logits as a growing cache, weights updated in place,
+finish checks every k steps without changing outputs, the device option and what is
+refused at start; on a GPU (marked `gpu`, skipped without CUDA) the CUDA-graph decode
+step."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from asyncfp8.engines import EngineUnsupported
 from asyncfp8.engines.base import SamplingParams
-from asyncfp8.engines.decode import StaticDecoder
 from asyncfp8.engines.kernels import KernelUnavailable
+from asyncfp8.engines.slots import SlotDecoder
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.models import load_model, load_tokenizer
 from asyncfp8.precision import get_policy, version_tensors
@@ -127,13 +128,13 @@ def growing_decode(engine, prompts, forced):
 
 
 def static_decode(engine, prompts, forced, fixed_length=None):
-    """Logits [steps + 1, B, V] of the engine's decoder; `fixed_length` True: every step
-    attends over the whole cache under the mask, as a captured graph does (the CPU's
-    default reads only the positions written so far)."""
+    """Logits [steps + 1, B, V] of the engine's slot decoder, one slot per prompt;
+    `fixed_length` True: every step attends over the whole cache under the mask, as a
+    captured graph does (the CPU's default reads only the positions written so far)."""
     if fixed_length is not None:
         width, steps = max(len(p) for p in prompts), forced.shape[1]
         max_tokens = -(-(width + steps) // engine.cache_block) * engine.cache_block
-        engine._decoder = StaticDecoder(
+        engine._slot_decoder = SlotDecoder(
             engine.model,
             len(prompts),
             max_tokens,
@@ -141,7 +142,7 @@ def static_decode(engine, prompts, forced, fixed_length=None):
             fixed_length=fixed_length,
         )
     decoder, logits = engine.start(prompts, forced.shape[1] + 1)
-    assert fixed_length is None or decoder is engine._decoder
+    assert fixed_length is None or decoder is engine._slot_decoder
     forced = forced.to(engine.device)
     out = [logits.clone()]
     for step in range(forced.shape[1]):
@@ -231,8 +232,8 @@ def test_fp8_kv_decode_reads_the_e4m3_cache_through_the_attention_kernel(
 
 
 def test_finish_checks_every_k_steps_change_no_output(tiny_model_dir):
-    # Several batches share one generator: a check every k steps must leave it where a
-    # check at every step leaves it, or the next batch's tokens change.
+    # 12 sequences through 4 slots: a row that ended idles until the next check, and
+    # the request that refills it must still get the tokens of a check at every step.
     engine = TorchEngine(str(tiny_model_dir), "bf16", max_batch=4, finish_check_every=1)
     sampling = SamplingParams(n=2, max_new_tokens=24, seed=7)
     every_step = engine.generate(PROMPTS, sampling)
@@ -453,7 +454,7 @@ def test_a_decoder_refuses_a_step_past_its_last_position(tiny_model_dir):
     assert decoder.max_tokens == 5 and logits.shape == (1, engine.model.config.vocab_size)
     decoder.step(torch.tensor([8]))
     decoder.step(torch.tensor([9]))
-    with pytest.raises(ValueError, match="5 positions are full"):
+    with pytest.raises(ValueError, match="slot 0 has filled its 5 positions"):
         decoder.step(torch.tensor([10]))
 
 
@@ -485,7 +486,7 @@ def test_gpu_static_graph_decode_gives_the_growing_cache_logits(precision, dtype
     prompts, forced = forced_batch(engine)
     expected = growing_decode(engine, prompts, forced)
     got = static_decode(engine, prompts, forced)
-    assert engine._decoder._graph is not None  # the steps ran as a captured graph
+    assert engine._slot_decoder._graph is not None  # the steps ran as a captured graph
     error = (got - expected).abs().max().item()
     print(f"{precision} {dtype}: max |static graph - growing| {error:.2e}")
     assert error <= (1e-4 if dtype == torch.float32 else 1e-5)
@@ -519,9 +520,9 @@ def test_gpu_graph_replays_the_eager_step_and_follows_a_weight_update(precision,
     for engine in (graph, eager):
         engine.update_weights(2, dict(version.weights), version.extra)
     assert pointers() == before
-    captured = graph._decoder._graph
+    captured = graph._slot_decoder._graph
     after = static_decode(graph, prompts, forced)
-    assert graph._decoder._graph is captured  # no new capture
+    assert graph._slot_decoder._graph is captured  # no new capture
     assert close(after, static_decode(eager, prompts, forced))
 
 

@@ -3,9 +3,9 @@ torch engine, and nothing more."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -36,6 +36,15 @@ class SamplingParams:
                 f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
                 f"{self.temperature}, {self.top_p}, {self.top_k}"
             )
+
+
+def check_slots(slots: object) -> None:
+    """`engine.slots` (the torch engine) is null or an int >= 1: the one check, made by
+    the config checks before anything loads and by the engine itself."""
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+        raise ValueError(
+            f"engine.slots must be null (static batches) or an int >= 1, got {slots!r}"
+        )
 
 
 @dataclass
@@ -121,6 +130,40 @@ class KVCacheReset(Protocol):
 
     def clear_kv_cache(self) -> None:
         """Every KV-cache block set to zero and the prefix cache emptied."""
+
+
+@runtime_checkable
+class InflightUpdates(Protocol):
+    """An engine that may apply a version between two decode steps of a generation: when
+    `supports_inflight_updates` (the torch engine with `engine.slots`), it calls
+    `between_steps` there, and the worker applies the newest version in that call."""
+
+    supports_inflight_updates: bool
+    between_steps: Callable[[], None] | None
+
+
+@runtime_checkable
+class SpeculativeDrafts(Protocol):
+    """An engine that can speculate with a drafter it trains online from its own rollouts
+    (the torch engine's `engine.speculative`): the drafter's state is the worker's
+    checkpoint, and its acceptance goes out with the worker's metrics. `speculating` says
+    whether this engine runs one (a mode other than none); the other methods refuse when
+    it does not."""
+
+    @property
+    def speculating(self) -> bool: ...
+
+    def drafter_state(self) -> dict:
+        """The drafter's state (drafter, optimizer, controller), for `torch.save`."""
+
+    def load_drafter_state(self, state: Mapping[str, Any]) -> None:
+        """Restores `drafter_state()`; a drafter of another model is refused."""
+
+    def speculation_metrics(self) -> dict[str, float]:
+        """Acceptance, drafter losses and the controller's choices so far."""
+
+    def acceptance_by_version(self) -> dict[int, dict[str, float]]:
+        """Acceptance counts and rates per policy version the drafter ran under."""
 
 
 class EngineUnsupported(ValueError):

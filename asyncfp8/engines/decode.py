@@ -1,18 +1,12 @@
-"""The built-in engine's decode loop, in separately callable units.
+"""The built-in engine's forward pieces over a static KV cache (the decode loop that
+runs them is `slots.SlotLoop`, over a `slots.SlotDecoder`).
 
-- `StaticDecoder`: the state of one batch of `batch` sequences of up to `max_tokens`
-  positions — a preallocated KV cache (`StaticKVCache`, BF16 or e4m3), an attention mask
-  over all of them and the decode step's inputs, all static in shape and address (on the
-  CPU, where nothing is captured, a step reads only the positions written so far).
-  `prefill` runs each distinct prompt once and gives every sequence its prompt's keys and
-  values; `step` runs one decode step over the whole batch, on CUDA as a captured CUDA
-  graph replayed every step (the graph reads the weights and the KV scales where the
-  engine updates them in place, so a new version needs no new graph).
-- `sample`: the next token of every sequence and its log-probability under the processed
-  distribution (temperature, top-k, top-p).
-- `decode`: the loop the engine runs — sample, record, step — checking for finished
-  sequences every k steps (a device-to-host sync each check), with the same tokens and
-  the same random stream as a check at every step.
+- `processed_logprobs`: the distribution actually sampled from (temperature, top-k,
+  top-p); `request_sampling` draws from it with per-request random streams.
+- `forward_static`: one forward of a transformers causal LM over a `StaticKVCache`, with
+  the masks given per layer kind (no shape that grows, no host sync).
+- `Prefill`: the forward of a few distinct prompts over a cache of their own, whose rows
+  the slot decoder copies into the slots it fills.
 
 Attention runs through `static_attention`, registered with transformers' attention
 interface: SDPA over the cache in the model dtype (grouped-query heads folded into rows,
@@ -58,18 +52,6 @@ def processed_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.log_softmax(logits, dim=-1)
-
-
-def sample(
-    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(next token [B], its processed log-probability [B] fp32) for logits [B, V]."""
-    logp = processed_logprobs(logits, sampling)
-    if sampling.temperature == 0:
-        chosen = logp.argmax(-1)
-    else:
-        chosen = torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
-    return chosen, logp.gather(-1, chosen[:, None])[:, 0]
 
 
 # --- attention ----------------------------------------------------------------------------
@@ -149,7 +131,7 @@ AttentionInterface.register(ATTENTION, static_attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
-# --- one batch --------------------------------------------------------------------------------
+# --- a forward over a static cache ----------------------------------------------------------
 
 
 def forward_static(
@@ -181,73 +163,39 @@ def forward_static(
     return states, model.lm_head(states[:, -keep:])
 
 
-class StaticDecoder:
-    """Decode state for `batch` sequences of at most `max_tokens` positions (prompt, left
-    padded, plus generated tokens) of `model`, a transformers causal LM whose attention
-    implementation is `ATTENTION`.
-
-    `kv_scales`: per layer (k_scale, v_scale) 0-dim fp32 tensors for an e4m3 cache, None
-    for a cache in the model dtype. `graph`: capture the decode step as a CUDA graph
-    (CUDA only), at the first `step`. `fixed_length` (default: as `graph`): every step
-    attends over all `max_tokens` positions under the mask, the one shape a graph
-    replays; without it a step reads only the positions written so far (launched one
-    by one, a step gains nothing from a fixed shape)."""
+class Prefill:
+    """The forward of `batch` distinct prompts of at most `width` tokens (left padded) of
+    `model`, a transformers causal LM whose attention implementation is `ATTENTION`,
+    over a static cache of their own (`kv_scales` as for `StaticKVCache`: None for a
+    cache in the model dtype). The slot decoder copies its rows into the slots it fills;
+    the engine's probe and scoring run through it too. `keep_hidden`: keep the last
+    forward's hidden states in `hidden` (for a speculative drafter)."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         batch: int,
-        max_tokens: int,
+        width: int,
         kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        graph: bool = False,
-        fixed_length: bool | None = None,
+        keep_hidden: bool = False,
     ):
-        config = model.config
         self.model = model
         self.device = model.get_input_embeddings().weight.device
-        self.cache = StaticKVCache.for_model(model, batch, max_tokens, kv_scales)
-        self.batch, self.max_tokens = batch, max_tokens
-        self.kinds = sorted(set(getattr(config, "layer_types", None) or LAYER_KINDS))
-        long = dict(dtype=torch.long, device=self.device)
-        self.tokens = torch.zeros(batch, **long)  # the step's input token per sequence
-        self.positions = torch.zeros(batch, **long)  # its RoPE position
-        self.slot = torch.zeros(1, **long)  # its cache position (the same in every row)
-        #: the positions each sequence attends to: its prompt (not the padding) and its tokens
-        self.kv_valid = torch.zeros(batch, max_tokens, dtype=torch.bool, device=self.device)
-        if graph and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.device}")
-        self.use_graph = graph
-        self.fixed_length = graph if fixed_length is None else fixed_length
-        if graph and not self.fixed_length:
-            raise ValueError("a captured decode step needs fixed_length=True")
-        #: the host's copy of `slot`, so that a full cache is refused without a sync
-        self.next_slot = 0
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._graph_logits: torch.Tensor | None = None
-        #: keep the last forward's hidden states in `hidden` (the slot decoder's prefill,
-        #: for a speculative drafter)
-        self.keep_hidden = False
+        self.cache = StaticKVCache.for_model(model, batch, width, kv_scales)
+        self.batch, self.width = batch, width
+        self.kinds = sorted(set(getattr(model.config, "layer_types", None) or LAYER_KINDS))
+        self.keep_hidden = keep_hidden
         self.hidden: torch.Tensor | None = None
 
-    def _forward(self, input_ids, mask, position_ids) -> torch.Tensor:
-        self.hidden, logits = forward_static(
-            self.model, self.cache, self.kinds, input_ids, mask, position_ids, 1, self.keep_hidden
-        )
-        return logits[:, -1]
-
     @torch.no_grad()
-    def prefill(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: list[int]
-    ) -> torch.Tensor:
-        """Runs the distinct prompts (input_ids, attention_mask [U, W], left padded, W at
-        most max_tokens) and starts every sequence of the batch from one of them:
-        `rows[i]` is sequence i's prompt. Returns the logits of each sequence's first new
-        token [batch, V]."""
-        distinct, width = input_ids.shape
-        if len(rows) != self.batch or width > self.max_tokens or distinct > self.batch:
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Runs the prompts (input_ids, attention_mask [batch, W], left padded, W at most
+        `width`); returns the logits of each one's first new token [batch, V]."""
+        rows, width = input_ids.shape
+        if rows != self.batch or width > self.width:
             raise ValueError(
-                f"prefill of {distinct} prompts of {width} tokens for {len(rows)} sequences: "
-                f"this decoder holds {self.batch} sequences of {self.max_tokens} positions"
+                f"prefill of {rows} prompts of {width} tokens: this cache holds "
+                f"{self.batch} prompts of {self.width} positions"
             )
         input_ids = input_ids.to(self.device)
         valid = attention_mask.to(self.device).bool()
@@ -258,120 +206,14 @@ class StaticDecoder:
         mask = (causal & valid[:, None, :]) | itself
         self.cache.write_at(torch.arange(width, device=self.device), visible=width)
         self.cache.kv_len = None
-        logits = self._forward(input_ids, mask[:, None], positions)
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        if rows != list(range(self.batch)):
-            self.cache.copy_rows(index)
-            logits = logits.index_select(0, index)
-            if self.hidden is not None:
-                self.hidden = self.hidden.index_select(0, index)
-        self.kv_valid.zero_()
-        self.kv_valid[:, :width] = valid.index_select(0, index)
-        self.positions.copy_(positions[:, -1].index_select(0, index) + 1)
-        self.slot.fill_(width)
-        self.next_slot = width
-        return logits
-
-    @torch.no_grad()
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One decode step: token i [batch] is appended to sequence i; returns the logits
-        of the next token [batch, V] (with a graph, the graph's output buffer, which the
-        next step overwrites)."""
-        if self.next_slot >= self.max_tokens:
-            raise ValueError(f"the decoder's {self.max_tokens} positions are full")
-        self.next_slot += 1
-        self.tokens.copy_(tokens)
-        if not self.use_graph:
-            return self._step(None if self.fixed_length else self.next_slot)
-        if self._graph is None:
-            self._capture()
-        self._graph.replay()
-        return self._graph_logits
-
-    def _step(self, visible: int | None = None) -> torch.Tensor:
-        """The decode step, over all positions or (eager) the first `visible`."""
-        self.kv_valid.index_fill_(1, self.slot, True)
-        self.cache.write_at(self.slot, visible)
-        self.cache.kv_len = self.slot + 1
-        logits = self._forward(
-            self.tokens[:, None],
-            self.kv_valid[:, None, None, :visible],
-            self.positions[:, None],
+        self.hidden, logits = forward_static(
+            self.model,
+            self.cache,
+            self.kinds,
+            input_ids,
+            mask[:, None],
+            positions,
+            1,
+            self.keep_hidden,
         )
-        self.slot.add_(1)
-        self.positions.add_(1)
-        return logits
-
-    def _capture(self) -> None:
-        state = (self.slot, self.positions, self.kv_valid)
-        saved = [t.clone() for t in state]
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            # Warm-up outside the capture (Triton compiles, cuBLAS picks its kernels). It
-            # writes the cache slot the real step is about to write; the state is restored.
-            for _ in range(2):
-                self._step()
-                for tensor, value in zip(state, saved, strict=True):
-                    tensor.copy_(value)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = self._step()
-        self._graph, self._graph_logits = graph, logits
-
-
-# --- the loop ---------------------------------------------------------------------------------
-
-
-def decode(
-    decoder: StaticDecoder,
-    logits: torch.Tensor,
-    sampling: SamplingParams,
-    generator: torch.Generator | None,
-    eos: int,
-    pad: int,
-    check_every: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Generates up to `sampling.max_new_tokens` tokens per sequence from the prefill's
-    `logits` [B, V]. Returns (tokens [B, max_new_tokens] long, padded with `pad`;
-    logprobs [B, max_new_tokens] fp32, 0 after the end; lengths [B]), on the device.
-
-    A sequence ends at `eos` (unless `sampling.ignore_eos`); a finished sequence is fed
-    `pad` and records nothing. Whether all have finished is asked every `check_every`
-    steps, each time a sync with the device; the steps run past the end record nothing,
-    and the generator is put back where it stood after the last one needed, so tokens and
-    the random stream are those of a check at every step."""
-    batch, steps = logits.shape[0], sampling.max_new_tokens
-    device = logits.device
-    tokens = torch.full((batch, steps), pad, dtype=torch.long, device=device)
-    logprobs = torch.zeros(batch, steps, device=device)
-    lengths = torch.zeros(batch, dtype=torch.long, device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    stops = not sampling.ignore_eos
-    all_done = torch.zeros(steps, dtype=torch.bool, device=device)  # after each step
-    states, checked = [], 0  # generator states before each step since the last check
-    for step in range(steps):
-        if stops and generator is not None:
-            states.append(generator.get_state())
-        chosen, chosen_logp = sample(logits, sampling, generator)
-        active = ~finished
-        tokens[:, step] = torch.where(active, chosen, pad)
-        logprobs[:, step] = torch.where(active, chosen_logp, 0.0)
-        lengths += active.long()
-        if stops:
-            finished |= chosen == eos
-            all_done[step] = finished.all()
-            if (step + 1 - checked) % check_every == 0 or step == steps - 1:
-                if bool(all_done[step]):
-                    # The first step after which all had finished; a check at every step
-                    # would have stopped there, before sampling again.
-                    last_needed = step + 1 - int(all_done[checked : step + 1].sum())
-                    if generator is not None and last_needed < step:
-                        generator.set_state(states[last_needed + 1 - checked])
-                    break
-                states, checked = [], step + 1
-        if step == steps - 1:
-            break
-        logits = decoder.step(chosen.masked_fill(finished, pad))
-    return tokens, logprobs, lengths
+        return logits[:, -1]

@@ -1,7 +1,8 @@
 """The built-in rollout engine: a transformers model with the precision policy's
-quantized modules, on the CPU or a CUDA GPU (`device`), decoding with a static KV cache
-(BF16 or e4m3) and, on CUDA, a CUDA-graph decode step (asyncfp8/engines/decode.py). It
-is not vLLM, but its FP8 / INT8 / FP8-KV numerics are the ones an engine would show."""
+quantized modules, on the CPU or a CUDA GPU (`device`), decoding through one loop
+(asyncfp8/engines/slot_loop.py) over slots of a static KV cache (BF16 or e4m3) with, on
+CUDA, a CUDA-graph decode step (asyncfp8/engines/slots.py). It is not vLLM, but its FP8 /
+INT8 / FP8-KV numerics are the ones an engine would show."""
 
 from __future__ import annotations
 
@@ -30,20 +31,14 @@ from asyncfp8.speculative.drafter import Drafter
 from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
 from asyncfp8.speculative.slots import SlotSpeculation
 
-from .base import EngineUnsupported, Sample, SamplingParams, Scores
-from .decode import (
-    ATTENTION,
-    LAYER_KINDS,
-    StaticDecoder,
-    decode,
-    forward_static,
-    processed_logprobs,
-)
+from .base import EngineUnsupported, Sample, SamplingParams, Scores, check_slots
+from .decode import ATTENTION, LAYER_KINDS, Prefill, forward_static, processed_logprobs
 from .kernels import KernelUnavailable
 from .kernels.common import describe_device
 from .kv_cache import quantize_kv
 from .request_sampling import request_seed
-from .slots import Request, SlotDecoder, SlotStats, run_slots
+from .slot_loop import Request, SlotLoop, SlotStats
+from .slots import SlotDecoder
 
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -85,19 +80,19 @@ class TorchEngine:
     """The built-in engine.
 
     device: `auto`, `cpu`, `cuda` or `cuda:N`: where the model is loaded, quantized (the
-    Triton quantizers on CUDA), run and sampled (a generator on that device).
-    finish_check_every: ask the device whether every sequence has ended every k decode
-    steps (each ask is a sync); outputs do not depend on it.
+    Triton quantizers on CUDA), run and sampled.
+    finish_check_every: ask the device which sequences have ended every k decode steps
+    (each ask is a sync); outputs do not depend on it.
     cache_block: KV caches are sized in multiples of this many positions, so that
     generations of similar length share one cache and one captured decode graph.
     cuda_graph: on CUDA, replay the decode step as a captured CUDA graph.
-    slots: None (default) decodes a call in static batches of up to `max_batch`
-    sequences, each batch running until its longest sequence ends. An int N >= 1
-    decodes through N slots (continuous batching, asyncfp8/engines/slots.py): a slot is
-    refilled with the next sequence as soon as its own ends, every sequence samples from
-    its own stream (seeded from the call's seed and its index, so its tokens do not
-    depend on N), and `between_steps` (when set) is called between decode steps:
-    in-flight updates.
+    slots: every call decodes through slots (continuous batching, one loop:
+    asyncfp8/engines/slot_loop.py): a slot is refilled with the next sequence as soon as
+    its own ends, and every sequence samples from its own stream (seeded from the call's
+    seed and its index), so its tokens depend neither on the number of slots nor on the
+    batch. None (default): as many slots as the call has sequences, at most
+    `max_batch` (a static batch). An int N >= 1: N slots, and `between_steps` (when set)
+    is called between decode steps: in-flight updates.
     speculative: `engine.speculative` (asyncfp8.speculative.settings): speculative
     decoding in the slot loop with a one-layer drafter trained online from this
     engine's own rollouts (`train_steps` optimizer steps after each generate call, for at
@@ -138,12 +133,7 @@ class TorchEngine:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"engine.{key} must be an int >= 1, got {value!r}")
-        if slots is not None and (
-            isinstance(slots, bool) or not isinstance(slots, int) or slots < 1
-        ):
-            raise ValueError(
-                f"engine.slots must be null (static batches) or an int >= 1, got {slots!r}"
-            )
+        check_slots(slots)
         self.speculative = SpeculativeSettings.from_config(speculative, self.name, slots)
         if (model is None) != (tokenizer is None) or (model is None and model_dir is None):
             raise ValueError("TorchEngine needs model_dir, or both model and tokenizer")
@@ -183,14 +173,13 @@ class TorchEngine:
         self.max_batch, self.finish_check_every = max_batch, finish_check_every
         self.cache_block = cache_block
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
-        self._decoder: StaticDecoder | None = None
         self.slots = slots
         self._slot_decoder: SlotDecoder | None = None
-        self._generating = False  # a slot generation is running (updates land mid-way)
+        self._generating = False  # a generation is running (updates land mid-way)
         #: called between two decode steps of a slot generation (a worker applies the
         #: newest version there); None: nothing runs between steps
         self.between_steps: Callable[[], None] | None = None
-        #: what the last slot generation did (steps, prefills, tokens, versions applied)
+        #: what the last generation did (steps, prefills, tokens, versions applied)
         self.last_stats: SlotStats | None = None
         self.version: int | None = None
         # Parameters, and the biases that quantized modules keep as buffers.
@@ -263,6 +252,17 @@ class TorchEngine:
             raise ValueError("this engine has no drafter (engine.speculative.mode=none)")
         load_drafter_state(self.speculation, state)
 
+    @property
+    def speculating(self) -> bool:
+        """Whether this engine speculates (engine.speculative.mode other than none)."""
+        return self.speculation is not None
+
+    def acceptance_by_version(self) -> dict[int, dict[str, float]]:
+        """The drafter's acceptance per policy version (the trainer's records)."""
+        if self.speculation is None:
+            raise ValueError("this engine has no drafter (engine.speculative.mode=none)")
+        return self.speculation.trainer.acceptance_by_version()
+
     def speculation_metrics(self) -> dict[str, float]:
         """Acceptance (rate, mean accepted length), drafter losses, the fraction of steps
         that speculated and the controller's choices; empty without a drafter."""
@@ -271,10 +271,9 @@ class TorchEngine:
     def _probe(self) -> None:
         """One token through the model: a kernel this device cannot run for this
         precision fails here, at start, rather than at the first generation."""
-        decoder = StaticDecoder(self.model, 1, 1)
         token = torch.tensor([[self.tokenizer.eos_token_id or 0]])
         try:
-            decoder.prefill(token, torch.ones_like(token), [0])
+            Prefill(self.model, 1, 1).run(token, torch.ones_like(token))
         except KernelUnavailable as err:
             raise EngineUnsupported(
                 f"engine torch cannot run precision {self.policy.name!r} on "
@@ -372,13 +371,13 @@ class TorchEngine:
         for sequence in sequences:
             width = len(sequence)
             ids = torch.tensor([list(sequence)], device=self.device)
-            decoder = StaticDecoder(self.model, 1, width, self._kv_cache_scales())
+            prefill = Prefill(self.model, 1, width, self._kv_cache_scales())
             positions = torch.arange(width, device=self.device)[None]
             causal = torch.ones(1, 1, width, width, dtype=torch.bool, device=self.device).tril()
-            decoder.cache.write_at(torch.arange(width, device=self.device), visible=width)
+            prefill.cache.write_at(torch.arange(width, device=self.device), visible=width)
             with recording_layer_rms(self.model) as rms:
                 _, logits = forward_static(
-                    self.model, decoder.cache, decoder.kinds, ids, causal, positions, width
+                    self.model, prefill.cache, prefill.kinds, ids, causal, positions, width
                 )
             logprobs.append(next_token_logprobs(logits, ids)[0].cpu())
             layer_rms.append(torch.cat(rms).cpu())  # [layers, width]
@@ -412,59 +411,44 @@ class TorchEngine:
             )
         return self.kv_scales
 
-    def decoder(self, batch: int, positions: int) -> StaticDecoder:
-        """A decoder for `batch` sequences of up to `positions` positions: the last one
-        when it has that batch and as many positions rounded up to `cache_block`, else a
-        new one (the old cache and graph are freed first)."""
-        kv_scales = self._kv_cache_scales()
-        max_tokens = -(-positions // self.cache_block) * self.cache_block
-        current = self._decoder
-        if current is None or (current.batch, current.max_tokens) != (batch, max_tokens):
-            # No reference to the old decoder may outlive this line: its KV cache (GBs on
-            # a GPU) and graph are freed before the new ones are allocated.
-            self._decoder = current = None
-            current = self._decoder = StaticDecoder(
-                self.model, batch, max_tokens, kv_scales, graph=self.cuda_graph
-            )
-        return current
-
     @torch.no_grad()
     def start(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int
-    ) -> tuple[StaticDecoder, torch.Tensor]:
-        """Prefills a batch of token-id prompts (identical ones once) for up to
-        `max_new_tokens` new tokens each: (its decoder, ready for the first decode step;
-        the logits of each sequence's first new token [B, V])."""
-        distinct: dict[tuple[int, ...], int] = {}
-        rows = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompts]
-        pad = self.tokenizer.pad_token_id
-        width = max(len(ids) for ids in distinct)
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + list(ids) for ids in distinct])
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in distinct])
+    ) -> tuple[SlotDecoder, torch.Tensor]:
+        """Prefills token-id prompts, one slot each (identical ones once), for up to
+        `max_new_tokens` new tokens each: (the engine's slot decoder, ready for its first
+        decode step; the logits of each sequence's first new token [B, V]). What the
+        decode loop does first, for a caller that feeds the tokens itself (teacher
+        forcing)."""
+        width = max(len(ids) for ids in prompts)
         # The last token generated is never fed back: max_new_tokens - 1 decode steps.
-        decoder = self.decoder(len(prompts), width + max_new_tokens - 1)
-        return decoder, decoder.prefill(input_ids, mask, rows)
+        decoder = self.slot_decoder(len(prompts), width + max_new_tokens - 1)
+        return decoder, decoder.fill(range(len(prompts)), prompts)
 
     @property
     def supports_inflight_updates(self) -> bool:
-        """Versions can be applied between decode steps: with slots, through
+        """Versions can be applied between decode steps: with `slots` set, through
         `between_steps`."""
         return self.slots is not None
 
-    def slot_decoder(self, positions: int) -> SlotDecoder:
-        """The slots' decoder for sequences of up to `positions` positions: the last one
-        when it has as many rounded up to `cache_block`, else a new one."""
+    def slot_decoder(self, slots: int, positions: int) -> SlotDecoder:
+        """A decoder of `slots` slots for sequences of up to `positions` positions: the
+        last one when it has as many slots and as many positions rounded up to
+        `cache_block`, else a new one (the old cache and graph are freed first)."""
         kv_scales = self._kv_cache_scales()
         max_tokens = -(-positions // self.cache_block) * self.cache_block
         current = self._slot_decoder
-        if current is None or current.max_tokens != max_tokens:
-            self._slot_decoder = current = None  # the old cache freed first (`decoder`)
+        if current is None or (current.slots, current.max_tokens) != (slots, max_tokens):
+            # No reference to the old decoder may outlive this line: its KV cache (GBs on
+            # a GPU) and graph are freed before the new ones are allocated.
+            self._slot_decoder = current = None
             current = self._slot_decoder = SlotDecoder(
                 self.model,
-                self.slots,
+                slots,
                 max_tokens,
                 kv_scales,
                 record_hidden=self.speculation is not None,
+                graph=self.cuda_graph,
             )
         return current
 
@@ -480,21 +464,26 @@ class TorchEngine:
         `sampling.max_new_tokens` are not used), through the slots: one sample per
         prompt, request i seeded from (`sampling.seed`, `indices[i]`) (default: i), so a
         request split off into another call keeps its stream."""
-        if self.slots is None:
-            raise ValueError("generate_requests runs through slots: set engine.slots")
         if len(prompts) != len(budgets) or any(b < 1 for b in budgets):
             raise ValueError("one budget >= 1 per prompt")
         indices = list(range(len(prompts))) if indices is None else list(indices)
         if len(indices) != len(prompts):
             raise ValueError("one index per prompt")
         jobs = list(zip(indices, prompts, strict=True))
-        return self._generate_slots(jobs, list(budgets), sampling, indices)
+        return self._generate(jobs, list(budgets), sampling, indices)
 
-    def _generate_slots(
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> list[Sample]:
+        encoded = [self.tokenizer(p)["input_ids"] for p in prompts]
+        jobs = [(i, ids) for i, ids in enumerate(encoded) for _ in range(sampling.n)]
+        return self._generate(jobs, [sampling.max_new_tokens] * len(jobs), sampling)
+
+    def _generate(
         self, jobs, budgets: list[int], sampling: SamplingParams, indices: list[int] | None = None
     ) -> list[Sample]:
-        """jobs: (prompt_index, prompt ids); request i's stream is `indices[i]`'s
-        (default: its position in the call)."""
+        """jobs: (prompt_index, prompt ids), through `engine.slots` slots or (None) one
+        per job, at most `max_batch`; request i's stream is `indices[i]`'s (default: its
+        position in the call)."""
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         seed = 0 if sampling.seed is None else sampling.seed
         if sampling.seed is None and sampling.temperature > 0:
@@ -507,12 +496,13 @@ class TorchEngine:
         # An eos-finished row runs on (recording nothing) until the next check.
         positions = max(len(r.prompt_ids) for r in requests) + max(budgets)
         drafts = 0 if self.speculation is None else self.speculation.max_k + 1
-        decoder = self.slot_decoder(positions + self.finish_check_every + drafts)
+        slots = self.slots or min(len(requests), self.max_batch)
+        decoder = self.slot_decoder(slots, positions + self.finish_check_every + drafts)
         stats = SlotStats()
         self._generating = True
         started = time.perf_counter()
         try:
-            generated = run_slots(
+            generated = SlotLoop(
                 decoder,
                 requests,
                 sampling,
@@ -520,10 +510,10 @@ class TorchEngine:
                 pad,
                 check_every=self.finish_check_every,
                 version=lambda: -1 if self.version is None else self.version,
-                between_steps=self.between_steps,
+                between_steps=self.between_steps if self.slots is not None else None,
                 stats=stats,
-                speculation=self.speculation,
-            )
+                strategy=self.speculation,
+            ).run()
         finally:
             self._generating = False
         self.last_stats = stats
@@ -554,50 +544,6 @@ class TorchEngine:
             prompt_index=prompt_index,
         )
 
-    @torch.no_grad()
-    def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> list[Sample]:
-        encoded = [self.tokenizer(p)["input_ids"] for p in prompts]
-        jobs = [(i, ids) for i, ids in enumerate(encoded) for _ in range(sampling.n)]
-        if self.slots is not None:
-            return self._generate_slots(jobs, [sampling.max_new_tokens] * len(jobs), sampling)
-        generator = None
-        if sampling.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        samples = []
-        for start in range(0, len(jobs), self.max_batch):
-            samples += self._generate_batch(
-                jobs[start : start + self.max_batch], sampling, generator
-            )
-        return samples
-
-    def _generate_batch(self, jobs, sampling: SamplingParams, generator) -> list[Sample]:
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        decoder, logits = self.start([ids for _, ids in jobs], sampling.max_new_tokens)
-        tokens, logprobs, lengths = (
-            t.cpu()
-            for t in decode(decoder, logits, sampling, generator, eos, pad, self.finish_check_every)
-        )
-        version = -1 if self.version is None else self.version
-        out = []
-        for row, (prompt_index, prompt_ids) in enumerate(jobs):
-            n = int(lengths[row])
-            ids = tokens[row, :n].tolist()
-            out.append(
-                Sample(
-                    prompt_ids=list(prompt_ids),
-                    token_ids=ids,
-                    logprobs=logprobs[row, :n].tolist(),
-                    versions=[version] * n,
-                    finish_reason="stop"
-                    if ids and ids[-1] == eos and not sampling.ignore_eos
-                    else "length",
-                    text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                    prompt_index=prompt_index,
-                )
-            )
-        return out
-
     def close(self) -> None:
-        self._decoder = None
         self._slot_decoder = None
         self.model = None

@@ -1,11 +1,14 @@
-"""Speculative decoding inside the torch engine's slot loop (`engines.slots.run_slots`).
+"""Speculative decoding inside the torch engine's slot loop: `SlotSpeculation` is the
+loop's step strategy (`asyncfp8.engines.stepping.StepStrategy`; the loop is
+`engines.slot_loop.SlotLoop`, which it sees only through `stepping.SlotSteps`).
 
-`SlotSpeculation` is what the loop asks and tells: per step, how many tokens to draft
-(`choose`: a fixed k, or TLT's adaptive control: none while the active batch is large, a
-bandit's k per batch-size bucket when it is small); the drafts (`draft`), drawn from the
-per-request streams so that a sample does not depend on its slot; acceptance counts per
-version; and every finished sequence's hidden states and tokens (`observe`) for the
-online trainer, which trains between generations (`train`).
+Per step it chooses how many tokens to draft (`choose`: a fixed k, or TLT's adaptive
+control: none while the active batch is large, a bandit's k per batch-size bucket when
+it is small); with k = 0 the loop makes a plain step, else the drafts (`draft`), drawn
+from the per-request streams so that a sample does not depend on its slot, are verified
+by one forward of the target and accepted losslessly (`acceptance.accept`). It keeps
+acceptance counts per version, and every finished sequence's hidden states and tokens
+(`finished`) for the online trainer, which trains between generations.
 
 The drafter's cache has one row per slot, fed from what the slot decoder records anyway
 (the target's last hidden state and the token at every position of every row): when a
@@ -19,19 +22,20 @@ sequence draft tokens nobody reads.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from asyncfp8.engines.base import SamplingParams
+from asyncfp8.engines.decode import processed_logprobs
+from asyncfp8.engines.request_sampling import COIN, DRAFT, FINAL
+from asyncfp8.engines.stepping import Kept, RecordingDecoder, SlotSteps
 
+from .acceptance import accept
 from .adaptive import SpeculationController
 from .drafter import Drafter
 from .training import DrafterTrainer
-
-if TYPE_CHECKING:
-    from asyncfp8.engines.slots import SlotDecoder
 
 
 class SlotSpeculation:
@@ -54,6 +58,9 @@ class SlotSpeculation:
             raise ValueError(f"draft length k must be >= 1, got {k}")
         self.drafter, self.k, self.controller, self.trainer = drafter, k, controller, trainer
         self.max_k = k if controller is None else max(controller.ks)
+        #: a verify step writes the last token and k drafts past a row's last position
+        self.overshoot = self.max_k + 1
+        self.needs_hidden = True
         self.cache = drafter.new_cache(slots)
         #: per row, the decoder cache positions its drafter row has taken in (host)
         self.synced = [0] * slots
@@ -62,6 +69,47 @@ class SlotSpeculation:
         self.verify_rows = 0  # live rows over speculative steps
         self.drafted = 0
         self.accepted = 0
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def step(self, loop: SlotSteps, current: int) -> list[bool] | None:
+        """A plain step or a draft-and-verify step, as `choose` says; the latter returns
+        each row's liveness after it."""
+        active = loop.active()
+        k = self.choose(active)
+        started = time.perf_counter()
+        if not k:
+            loop.plain_step(current)
+            self.report(active, 0, active, time.perf_counter() - started)
+            return None
+        kept = self._verify_step(loop, k, current)
+        self.report(active, k, sum(kept.per_row), time.perf_counter() - started)
+        return kept.live
+
+    def _verify_step(self, loop: SlotSteps, k: int, current: int) -> Kept:
+        sampling = loop.sampling
+        greedy = sampling.temperature == 0
+        offsets = torch.arange(k + 1, device=loop.pending().device)
+        # The k drafts' uniforms in one draw, as k draws at count + i would give them.
+        draft_u = None if greedy else loop.uniforms(DRAFT, offsets[:k])
+        drafts, draft_logp = self.draft(
+            k, sampling, lambda i: draft_u[:, i], loop.decoder, loop.pending(), loop.occupied()
+        )
+        logits = loop.decoder.verify(torch.cat([loop.fed()[:, None], drafts], 1))
+        result = accept(
+            processed_logprobs(logits, sampling),
+            draft_logp,
+            drafts,
+            greedy=greedy,
+            uniforms=None
+            if greedy
+            else (loop.uniforms(COIN, offsets[:k]), loop.uniforms(FINAL, offsets)),
+        )
+        kept = loop.keep(
+            result.tokens, result.logprobs, result.num_emitted, current, result.num_accepted
+        )
+        self.record(kept.counted, kept.rows, k)
+        return kept
 
     # -- what the loop asks -------------------------------------------------------------------
 
@@ -90,7 +138,7 @@ class SlotSpeculation:
         k: int,
         sampling: SamplingParams,
         uniforms: Callable[[int], torch.Tensor],
-        decoder: SlotDecoder,
+        decoder: RecordingDecoder,
         last: torch.Tensor,
         live: Sequence[bool],
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +152,7 @@ class SlotSpeculation:
 
     # -- what the loop tells ------------------------------------------------------------------
 
-    def start_rows(self, rows: Sequence[int]) -> None:
+    def started(self, rows: Sequence[int]) -> None:
         """Slots `rows` start new sequences: their drafter rows are emptied (the next
         draft feeds them from the decoder, prompt first)."""
         index = torch.tensor(list(rows), dtype=torch.long, device=self.cache.lengths.device)
@@ -115,42 +163,39 @@ class SlotSpeculation:
             self.synced[row] = 0
 
     @torch.no_grad()
-    def sync(self, decoder: SlotDecoder, last: torch.Tensor, live: Sequence[bool]) -> None:
+    def sync(self, decoder: RecordingDecoder, last: torch.Tensor, live: Sequence[bool]) -> None:
         """Feeds each live row the (hidden state, next token) pairs of the decoder's
         positions [synced, length): its real positions (not prompt padding), each paired
         with the token of the next real position, the last one with `last` (sampled
         after it, not fed yet). The positions below a row's length are final: rejected
         drafts only ever sit past it."""
-        rows = [
-            row for row, on in enumerate(live) if on and self.synced[row] < decoder.lengths[row]
-        ]
+        rows = [row for row, on in enumerate(live) if on and self.synced[row] < decoder.length(row)]
         if not rows:
             return
+        span = decoder.recorded(rows, [self.synced[r] for r in rows])
         device = self.cache.lengths.device
         index = torch.tensor(rows, dtype=torch.long, device=device)
         starts = torch.tensor([self.synced[r] for r in rows], dtype=torch.long, device=device)
-        ends = [decoder.lengths[r] for r in rows]
+        ends = span.ends
         spans = torch.tensor(ends, dtype=torch.long, device=device) - starts
-        width = max(end - self.synced[r] for r, end in zip(rows, ends, strict=True))
+        width = span.tokens.shape[1]
         offsets = torch.arange(width + 1, device=device)
-        columns = (starts[:, None] + offsets).clamp_max(decoder.max_tokens - 1)
-        inside = offsets < spans[:, None]
-        valid = decoder.kv_valid[index[:, None], columns] & inside
+        # One column more than recorded, for the pending token of the longest span.
+        after_end = torch.zeros_like(span.real[:, :1])
+        valid = torch.cat([span.real, after_end], 1)
         # Column `span` of each row holds its pending token: the one after its last position.
         pending = offsets == spans[:, None]
-        tokens = torch.where(
-            pending, last[index][:, None], decoder.fed_tokens[index[:, None], columns]
-        )
+        recorded = torch.cat([span.tokens, torch.zeros_like(span.tokens[:, :1])], 1)
+        tokens = torch.where(pending, last[index][:, None], recorded)
         # following[p]: the token of the first column after p that is real or pending.
         beyond = width + 1
         present = torch.where(valid | pending, offsets, beyond)
         first_at_or_after = present.flip(-1).cummin(-1).values.flip(-1)
         after = torch.cat([first_at_or_after[:, 1:], torch.full_like(spans[:, None], beyond)], 1)
         following = tokens.gather(1, after.clamp_max(width))
-        hidden = decoder.hidden_states[index[:, None], columns[:, :width]]
         self.drafter.extend(
             self.cache,
-            hidden,
+            span.hidden,
             following[:, :width],
             valid[:, :width],
             rows=None if len(rows) == self.cache.batch else index,
@@ -167,9 +212,11 @@ class SlotSpeculation:
         if self.trainer is not None:
             self.trainer.record_accepted(accepted, rows, k)
 
-    def observe(self, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
-        """A finished sequence's hidden states [T, H] and tokens [T] (its real positions)."""
+    def finished(self, slot: int, decoder: RecordingDecoder) -> None:
+        """Slot `slot`'s sequence is done: its hidden states and tokens (its real
+        positions) go to the trainer."""
         if self.trainer is not None:
+            hidden, tokens = decoder.sequence(slot)
             self.trainer.observe(hidden[None], tokens[None])
 
     # -- metrics ---------------------------------------------------------------------------------
