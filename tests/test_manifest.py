@@ -150,3 +150,34 @@ def test_the_torch_engine_reads_a_kv_scales_layer_from_the_manifest(tiny_model_d
     with pytest.raises(ValueError, match="is sent as"):
         engine.update_weights(1, weights, doubled, swapped)
     assert float(engine.kv_scales[1][0]) == float(version.extra[k1]) and engine.version == 0
+
+
+def test_roles_filled_while_the_weights_stream_reach_the_header(tiny_model_dir):
+    # fp8 calibrates nothing: the roles dict is empty when the encoder starts and fills
+    # as `weights` streams; the encoder must read that dict, not a fresh one.
+    model = load_model(tiny_model_dir, dtype=torch.float32)
+    version = version_tensors(model, get_policy("fp8"), calibration())
+    assert version.roles == {}
+    received = decode_version(
+        encode_version(0, version.weights, version.extra, roles=version.roles)
+    )
+    name = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    assert received.manifest[name] == TensorRole(Role.WEIGHT_SCALE, 1)
+
+
+def test_weights_sent_without_roles_fit_an_engine_that_knows_theirs():
+    # A publisher that sends no roles (bench/sync.py, docs/sync.md): each is a weight.
+    manifest = {n: TensorRole(Role.WEIGHT) for n in WHOLE}
+    assert check_received(0, WHOLE.items(), manifest, SPECS) == {n: SPECS[n].role for n in WHOLE}
+    with pytest.raises(ValueError, match="extra_roles"):
+        check_received(0, [("k", torch.tensor(0.5))], {"k": TensorRole(Role.EXTRA)}, SPECS)
+    with pytest.raises(ValueError, match="k is sent as"):
+        check_received(0, [("k", torch.tensor(0.5))], {"k": TensorRole(Role.WEIGHT)}, SPECS)
+
+
+@pytest.mark.parametrize("role", [["weight"], {"a": 1}, 3])
+def test_an_unhashable_or_odd_role_is_rejected_not_raised(role):
+    from asyncfp8.sync.codec import entry_role
+
+    with pytest.raises(RejectedMessage):
+        entry_role({"name": "t", "role": role})

@@ -76,11 +76,18 @@ class RefitFault:
         manifest: Mapping[str, TensorRole],
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         weights, extra = dict(weights), dict(extra)
-        if self.kind == "layer_skipped" and not self._due(version):
-            # Copies: a subscriber reuses its buffers for later versions.
+        if (
+            self.kind == "layer_skipped"
+            and not self.done
+            and not (self._due(version) and self.previous_layer)
+        ):
+            # Layer 1 as this version has it, for the next version to keep (copies: a
+            # subscriber reuses its buffers); the fault fires at the first due version
+            # that has an earlier one.
             self.previous_layer = {
                 k: v.clone() for k, v in weights.items() if manifest[k].layer == 1
             }
+            return weights, extra
         if self.kind == "stale" or not self._due(version):
             return weights, extra
         kv = [name for name in extra if manifest[name].role is Role.KV_SCALE]
@@ -93,8 +100,6 @@ class RefitFault:
                 raise ValueError(f"{ENV}: {self.kind} needs a precision with KV scales")
             extra |= {name: extra[name] * 2 for name in kv}
         elif self.kind == "layer_skipped":
-            if not self.previous_layer:
-                return weights, extra  # nothing earlier to keep
             weights |= self.previous_layer
         elif self.kind == "scale_transposed":
             name = next(

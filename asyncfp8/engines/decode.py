@@ -1,5 +1,5 @@
 """The built-in engine's forward pieces over a static KV cache (the decode loop that
-runs them is `slots.SlotLoop`, over a `slots.SlotDecoder`).
+runs them is `slot_loop.SlotLoop`, over a `slots.SlotDecoder`).
 
 - `processed_logprobs`: the distribution actually sampled from (temperature, top-k,
   top-p); `request_sampling` draws from it with per-request random streams.

@@ -141,10 +141,3 @@ class StaticKVCache:
         """e4m3 keys and values of layer `layer_idx` (as `update` returned them) · scale."""
         k_scale, v_scale = self.scales[layer_idx]
         return (keys.float() * k_scale).to(dtype), (values.float() * v_scale).to(dtype)
-
-    def copy_rows(self, rows: torch.Tensor) -> None:
-        """Row i of every buffer becomes row rows[i]: the samples of a prompt prefilled once
-        take its keys and values."""
-        for buffer in (*self.keys, *self.values):
-            data = buffer.view(torch.uint8) if self.fp8 else buffer
-            data.copy_(data.index_select(0, rows))

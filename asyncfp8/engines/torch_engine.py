@@ -476,6 +476,8 @@ class TorchEngine:
     def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> list[Sample]:
         encoded = [self.tokenizer(p)["input_ids"] for p in prompts]
         jobs = [(i, ids) for i, ids in enumerate(encoded) for _ in range(sampling.n)]
+        if not jobs:
+            return []
         return self._generate(jobs, [sampling.max_new_tokens] * len(jobs), sampling)
 
     def _generate(

@@ -21,7 +21,7 @@ from .policy import (
     register_policy,
     registered_policies,
 )
-from .version_tensors import (
+from .version_content import (
     VersionTensors,
     calibrate_version,
     extra_roles,

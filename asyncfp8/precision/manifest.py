@@ -71,7 +71,7 @@ class TensorRole:
     def from_wire(cls, entry: Mapping[str, Any]) -> TensorRole:
         """The role a header entry carries; ValueError for one that is malformed."""
         role, layer, part = entry.get("role"), entry.get("layer"), entry.get("kv_part")
-        if role not in {r.value for r in Role}:
+        if not isinstance(role, str) or role not in {r.value for r in Role}:
             raise ValueError(f"unknown role {role!r} (expected one of {[r.value for r in Role]})")
         if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool)):
             raise ValueError(f"layer {layer!r} is not an integer")
@@ -148,19 +148,29 @@ def check_received(
         if spec is None:
             raise ValueError(
                 f"version {version}: unknown tensor {name!r} (do the learner and this worker "
-                "use the same model and precision?)"
+                "use the same model and precision? A policy's calibrated tensors need their "
+                "roles in extra_roles())"
             )
         sent = None if manifest is None else manifest.get(name)
         if manifest is not None and sent is None:
             raise ValueError(f"version {version}: {name} has no role in the version's manifest")
-        role = spec.role or sent or WEIGHT
-        if sent is not None and (
-            sent != role if spec.role is not None else sent.section != "weights"
-        ):
+        if sent == EXTRA and spec.role is not None and spec.role.section == "extra":
+            raise ValueError(
+                f"version {version}: extra tensor {name} was sent without a role: a policy "
+                "names the roles of what its calibrate() returns in extra_roles()"
+            )
+        holds_weight = spec.role is None or spec.role.section == "weights"
+        fits = (
+            sent is None
+            or (sent == WEIGHT and holds_weight)  # sent without a role: any weight role fits
+            or (sent == spec.role if spec.role is not None else sent.section == "weights")
+        )
+        if not fits:
             raise ValueError(
                 f"version {version}: {name} is sent as {sent}, this engine holds it as "
                 f"{spec.role or 'a weight'}"
             )
+        role = spec.role or sent or WEIGHT
         if role.role is Role.KV_SCALE:
             _check_scale_value(version, name, tensor)
         elif (tuple(tensor.shape), tensor.dtype) != (spec.shape, spec.dtype):

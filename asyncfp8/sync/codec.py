@@ -109,8 +109,9 @@ class Version:
     engine_config: dict[str, Any] = field(default_factory=dict)
     wire_bytes: int = 0
     transport: str = "tcp"  # how it arrived: "tcp" (any ZeroMQ transport) or "shm"
-    #: every tensor's role, as its header says (`asyncfp8.precision.manifest`)
-    manifest: dict[str, TensorRole] = field(default_factory=dict)
+    #: every tensor's role, as its header says (`asyncfp8.precision.manifest`); None for
+    #: a Version made in process (the engine then takes its own roles)
+    manifest: dict[str, TensorRole] | None = None
 
 
 def entry_role(entry: Mapping[str, Any]) -> TensorRole:
@@ -147,7 +148,8 @@ def tag_sections(
     """(role, name, tensor) for the weights, then the extra tensors. A tensor's role is
     read from `roles` once it has come (a stream may fill `roles` as it yields, as
     `version_weights` does); one without a role is a plain weight, or an `extra`."""
-    roles = roles or {}
+    if roles is None:  # an empty dict may be the one a stream fills: keep it
+        roles = {}
     for section, named in (("weights", weights), ("extra", (extra or {}).items())):
         for name, tensor in named:
             role = roles.get(name) or default_role(section)

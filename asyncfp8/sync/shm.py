@@ -59,7 +59,7 @@ from .limits import Limits, RejectedMessage
 
 log = logging.getLogger("asyncfp8.sync")
 SHM_TOPIC = b"S"
-FORMAT = 2  # 2: notices name pieces of tensors (at, length, checksum of the piece)
+FORMAT = 3  # 2: notices name pieces of tensors (at, length, checksum of the piece); 3: roles
 MAGIC = b"AFP8SHM1"
 HEADER_BYTES = 4096  # magic, sequence number, version; the tensors start on the next page
 ALIGN = 64
