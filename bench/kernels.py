@@ -40,10 +40,17 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Table, failure
 
-from asyncfp8.engines import kernels as K
-from asyncfp8.engines.kernels.common import triton_runs_on
 from asyncfp8.precision.fp8 import quantize_blockwise_reference
+from asyncfp8.precision.fp8.gemm import (
+    fp8_block_matmul,
+    scaled_mm_available,
+    scaled_mm_weight_scales,
+)
+from asyncfp8.precision.fp8.quant import quantize_activations_fp8
+from asyncfp8.precision.fp8_kv.attention import fp8_kv_decode_attention
 from asyncfp8.precision.int8 import quantize_per_channel_reference
+from asyncfp8.precision.int8.gemm import int8_matmul
+from asyncfp8.precision.kernel_support import triton_runs_on
 
 HIDDEN, INTERMEDIATE, Q_HEADS, KV_HEADS, HEAD_DIM = 1536, 8960, 12, 2, 128
 LINEARS = {  # name: (N, K)
@@ -139,23 +146,23 @@ def gemm_cases(x: torch.Tensor, w: torch.Tensor) -> dict[str, tuple[Callable[[],
     bytes per weight element the call must read)."""
     w_bf16 = w.to(torch.bfloat16)
     w_q, w_scale = quantize_blockwise_reference(w)
-    w_scale_mm = K.scaled_mm_weight_scales(w_scale)
+    w_scale_mm = scaled_mm_weight_scales(w_scale)
     w_i8, w_i8_scale = quantize_per_channel_reference(w)
-    x_q, x_scale = K.quantize_activations_fp8(x, 128, column_major_scales=True)
+    x_q, x_scale = quantize_activations_fp8(x, 128, column_major_scales=True)
     x_i8 = torch.randint(-128, 128, x.shape, dtype=torch.int8, device=x.device)
     x_i8_scale = torch.rand(x.shape[0], 1, device=x.device)
-    # What impl="auto" runs here (the table in asyncfp8/engines/kernels/gemm.py).
-    auto = "scaled_mm" if K.scaled_mm_available(x_q) else "triton" if x.is_cuda else "reference"
+    # What impl="auto" runs here (the table in asyncfp8/precision/fp8/gemm.py).
+    auto = "scaled_mm" if scaled_mm_available(x_q) else "triton" if x.is_cuda else "reference"
 
     def fp8(impl: str, quantize: bool = False):
         def call():
-            xq, xs = K.quantize_activations_fp8(x, 128, True) if quantize else (x_q, x_scale)
-            return K.fp8_block_matmul(xq, xs, w_q, w_scale, impl=impl, w_scale_mm=w_scale_mm)
+            xq, xs = quantize_activations_fp8(x, 128, True) if quantize else (x_q, x_scale)
+            return fp8_block_matmul(xq, xs, w_q, w_scale, impl=impl, w_scale_mm=w_scale_mm)
 
         return call
 
     def int8(impl: str):
-        return lambda: K.int8_matmul(x_i8, x_i8_scale, w_i8, w_i8_scale, impl=impl)
+        return lambda: int8_matmul(x_i8, x_i8_scale, w_i8, w_i8_scale, impl=impl)
 
     return {
         "bf16 F.linear": (lambda: F.linear(x, w_bf16), 2),
@@ -228,7 +235,7 @@ def attention_cases(
     auto = "triton" if triton_runs_on(q) else "reference"  # what impl="auto" runs here
 
     def fp8_kv_kernel():
-        return K.fp8_kv_decode_attention(q, k_cache, v_cache, k_scale, v_scale, valid, sm_scale)
+        return fp8_kv_decode_attention(q, k_cache, v_cache, k_scale, v_scale, valid, sm_scale)
 
     return {
         f"fp8-kv {auto}": (fp8_kv_kernel, 1),
@@ -308,7 +315,7 @@ def main() -> int:
         copy_bandwidth_bytes_per_s=bandwidth,
         calls_per_graph=CALLS_PER_GRAPH,
         repeats=args.repeats,
-        scaled_mm_available=K.scaled_mm_available(torch.empty(1, device=device)),
+        scaled_mm_available=scaled_mm_available(torch.empty(1, device=device)),
     )
     gemm_rows(table, args.repeats, bandwidth, device, sizes)
     attention_rows(table, args.repeats, bandwidth, device, sizes)

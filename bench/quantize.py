@@ -23,9 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Table, failure, median_seconds
 
-from asyncfp8.precision import kernels
+from asyncfp8.precision import kernel_support
 from asyncfp8.precision.fp8 import quantize_blockwise_reference
+from asyncfp8.precision.fp8.quant import quantize_blockwise_triton
 from asyncfp8.precision.int8 import quantize_per_channel_reference
+from asyncfp8.precision.int8.quant import quantize_per_channel_triton
 
 HIDDEN, INTERMEDIATE = 4096, 11008
 TOY_HIDDEN, TOY_INTERMEDIATE = 256, 704  # --dry-run
@@ -72,9 +74,9 @@ def main() -> int:
         ("fp8", "torch"): quantize_blockwise_reference,
         ("int8", "torch"): quantize_per_channel_reference,
     }
-    if device == "cuda" and kernels.triton is not None:
-        impls[("fp8", "triton")] = kernels.quantize_blockwise_triton
-        impls[("int8", "triton")] = kernels.quantize_per_channel_triton
+    if device == "cuda" and kernel_support.triton is not None:
+        impls[("fp8", "triton")] = quantize_blockwise_triton
+        impls[("int8", "triton")] = quantize_per_channel_triton
     tag = "dry-run" if args.dry_run else device
     table = Table(
         args.out or f"bench/results/quantize-{tag}.json", copy_gb_per_s=bandwidth, layers=layers

@@ -53,8 +53,9 @@ import torch
 import torch.nn.functional as F
 
 from asyncfp8.precision import PrecisionPolicy
+from asyncfp8.precision.kernel_support import ceil_div
 from asyncfp8.precision.modules import QuantizedLinear
-from asyncfp8.precision.policy import ceil_div, check_weight
+from asyncfp8.precision.policy import check_weight
 
 AMAX_FLOOR = 1e-10  # as the built-in formats: an all-zero group keeps a finite scale
 

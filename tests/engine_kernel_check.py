@@ -1,6 +1,6 @@
 """Run under TRITON_INTERPRET=1 (tests/test_engine_kernels.py does, in a subprocess: the
 variable must be set before triton is imported): the Triton kernels of
-asyncfp8.engines.kernels against their torch references on random shapes, odd ones and
+the formats' kernels (asyncfp8/precision/<format>/) against their torch references on random shapes, odd ones and
 batch 1 included.
 
     TRITON_INTERPRET=1 python tests/engine_kernel_check.py quant|fp8_gemm|int8_gemm|attention
@@ -16,8 +16,18 @@ import sys
 
 import torch
 
-from asyncfp8.engines import kernels as K
 from asyncfp8.precision.fp8 import quantize_blockwise_reference
+from asyncfp8.precision.fp8.gemm import fp8_block_matmul_reference, fp8_block_matmul_triton
+from asyncfp8.precision.fp8.quant import (
+    quantize_activations_fp8,
+    quantize_activations_fp8_reference,
+    to_column_major,
+)
+from asyncfp8.precision.fp8_kv.attention import (
+    fp8_kv_decode_attention_reference,
+    fp8_kv_decode_attention_triton,
+)
+from asyncfp8.precision.int8.gemm import int8_matmul_reference, int8_matmul_triton
 
 FP8 = torch.float8_e4m3fn
 
@@ -80,8 +90,8 @@ def check_quant(report: Report, generator: torch.Generator) -> None:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x = base.clamp(-6e4, 6e4).to(dtype)
             for column_major in (False, True):
-                q, s = K.quantize_activations_fp8(x, group, column_major, impl="triton")
-                q_ref, s_ref = K.quantize_activations_fp8_reference(x, group, column_major)
+                q, s = quantize_activations_fp8(x, group, column_major, impl="triton")
+                q_ref, s_ref = quantize_activations_fp8_reference(x, group, column_major)
                 label = f"quant {tokens}x{cols} group {group} {dtype} column_major={column_major}"
                 report.exact(
                     label,
@@ -91,8 +101,8 @@ def check_quant(report: Report, generator: torch.Generator) -> None:
                 )
     # A strided input (a column slice) reads the same values.
     x = activations(4, 320, generator)
-    q, s = K.quantize_activations_fp8(x[:, 32:288], 128, impl="triton")
-    q_ref, s_ref = K.quantize_activations_fp8_reference(x[:, 32:288].contiguous(), 128)
+    q, s = quantize_activations_fp8(x[:, 32:288], 128, impl="triton")
+    q_ref, s_ref = quantize_activations_fp8_reference(x[:, 32:288].contiguous(), 128)
     report.exact("quant strided", torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)))
 
 
@@ -122,14 +132,14 @@ def check_fp8_gemm(report: Report, generator: torch.Generator) -> None:
         x = activations(m, k, generator).clamp(-1e3, 1e3)
         w = torch.randn(n, k, generator=generator) * torch.logspace(-3, 0, n)[:, None]
         w_q, w_scale = quantize_blockwise_reference(w, block)
-        x_q, x_scale = K.quantize_activations_fp8_reference(x, block[1])
+        x_q, x_scale = quantize_activations_fp8_reference(x, block[1])
         x_deq = x_q.double() * x_scale.double().repeat_interleave(block[1], 1)[:, :k]
         w_scales = w_scale.double().repeat_interleave(block[0], 0)[:n]
         w_deq = w_q.double() * w_scales.repeat_interleave(block[1], 1)[:, :k]
         magnitude = (x_deq.abs() @ w_deq.abs().t()).float()
         for out_dtype in (torch.float32, torch.bfloat16):
-            ref = K.fp8_block_matmul_reference(x_q, x_scale, w_q, w_scale, block, out_dtype)
-            got = K.fp8_block_matmul_triton(
+            ref = fp8_block_matmul_reference(x_q, x_scale, w_q, w_scale, block, out_dtype)
+            got = fp8_block_matmul_triton(
                 x_q, x_scale, w_q, w_scale, block, out_dtype, split_k=split_k
             )
             allowed = 4e-6 * magnitude + 1e-30
@@ -138,10 +148,10 @@ def check_fp8_gemm(report: Report, generator: torch.Generator) -> None:
             label = f"fp8 gemm {m}x{n}x{k} block {block} split {split_k} {out_dtype}"
             report.within(label, (got.float() - ref.float()).abs(), allowed)
         # Column-major activation scales (the sm90 layout) read the same numbers.
-        got = K.fp8_block_matmul_triton(
-            x_q, K.to_column_major(x_scale), w_q, w_scale, block, torch.float32, split_k
+        got = fp8_block_matmul_triton(
+            x_q, to_column_major(x_scale), w_q, w_scale, block, torch.float32, split_k
         )
-        ref = K.fp8_block_matmul_triton(x_q, x_scale, w_q, w_scale, block, torch.float32, split_k)
+        ref = fp8_block_matmul_triton(x_q, x_scale, w_q, w_scale, block, torch.float32, split_k)
         report.exact(f"fp8 gemm {m}x{n}x{k} column-major scales", torch.equal(got, ref))
 
 
@@ -169,8 +179,8 @@ def check_int8_gemm(report: Report, generator: torch.Generator) -> None:
         x_scale = torch.rand(m, 1, generator=generator) * 1e-2
         w_scale = torch.rand(n, 1, generator=generator) * 1e-3
         for out_dtype in (torch.float32, torch.float16, torch.bfloat16):
-            ref = K.int8_matmul_reference(x_q, x_scale, w_q, w_scale, out_dtype)
-            got = K.int8_matmul_triton(x_q, x_scale, w_q, w_scale, out_dtype, split_k=split_k)
+            ref = int8_matmul_reference(x_q, x_scale, w_q, w_scale, out_dtype)
+            got = int8_matmul_triton(x_q, x_scale, w_q, w_scale, out_dtype, split_k=split_k)
             label = f"int8 gemm {m}x{n}x{k} split {split_k} {out_dtype}"
             if out_dtype == torch.bfloat16:
                 error = (got.float() - ref.float()).abs()
@@ -213,8 +223,8 @@ def check_attention(report: Report, generator: torch.Generator) -> None:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for kv_len in (None, lengths):
                 args = (q.to(dtype), k_cache, v_cache, k_scale, v_scale, valid, None, kv_len)
-                ref = K.fp8_kv_decode_attention_reference(*args)
-                got = K.fp8_kv_decode_attention_triton(*args, num_splits=splits)
+                ref = fp8_kv_decode_attention_reference(*args)
+                got = fp8_kv_decode_attention_triton(*args, num_splits=splits)
                 allowed = torch.full_like(ref, 2e-6 * v_max, dtype=torch.float32)
                 if dtype != torch.float32:
                     step = 2**-7 if dtype == torch.bfloat16 else 2**-10
@@ -232,8 +242,8 @@ def check_attention(report: Report, generator: torch.Generator) -> None:
     valid = torch.ones(2, 40, dtype=torch.bool)
     scales = (torch.tensor(0.01), torch.tensor(0.02))
     args = (q, cache.transpose(1, 2), cache.transpose(1, 2), *scales, valid)
-    ref = K.fp8_kv_decode_attention_reference(*args)
-    got = K.fp8_kv_decode_attention_triton(*args, num_splits=2)
+    ref = fp8_kv_decode_attention_reference(*args)
+    got = fp8_kv_decode_attention_triton(*args, num_splits=2)
     report.within(
         "attention strided cache",
         (got - ref).abs(),
@@ -244,8 +254,8 @@ def check_attention(report: Report, generator: torch.Generator) -> None:
     buffer = torch.rand(2, 64, generator=generator) > 0.3
     buffer[:, 39] = True
     args = (q, cache.transpose(1, 2), cache.transpose(1, 2), *scales, buffer[:, :40])
-    ref = K.fp8_kv_decode_attention_reference(*args[:-1], buffer[:, :40].contiguous())
-    got = K.fp8_kv_decode_attention_triton(*args, num_splits=2)
+    ref = fp8_kv_decode_attention_reference(*args[:-1], buffer[:, :40].contiguous())
+    got = fp8_kv_decode_attention_triton(*args, num_splits=2)
     report.within(
         "attention mask sliced from a wider buffer",
         (got - ref).abs(),

@@ -6,9 +6,10 @@ import sys
 
 import torch
 
-from asyncfp8.precision import kernels
 from asyncfp8.precision.fp8 import quantize_blockwise_reference
+from asyncfp8.precision.fp8.quant import quantize_blockwise_triton
 from asyncfp8.precision.int8 import quantize_per_channel_reference
+from asyncfp8.precision.int8.quant import quantize_per_channel_triton
 
 SHAPES = [(128, 128), (256, 384), (64, 352), (200, 129), (1, 7), (300, 260), (129, 1), (17, 1000)]
 
@@ -38,7 +39,7 @@ def main() -> int:
         for dtype in (torch.float32, torch.bfloat16):
             w = case.to(dtype)
             checked += 1
-            q, scale = kernels.quantize_blockwise_triton(w)
+            q, scale = quantize_blockwise_triton(w)
             q_ref, scale_ref = quantize_blockwise_reference(w)
             if not (
                 torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
@@ -48,7 +49,7 @@ def main() -> int:
                 print(
                     f"fp8 {rows}x{cols} {dtype}: {(q.view(torch.uint8) != q_ref.view(torch.uint8)).sum()} bytes differ"
                 )
-            q8, scale8 = kernels.quantize_per_channel_triton(w)
+            q8, scale8 = quantize_per_channel_triton(w)
             q8_ref, scale8_ref = quantize_per_channel_reference(w)
             if not (torch.equal(q8, q8_ref) and torch.equal(scale8, scale8_ref)):
                 failures += 1

@@ -1,4 +1,4 @@
-"""asyncfp8.engines.kernels: the Triton kernels against their torch references (under
+"""The formats' GEMM, activation and attention kernels (asyncfp8/precision/fp8, int8, fp8_kv): the Triton kernels against their torch references (under
 TRITON_INTERPRET=1, in a subprocess: tests/engine_kernel_check.py, whose checks state
 their tolerances), the references against float64 and against today's modules, the scale
 layouts, the errors for paths a device cannot run, and (marked `gpu`, skipped without
@@ -15,10 +15,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncfp8.engines import kernels as K
-from asyncfp8.engines.kernels import common
+from asyncfp8.precision import kernel_support
 from asyncfp8.precision.fp8 import FP8BlockLinear, quantize_blockwise_reference
-from asyncfp8.precision.fp8 import quantize_activations_fp8 as module_quantize
+from asyncfp8.precision.fp8.gemm import (
+    fp8_block_matmul,
+    fp8_block_matmul_reference,
+    pad_fp8_weight,
+    scaled_mm_available,
+    scaled_mm_weight_scales,
+    triton_fp8_block_k,
+)
+from asyncfp8.precision.fp8.quant import (
+    empty_activation_scales,
+    quantize_activations_fp8,
+    quantize_activations_fp8_reference,
+    to_column_major,
+)
+from asyncfp8.precision.fp8_kv.attention import (
+    fp8_kv_decode_attention,
+    fp8_kv_decode_attention_reference,
+)
+from asyncfp8.precision.int8.gemm import int8_matmul
+from asyncfp8.precision.kernel_support import KernelUnavailable
 
 REPO = Path(__file__).resolve().parents[1]
 FP8 = torch.float8_e4m3fn
@@ -39,7 +57,7 @@ def fp8_operands(m, n, k, block, seed=0):
     x = torch.randn(m, k, generator=generator) * torch.logspace(-2, 2, m)[:, None]
     w = torch.randn(n, k, generator=generator) * 0.05
     w_q, w_scale = quantize_blockwise_reference(w, block)
-    x_q, x_scale = K.quantize_activations_fp8_reference(x, block[1])
+    x_q, x_scale = quantize_activations_fp8_reference(x, block[1])
     return x, x_q, x_scale, w_q, w_scale
 
 
@@ -74,34 +92,37 @@ def test_triton_kernels_match_the_torch_references_under_the_interpreter(check):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "cols"), [(1, 128), (5, 384), (3, 300)])
-def test_reference_quantizer_gives_the_bytes_of_todays_module_quantizer(dtype, tokens, cols):
+def test_reference_quantizer_gives_the_bytes_of_the_formula(dtype, tokens, cols):
     x = (torch.randn(tokens, cols) * torch.logspace(-4, 3, tokens)[:, None]).to(dtype)
-    padded = torch.nn.functional.pad(x, (0, -cols % 128))  # the module pads to whole groups
-    q_old, s_old = module_quantize(padded, 128)
-    q, s = K.quantize_activations_fp8_reference(x, 128)
+    # DESIGN.md §4 written out, on x zero-padded to whole groups of 128.
+    padded = torch.nn.functional.pad(x.float(), (0, -cols % 128))
+    groups = padded.view(tokens, -1, 128)
+    s_old = groups.abs().amax(-1).clamp_min(1e-10) / 448.0
+    q_old = (groups / s_old[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(tokens, -1)
+    q, s = quantize_activations_fp8_reference(x, 128)
     assert q.shape == (tokens, cols) and s.shape == (tokens, math.ceil(cols / 128))
     assert torch.equal(q.view(torch.uint8), q_old[:, :cols].view(torch.uint8))
     assert torch.equal(s, s_old)
     # impl="auto" on the CPU is the reference.
-    q_auto, s_auto = K.quantize_activations_fp8(x, 128)
+    q_auto, s_auto = quantize_activations_fp8(x, 128)
     assert torch.equal(q_auto.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s_auto, s)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 64])
 def test_column_major_scales_have_strides_1_m_including_m_1(rows):
-    empty = K.empty_activation_scales(rows, 12, "cpu", column_major=True)
+    empty = empty_activation_scales(rows, 12, "cpu", column_major=True)
     assert empty.shape == (rows, 12) and empty.stride() == (1, rows)
     x = torch.randn(rows, 12 * 128)
-    q_row, s_row = K.quantize_activations_fp8(x, 128)
-    q_col, s_col = K.quantize_activations_fp8(x, 128, column_major_scales=True)
+    q_row, s_row = quantize_activations_fp8(x, 128)
+    q_col, s_col = quantize_activations_fp8(x, 128, column_major_scales=True)
     assert s_row.stride() == (12, 1)
     assert s_col.stride() == (1, rows)
     assert torch.equal(s_col, s_row) and torch.equal(
         q_col.view(torch.uint8), q_row.view(torch.uint8)
     )
-    moved = K.to_column_major(s_row)
+    moved = to_column_major(s_row)
     assert moved.stride() == (1, rows) and torch.equal(moved, s_row)
-    assert K.to_column_major(s_col) is s_col  # already laid out: no copy
+    assert to_column_major(s_col) is s_col  # already laid out: no copy
     # What gpu/README.md warns about: the transpose trick is not (1, M) at M = 1.
     if rows == 1:
         assert s_row.t().contiguous().t().stride() != (1, rows)
@@ -109,11 +130,11 @@ def test_column_major_scales_have_strides_1_m_including_m_1(rows):
 
 def test_scaled_mm_weight_scales_pad_k_blocks_to_a_multiple_of_4_and_transpose():
     scale_inv = torch.rand(12, 70) + 0.5  # Qwen2.5-1.5B's down_proj: K/128 = 70
-    laid_out = K.scaled_mm_weight_scales(scale_inv)
+    laid_out = scaled_mm_weight_scales(scale_inv)
     assert laid_out.shape == (72, 12) and laid_out.stride() == (1, 72)
     assert torch.equal(laid_out[:70], scale_inv.t())
     assert torch.equal(laid_out[70:], torch.zeros(2, 12))
-    already = K.scaled_mm_weight_scales(torch.rand(2, 8))
+    already = scaled_mm_weight_scales(torch.rand(2, 8))
     assert already.shape == (8, 2) and already.stride() == (1, 8)
 
 
@@ -126,15 +147,15 @@ def test_reference_fp8_gemm_is_todays_fp8_block_linear_bit_for_bit(m, n, k):
     module = FP8BlockLinear("w", w_q, w_scale, None, real=True)
     with torch.no_grad():
         expected = module(x)
-    got = K.fp8_block_matmul_reference(x_q, x_scale, w_q, w_scale, (128, 128), torch.float32)
+    got = fp8_block_matmul_reference(x_q, x_scale, w_q, w_scale, (128, 128), torch.float32)
     assert torch.equal(got, expected)
-    column_major = K.to_column_major(x_scale)  # the sm90 layout reads the same numbers
+    column_major = to_column_major(x_scale)  # the sm90 layout reads the same numbers
     assert torch.equal(
-        K.fp8_block_matmul_reference(x_q, column_major, w_q, w_scale, (128, 128), torch.float32),
+        fp8_block_matmul_reference(x_q, column_major, w_q, w_scale, (128, 128), torch.float32),
         expected,
     )
     assert torch.equal(
-        K.fp8_block_matmul(x_q, x_scale, w_q, w_scale, out_dtype=torch.float32), expected
+        fp8_block_matmul(x_q, x_scale, w_q, w_scale, out_dtype=torch.float32), expected
     )
 
 
@@ -153,38 +174,38 @@ def test_reference_fp8_gemm_matches_a_float64_dequantized_matmul(m, n, k, block)
     # 2e-6·Σ|x·w| allowed. A dropped or doubled block would be off by whole products.
     _, x_q, x_scale, w_q, w_scale = fp8_operands(m, n, k, block, seed=1)
     exact, magnitude = float64_matmul(x_q, x_scale, w_q, w_scale, block)
-    got = K.fp8_block_matmul_reference(x_q, x_scale, w_q, w_scale, block, torch.float32)
+    got = fp8_block_matmul_reference(x_q, x_scale, w_q, w_scale, block, torch.float32)
     assert got.shape == (m, n)
     assert ((got.double() - exact).abs() <= 2e-6 * magnitude + 1e-30).all()
 
 
 def test_a_padded_weight_gives_the_same_output_cropped():
     _, x_q, x_scale, w_q, w_scale = fp8_operands(3, 200, 256, (128, 128), seed=2)
-    padded = K.pad_fp8_weight(w_q)
+    padded = pad_fp8_weight(w_q)
     assert padded.shape == (256, 256) and padded.dtype == FP8
     assert torch.equal(padded[:200].view(torch.uint8), w_q.view(torch.uint8))
     assert not padded[200:].view(torch.uint8).any()
-    full = K.fp8_block_matmul(x_q, x_scale, padded, w_scale, out_dtype=torch.float32)
+    full = fp8_block_matmul(x_q, x_scale, padded, w_scale, out_dtype=torch.float32)
     assert full.shape == (3, 256) and not full[:, 200:].any()
     assert torch.equal(
-        full[:, :200], K.fp8_block_matmul(x_q, x_scale, w_q, w_scale, out_dtype=torch.float32)
+        full[:, :200], fp8_block_matmul(x_q, x_scale, w_q, w_scale, out_dtype=torch.float32)
     )
 
 
 def test_fp8_gemm_refuses_what_its_layout_does_not_allow():
     _, x_q, x_scale, w_q, w_scale = fp8_operands(2, 64, 96, (32, 24))
     with pytest.raises(ValueError, match="multiple of 16"):
-        K.fp8_block_matmul(x_q, x_scale, w_q, w_scale, (32, 24), impl="triton")
+        fp8_block_matmul(x_q, x_scale, w_q, w_scale, (32, 24), impl="triton")
     _, x_q, x_scale, w_q, w_scale = fp8_operands(2, 64, 256, (128, 128))
     with pytest.raises(ValueError, match="w_scale_inv has shape"):
-        K.fp8_block_matmul(x_q, x_scale, w_q, w_scale[:, :1])
+        fp8_block_matmul(x_q, x_scale, w_q, w_scale[:, :1])
     with pytest.raises(ValueError, match="x_scales has shape"):
-        K.fp8_block_matmul(x_q, x_scale[:1], w_q, w_scale)
+        fp8_block_matmul(x_q, x_scale[:1], w_q, w_scale)
     with pytest.raises(ValueError, match="same K"):
-        K.fp8_block_matmul(x_q[:, :128], x_scale[:, :1], w_q, w_scale)
+        fp8_block_matmul(x_q[:, :128], x_scale[:, :1], w_q, w_scale)
     with pytest.raises(ValueError, match="128x128"):
-        K.fp8_block_matmul(x_q, x_scale, w_q, w_scale, (64, 128), impl="scaled_mm")
-    assert [K.triton_fp8_block_k(bk) for bk in (16, 48, 96, 128, 256)] == [16, 16, 32, 128, 128]
+        fp8_block_matmul(x_q, x_scale, w_q, w_scale, (64, 128), impl="scaled_mm")
+    assert [triton_fp8_block_k(bk) for bk in (16, 48, 96, 128, 256)] == [16, 16, 32, 128, 128]
 
 
 # --- INT8 GEMM reference -------------------------------------------------------------------------
@@ -199,9 +220,9 @@ def test_int8_reference_is_exact_integer_sums_then_the_fp32_epilogue(m, n, k):
     sums = (x_q.double() @ w_q.double().t()).float()  # exact in float64, and then in fp32 here
     expected = sums * x_scale * w_scale.t()
     for impl in ("reference", "auto"):
-        got = K.int8_matmul(x_q, x_scale, w_q, w_scale, torch.float32, impl=impl)
+        got = int8_matmul(x_q, x_scale, w_q, w_scale, torch.float32, impl=impl)
         assert torch.equal(got, expected)
-    flat = K.int8_matmul(x_q, x_scale.reshape(m), w_q, w_scale.reshape(n), torch.bfloat16)
+    flat = int8_matmul(x_q, x_scale.reshape(m), w_q, w_scale.reshape(n), torch.bfloat16)
     assert torch.equal(flat, expected.to(torch.bfloat16))
 
 
@@ -251,9 +272,7 @@ def test_attention_reference_matches_float64_with_padding_gqa_and_kv_len(
     for lengths in (None, kv_len):
         attended = valid if lengths is None else valid & (torch.arange(t_max) < t_max - 3)
         expected = float64_attention(q, k_cache, v_cache, 0.03, 0.05, attended, sm_scale)
-        got = K.fp8_kv_decode_attention(
-            q, k_cache, v_cache, k_scale, v_scale, valid, kv_len=lengths
-        )
+        got = fp8_kv_decode_attention(q, k_cache, v_cache, k_scale, v_scale, valid, kv_len=lengths)
         assert got.shape == q.shape and got.dtype == q.dtype
         assert ((got.double() - expected).abs() <= 1e-5 * v_max).all()
     if batch > 2:
@@ -265,12 +284,10 @@ def test_attention_refuses_mismatched_shapes():
     cache = torch.zeros(2, 4, 8, 16, dtype=FP8)  # 6 query heads do not share 4 KV heads
     valid = torch.ones(2, 8, dtype=torch.bool)
     with pytest.raises(ValueError, match="multiple of Hkv"):
-        K.fp8_kv_decode_attention(q, cache, cache, torch.tensor(1.0), torch.tensor(1.0), valid)
+        fp8_kv_decode_attention(q, cache, cache, torch.tensor(1.0), torch.tensor(1.0), valid)
     cache = torch.zeros(2, 2, 8, 16, dtype=FP8)
     with pytest.raises(ValueError, match="kv_valid must be bool"):
-        K.fp8_kv_decode_attention(
-            q, cache, cache, torch.tensor(1.0), torch.tensor(1.0), valid[:, :4]
-        )
+        fp8_kv_decode_attention(q, cache, cache, torch.tensor(1.0), torch.tensor(1.0), valid[:, :4])
 
 
 # --- paths a device cannot run ----------------------------------------------------------------
@@ -279,25 +296,25 @@ def test_attention_refuses_mismatched_shapes():
 def test_a_path_the_device_cannot_run_names_the_device_the_kernel_and_what_works(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     _, x_q, x_scale, w_q, w_scale = fp8_operands(1, 128, 128, (128, 128))
-    with pytest.raises(K.KernelUnavailable) as raised:
-        K.fp8_block_matmul(x_q, x_scale, w_q, w_scale, impl="scaled_mm")
+    with pytest.raises(KernelUnavailable) as raised:
+        fp8_block_matmul(x_q, x_scale, w_q, w_scale, impl="scaled_mm")
     message = str(raised.value)
     assert "fp8_block_matmul (scaled_mm)" in message and "cpu" in message
     assert "sm90" in message and "impl='reference'" in message
-    monkeypatch.setattr(common, "triton", None)  # as without the triton extra
-    with pytest.raises(K.KernelUnavailable, match=r"Triton is not installed.*impl='reference'"):
-        K.fp8_block_matmul(x_q, x_scale, w_q, w_scale, impl="triton")
+    monkeypatch.setattr(kernel_support, "triton", None)  # as without the triton extra
+    with pytest.raises(KernelUnavailable, match=r"Triton is not installed.*impl='reference'"):
+        fp8_block_matmul(x_q, x_scale, w_q, w_scale, impl="triton")
     monkeypatch.undo()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("ASYNCFP8_TRITON", "0")
     x_i8 = torch.ones(1, 32, dtype=torch.int8)
-    with pytest.raises(K.KernelUnavailable, match=r"int8_matmul \(Triton\) cannot run on cpu"):
-        K.int8_matmul(x_i8, torch.ones(1, 1), x_i8, torch.ones(1, 1), impl="triton")
-    with pytest.raises(K.KernelUnavailable, match="ASYNCFP8_TRITON=0"):
-        K.quantize_activations_fp8(torch.ones(1, 128), impl="triton")
+    with pytest.raises(KernelUnavailable, match=r"int8_matmul \(Triton\) cannot run on cpu"):
+        int8_matmul(x_i8, torch.ones(1, 1), x_i8, torch.ones(1, 1), impl="triton")
+    with pytest.raises(KernelUnavailable, match="ASYNCFP8_TRITON=0"):
+        quantize_activations_fp8(torch.ones(1, 128), impl="triton")
     cache = torch.zeros(1, 1, 16, 16, dtype=FP8)
-    with pytest.raises(K.KernelUnavailable, match=r"fp8_kv_decode_attention \(Triton\)"):
-        K.fp8_kv_decode_attention(
+    with pytest.raises(KernelUnavailable, match=r"fp8_kv_decode_attention \(Triton\)"):
+        fp8_kv_decode_attention(
             torch.ones(1, 1, 16),
             cache,
             cache,
@@ -307,7 +324,7 @@ def test_a_path_the_device_cannot_run_names_the_device_the_kernel_and_what_works
             impl="triton",
         )
     with pytest.raises(ValueError, match="impl must be one of"):
-        K.int8_matmul(x_i8, torch.ones(1, 1), x_i8, torch.ones(1, 1), impl="cuda")
+        int8_matmul(x_i8, torch.ones(1, 1), x_i8, torch.ones(1, 1), impl="cuda")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark runs for minutes")
@@ -328,7 +345,7 @@ def test_the_kernel_benchmark_without_a_gpu_says_so_and_exits_non_zero(tmp_path)
 # --- on a GPU ----------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-needs_triton = pytest.mark.skipif(common.triton is None, reason="needs Triton")
+needs_triton = pytest.mark.skipif(kernel_support.triton is None, reason="needs Triton")
 
 # Decode shapes of a 1.5B-shaped Qwen2 (hidden 1536, intermediate 8960, 12/2 heads × 128):
 # q/o, k/v, gate/up, down.
@@ -341,8 +358,8 @@ QWEN_LINEARS = [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960)]
 @pytest.mark.parametrize("m", [1, 64])
 def test_gpu_activation_quantizer_is_bit_exact(m):
     x = (torch.randn(m, 8960, device="cuda") * 3).to(torch.bfloat16)
-    q, s = K.quantize_activations_fp8(x, 128, column_major_scales=True)
-    q_ref, s_ref = K.quantize_activations_fp8_reference(x, 128)
+    q, s = quantize_activations_fp8(x, 128, column_major_scales=True)
+    q_ref, s_ref = quantize_activations_fp8_reference(x, 128)
     assert s.stride() == (1, m)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
 
@@ -360,14 +377,14 @@ def test_gpu_fp8_gemm_paths_agree(m, n, k):
     x = torch.randn(m, k, device="cuda", generator=generator).to(torch.bfloat16)
     w = torch.randn(n, k, device="cuda", generator=generator) * 0.02
     w_q, w_scale = quantize_blockwise_reference(w)
-    x_q, x_scale = K.quantize_activations_fp8(x, 128, column_major_scales=True)
+    x_q, x_scale = quantize_activations_fp8(x, 128, column_major_scales=True)
     exact, magnitude = float64_matmul(
         x_q.cpu(), x_scale.cpu(), w_q.cpu(), w_scale.cpu(), (128, 128)
     )
-    outputs = {"triton": K.fp8_block_matmul(x_q, x_scale, w_q, w_scale, impl="triton")}
-    if K.scaled_mm_available(x_q):
-        outputs["scaled_mm"] = K.fp8_block_matmul(x_q, x_scale, w_q, w_scale, impl="scaled_mm")
-        assert torch.equal(K.fp8_block_matmul(x_q, x_scale, w_q, w_scale), outputs["scaled_mm"])
+    outputs = {"triton": fp8_block_matmul(x_q, x_scale, w_q, w_scale, impl="triton")}
+    if scaled_mm_available(x_q):
+        outputs["scaled_mm"] = fp8_block_matmul(x_q, x_scale, w_q, w_scale, impl="scaled_mm")
+        assert torch.equal(fp8_block_matmul(x_q, x_scale, w_q, w_scale), outputs["scaled_mm"])
     for impl, out in outputs.items():
         assert out.shape == (m, n) and out.dtype == torch.bfloat16, impl
         error = (out.double().cpu() - exact).abs()
@@ -383,8 +400,8 @@ def test_gpu_int8_gemm_is_bit_exact_at_any_batch(m):
     w_q = torch.randint(-128, 128, (256, 1536), dtype=torch.int8, device="cuda")
     x_scale = torch.rand(m, 1, device="cuda") * 1e-2
     w_scale = torch.rand(256, 1, device="cuda") * 1e-3
-    got = K.int8_matmul(x_q, x_scale, w_q, w_scale, torch.bfloat16)
-    padded = K.int8_matmul(x_q, x_scale, w_q, w_scale, torch.bfloat16, impl="reference")
+    got = int8_matmul(x_q, x_scale, w_q, w_scale, torch.bfloat16)
+    padded = int8_matmul(x_q, x_scale, w_q, w_scale, torch.bfloat16, impl="reference")
     assert torch.equal(got, padded)
 
 
@@ -407,8 +424,8 @@ def test_gpu_fp8_kv_attention_matches_the_reference(batch, t_max):
     # TF32 dots round the softmax weights to 2^-11: 2e-3·max|v| allowed, plus one bf16 step.
     q, k_cache, v_cache, valid = gpu_cache(batch, t_max)
     scales = (torch.tensor(0.02, device="cuda"), torch.tensor(0.03, device="cuda"))
-    got = K.fp8_kv_decode_attention(q, k_cache, v_cache, *scales, valid)
-    ref = K.fp8_kv_decode_attention_reference(q, k_cache, v_cache, *scales, valid)
+    got = fp8_kv_decode_attention(q, k_cache, v_cache, *scales, valid)
+    ref = fp8_kv_decode_attention_reference(q, k_cache, v_cache, *scales, valid)
     v_max = v_cache.float().abs().max() * 0.03
     assert ((got.float() - ref.float()).abs() <= 2e-3 * v_max + ref.float().abs() * 2**-7).all()
 
@@ -422,15 +439,15 @@ def test_gpu_fp8_kv_attention_in_a_cuda_graph_follows_new_scales_and_lengths():
     v_scale = torch.tensor(0.03, device="cuda")
     kv_len = torch.full((4,), 300, dtype=torch.int32, device="cuda")
     args = (q, k_cache, v_cache, k_scale, v_scale, valid)
-    K.fp8_kv_decode_attention(*args, kv_len=kv_len)  # compiles outside the capture
+    fp8_kv_decode_attention(*args, kv_len=kv_len)  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = K.fp8_kv_decode_attention(*args, kv_len=kv_len)
+        out = fp8_kv_decode_attention(*args, kv_len=kv_len)
     k_scale.fill_(0.05)  # a new version's scales, the next decode step's length
     v_scale.fill_(0.01)
     kv_len.fill_(301)
     graph.replay()
-    ref = K.fp8_kv_decode_attention_reference(*args, kv_len=kv_len)
+    ref = fp8_kv_decode_attention_reference(*args, kv_len=kv_len)
     v_max = v_cache.float().abs().max() * 0.01
     assert ((out.float() - ref.float()).abs() <= 2e-3 * v_max + ref.float().abs() * 2**-7).all()

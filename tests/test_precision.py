@@ -516,7 +516,7 @@ def test_the_smoothing_factors_follow_the_weights_to_their_device(tmp_path, monk
     from asyncfp8.precision.profile import save_profile
 
     # The weights' finiteness check reads a value, which a meta tensor does not have.
-    monkeypatch.setattr("asyncfp8.precision.int8.check_weight", lambda name, tensor: None)
+    monkeypatch.setattr("asyncfp8.precision.int8.quant.check_weight", lambda name, tensor: None)
 
     norm, layer = "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight"
     factors = torch.linspace(0.5, 2.0, 64)

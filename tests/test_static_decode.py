@@ -14,13 +14,13 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from asyncfp8.engines import EngineUnsupported
 from asyncfp8.engines.base import SamplingParams
-from asyncfp8.engines.kernels import KernelUnavailable
 from asyncfp8.engines.slots import SlotDecoder
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.models import load_model, load_tokenizer
 from asyncfp8.precision import get_policy, version_tensors
 from asyncfp8.precision.fp8 import FP8_MAX, FP8BlockLinear, quantize_blockwise_reference
 from asyncfp8.precision.fp8 import quantize_activations_fp8 as module_quantize
+from asyncfp8.precision.kernel_support import KernelUnavailable
 from asyncfp8.tasks import ArithmeticTask
 
 TASK = ArithmeticTask(seed=5)
@@ -408,7 +408,7 @@ def test_bad_engine_options_are_refused_before_the_model_loads(options, message,
 
 
 def test_a_kernel_the_device_cannot_run_is_refused_at_start(tiny_model_dir, monkeypatch):
-    from asyncfp8.engines import kernels
+    from asyncfp8.precision.fp8 import linear
 
     def unavailable(*args, **kwargs):
         raise KernelUnavailable(
@@ -416,7 +416,7 @@ def test_a_kernel_the_device_cannot_run_is_refused_at_start(tiny_model_dir, monk
             "What would work: install Triton"
         )
 
-    monkeypatch.setattr(kernels, "fp8_block_matmul", unavailable)
+    monkeypatch.setattr(linear, "fp8_block_matmul", unavailable)
     with pytest.raises(EngineUnsupported) as raised:
         TorchEngine(str(tiny_model_dir), "fp8+fp8_kv")
     message = str(raised.value)
@@ -437,7 +437,7 @@ def test_kv_scales_a_version_cannot_use_are_refused_and_nothing_is_applied(tiny_
     ]:
         with pytest.raises(ValueError, match=message):
             engine.update_weights(1, {}, {**scales, name: bad})
-    with pytest.raises(ValueError, match="unknown tensor 'model.layers.7.self_attn.v_scale'"):
+    with pytest.raises(ValueError, match=r"unknown tensor 'model\.layers\.7\.self_attn\.v_scale'"):
         engine.update_weights(
             1, {}, {**scales, "model.layers.7.self_attn.v_scale": torch.tensor(1.0)}
         )

@@ -184,7 +184,7 @@ def test_fp8_falls_back_when_the_one_call_gemm_raises(tiny_model_dir, monkeypatc
     the other GEMM. Faked here: scaled_mm 'available' on the CPU, and raising."""
     import torch.nn.functional as F
 
-    from asyncfp8.engines import kernels
+    from asyncfp8.precision.fp8 import gemm, linear
 
     reference = TorchEngine(str(tiny_model_dir), "fp8", device="cpu")
     sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
@@ -195,7 +195,7 @@ def test_fp8_falls_back_when_the_one_call_gemm_raises(tiny_model_dir, monkeypatc
         calls.append(args[0].shape)
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
 
-    for where in (kernels, kernels.gemm):
+    for where in (gemm, linear):
         monkeypatch.setattr(where, "scaled_mm_available", lambda tensor: True)
     monkeypatch.setattr(F, "scaled_mm", refusing_scaled_mm)
     engine = TorchEngine(str(tiny_model_dir), "fp8", device="cpu")

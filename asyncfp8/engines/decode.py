@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from asyncfp8.precision.fp8_kv.attention import fp8_kv_decode_attention
+
 from .base import SamplingParams
-from .kernels import fp8_kv_decode_attention
 from .kv_cache import StaticKVCache
 
 ATTENTION = "asyncfp8_static"

@@ -9,8 +9,8 @@ The e4m3 variant stores round(x / scale) in float8_e4m3fn (clamped to ±448), th
 version's recalibrated `k_scale` / `v_scale` (asyncfp8.precision.fp8_kv). The scales
 are 0-dim fp32 tensors the engine owns and overwrites in place when a version arrives:
 the cache and a captured graph read them, so a new version needs no new graph. Decode
-attention reads the e4m3 bytes as they are (`asyncfp8.engines.kernels
-.fp8_kv_decode_attention`); prefill reads them dequantized.
+attention reads the e4m3 bytes as they are (`asyncfp8.precision.fp8_kv
+.attention.fp8_kv_decode_attention`); prefill reads them dequantized.
 
 Where a forward writes is set by the decoder before it runs (`write_at`): the transformers
 attention modules call `update(keys, values, layer_idx)` with no position.

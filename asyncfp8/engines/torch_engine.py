@@ -16,6 +16,7 @@ import torch
 from asyncfp8.models.loading import load_model, load_tokenizer
 from asyncfp8.precision import PrecisionPolicy, get_policy
 from asyncfp8.precision.fp8_kv import kv_scale_names
+from asyncfp8.precision.kernel_support import KernelUnavailable, describe_device
 from asyncfp8.precision.manifest import (
     Role,
     TensorRole,
@@ -33,8 +34,6 @@ from asyncfp8.speculative.slots import SlotSpeculation
 
 from .base import EngineUnsupported, Sample, SamplingParams, Scores, check_slots
 from .decode import ATTENTION, LAYER_KINDS, Prefill, forward_static, processed_logprobs
-from .kernels import KernelUnavailable
-from .kernels.common import describe_device
 from .kv_cache import quantize_kv
 from .request_sampling import request_seed
 from .slot_loop import Request, SlotLoop, SlotStats

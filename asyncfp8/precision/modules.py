@@ -16,11 +16,13 @@ kernel arithmetic.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from .policy import PrecisionPolicy
+if TYPE_CHECKING:  # the policy imports this module's fake quantization when asked to
+    from .policy import PrecisionPolicy
 
 
 class QuantizedLinear(nn.Module):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -481,7 +480,3 @@ def build_policy(cfg: Mapping[str, Any], model_dir: Any = None) -> PrecisionPoli
 
         policy.bind_model(AutoConfig.from_pretrained(model_dir, local_files_only=True))
     return policy
-
-
-def ceil_div(a: int, b: int) -> int:
-    return math.ceil(a / b)

@@ -17,9 +17,9 @@ from collections.abc import Mapping
 
 import torch
 
-from .fp8 import FP8_MAX
-from .manifest import Role, TensorRole
-from .policy import PrecisionPolicy, register_policy
+from ..fp8.quant import FP8_MAX
+from ..manifest import Role, TensorRole
+from ..policy import PrecisionPolicy, register_policy
 
 CAPTURE_IMPLEMENTATION = "asyncfp8_kv_capture"
 FAKE_QUANT_IMPLEMENTATION = "asyncfp8_fp8_kv"
@@ -158,7 +158,7 @@ class FP8KVPolicy(PrecisionPolicy):
         from transformers import AttentionInterface
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        from .modules import straight_through
+        from ..modules import straight_through
 
         def fake_quant_kv(module, query, key, value, attention_mask, **kwargs):
             scales = self.latest_scales.get(int(module.layer_idx))

@@ -1,11 +1,20 @@
-"""FP8 activation quantization, per token and per `group` columns (DESIGN.md §4): the
-scales the block-scaled GEMM (gemm.py) multiplies back in.
+"""FP8 (e4m3) quantizers: weights per 128x128 block, activations per token per group.
 
-`quantize_activations_fp8` runs a Triton kernel on CUDA (and on the CPU under
-`TRITON_INTERPRET=1`, which the tests use) and the torch reference everywhere else. Both
-give the same bytes as `asyncfp8.precision.modules.quantize_activations_fp8`, today's
-CPU path: amax floored at 1e-10, scale = amax / 448 (IEEE division), q = clamp(x /
-scale, ±448) cast to e4m3 rounding to nearest even.
+Weights: each block of a linear weight gets its own scale s = max(|w|)/448 (floored at
+1e-10), q = clamp(w / s, ±448) cast to e4m3 (round to nearest even), stored as `<name>`
+(float8_e4m3fn) and `<name>_scale_inv` (fp32 s, [⌈M/128⌉, ⌈N/128⌉]). Odd shapes are
+zero-padded to whole blocks, quantized, and `q` cropped back; the scale keeps its
+rounded-up shape.
+
+Activations (DESIGN.md §4): dynamic, per token and per `group` columns, the scales the
+block-scaled GEMM (gemm.py) multiplies back in. This is the one activation quantizer:
+the engine's runtime module, the learner's fake quantization and the kernels' tests all
+call it.
+
+Each has a Triton kernel (CUDA, and the CPU under `TRITON_INTERPRET=1`, which the tests
+use) and a torch reference; both give the same bytes: amax floored at 1e-10, scale =
+amax / 448 (IEEE division), q = clamp(x / scale, ±448) cast to e4m3 rounding to nearest
+even.
 """
 
 from __future__ import annotations
@@ -13,26 +22,47 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import (
+from ..kernel_support import (
     ceil_div,
     check_impl,
     next_power_of_2,
     triton,
+    triton_enabled,
     triton_runs_on,
     unavailable,
     why_no_triton,
 )
+from ..policy import check_weight
 
-FP8_MAX = 448.0
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 AMAX_FLOOR = 1e-10
+BLOCK = (128, 128)  # the weight block (rows, columns); activations group by its columns
 GROUP = 128
-# float64 too: both paths round x to fp32 first, as the module quantizer does.
+SCALE_SUFFIX = "_scale_inv"
+# float64 too: both paths round x to fp32 first.
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 if triton is not None:
     import triton.language as tl
 
-    from asyncfp8.precision.kernels import _round_to_e4m3_grid
+    from ..kernel_support import round_to_e4m3_grid
+
+    @triton.jit
+    def _fp8_blockwise_kernel(
+        w_ptr, q_ptr, scale_ptr, rows, cols, grid_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    ):
+        block_row = tl.program_id(0)
+        block_col = tl.program_id(1)
+        r = block_row * BLOCK_M + tl.arange(0, BLOCK_M)
+        c = block_col * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = (r[:, None] < rows) & (c[None, :] < cols)
+        offsets = r[:, None] * cols + c[None, :]
+        w = tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(w)), 1e-10)
+        scale = tl.div_rn(amax, 448.0)
+        q = round_to_e4m3_grid(tl.clamp(tl.div_rn(w, scale), -448.0, 448.0))
+        tl.store(q_ptr + offsets, q.to(tl.float8e4nv), mask=inside)
+        tl.store(scale_ptr + block_row * grid_cols + block_col, scale)
 
     @triton.jit
     def _quantize_activations_kernel(
@@ -57,9 +87,85 @@ if triton is not None:
         # (div_rn; Triton's default `/` is approximate on the GPU) and an exact e4m3
         # rounding before the cast, so the bytes match it everywhere.
         scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x)), 1e-10), 448.0)
-        q = _round_to_e4m3_grid(tl.clamp(tl.div_rn(x, scale), -448.0, 448.0))
+        q = round_to_e4m3_grid(tl.clamp(tl.div_rn(x, scale), -448.0, 448.0))
         tl.store(q_ptr + row * stride_q + c, q.to(tl.float8e4nv), mask=inside)
         tl.store(scale_ptr + row * stride_scale_row + group * stride_scale_group, scale)
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+
+def quantize_blockwise_reference(
+    w: torch.Tensor, block: tuple[int, int] = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference (any device). See `quantize_blockwise`."""
+    rows, cols = w.shape
+    block_rows, block_cols = block
+    grid_rows, grid_cols = ceil_div(rows, block_rows), ceil_div(cols, block_cols)
+    padded = torch.zeros(
+        grid_rows * block_rows, grid_cols * block_cols, dtype=torch.float32, device=w.device
+    )
+    padded[:rows, :cols] = w
+    blocks = padded.view(grid_rows, block_rows, grid_cols, block_cols)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR)
+    scale = amax / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(padded.shape)[:rows, :cols].contiguous(), scale
+
+
+def quantize_blockwise_triton(
+    w: torch.Tensor, block: tuple[int, int] = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1); one program per block."""
+    if not triton_runs_on(w):
+        raise unavailable(
+            "quantize_blockwise (Triton)", w, why_no_triton(w), "the torch reference, any device"
+        )
+    w = w.contiguous()
+    rows, cols = w.shape
+    grid = (ceil_div(rows, block[0]), ceil_div(cols, block[1]))
+    q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(grid, dtype=torch.float32, device=w.device)
+    _fp8_blockwise_kernel[grid](
+        w, q, scale, rows, cols, grid[1], BLOCK_M=block[0], BLOCK_N=block[1]
+    )
+    return q, scale
+
+
+def quantize_blockwise(
+    w: torch.Tensor, block: tuple[int, int] = BLOCK, name: str = "weight"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [M, N], scale_inv fp32 [⌈M/bm⌉, ⌈N/bn⌉]) with w ≈ q · scale_inv
+    per block. Uses the Triton kernel on CUDA when it is available, the torch reference
+    elsewhere; both give the same bytes."""
+    check_weight(name, w)
+    if triton_enabled(w):
+        return quantize_blockwise_triton(w, block)
+    return quantize_blockwise_reference(w, block)
+
+
+def dequantize_blockwise(
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = BLOCK,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """q · scale_inv, each scale broadcast over its block."""
+    rows, cols = q.shape
+    expected = (ceil_div(rows, block[0]), ceil_div(cols, block[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(
+            f"scale_inv has shape {tuple(scale_inv.shape)}; a {rows}x{cols} weight needs {expected}"
+        )
+    scale = (
+        scale_inv.float()
+        .repeat_interleave(block[0], 0)[:rows]
+        .repeat_interleave(block[1], 1)[:, :cols]
+    )
+    return (q.float() * scale).to(dtype)
+
+
+# --- activations ------------------------------------------------------------------------------
 
 
 def empty_activation_scales(
@@ -168,3 +274,13 @@ def quantize_activations_fp8(
     if impl == "triton" or (impl == "auto" and x.is_cuda and triton_runs_on(x)):
         return quantize_activations_fp8_triton(x, group, column_major_scales)
     return quantize_activations_fp8_reference(x, group, column_major_scales)
+
+
+def fake_quantize_activations_fp8(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the FP8 GEMM sees it (quantized and dequantized per token per group), in fp32,
+    any leading shape; K need not be a multiple of `group` (zero padding, as the engine pads)."""
+    width = x.shape[-1]
+    flat = F.pad(x.reshape(-1, width).float(), (0, -width % group))
+    q, scale = quantize_activations_fp8(flat, group)
+    dequantized = q.float().view(flat.shape[0], -1, group) * scale[..., None]
+    return dequantized.view(flat.shape)[:, :width].reshape(x.shape)

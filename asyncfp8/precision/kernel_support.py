@@ -1,9 +1,11 @@
-"""What every kernel here shares: whether Triton can run on a tensor, how a path is
-chosen (`impl`), and the error raised when the device can run none of a kernel's paths.
+"""What every format's kernels share: whether Triton can run on a tensor, how a path is
+chosen (`impl`), the error raised when the device can run none of a kernel's paths, the
+GEMM tiling, and the exact roundings (half to even, to the e4m3 grid) that let a Triton
+kernel give its torch reference's bytes.
 
 Triton runs on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (set before
 triton is imported; the tests run the kernels that way in a subprocess). The variable
-`ASYNCFP8_TRITON=0` turns Triton off, as it does for the weight quantizers.
+`ASYNCFP8_TRITON=0` turns Triton off for every kernel.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ def triton_runs_on(tensor: torch.Tensor) -> bool:
     if triton is None or os.environ.get("ASYNCFP8_TRITON", "1") == "0":
         return False
     return tensor.is_cuda or (tensor.device.type == "cpu" and interpreting())
+
+
+def triton_enabled(tensor: torch.Tensor) -> bool:
+    """Whether a weight quantizer takes its Triton kernel: on CUDA only (under the
+    interpreter, the tests call the kernels themselves)."""
+    return tensor.is_cuda and triton_runs_on(tensor)
 
 
 def describe_device(tensor: torch.Tensor) -> str:
@@ -84,3 +92,46 @@ def multiprocessors(tensor: torch.Tensor) -> int:
     if tensor.is_cuda:
         return torch.cuda.get_device_properties(tensor.device).multi_processor_count
     return 4
+
+
+def gemm_tiles(m: int, n: int, k_tiles: int, tensor: torch.Tensor, split_k: int | None):
+    """(block_m, block_n, K splits, K tiles per split) of a Triton GEMM over an [m, K] x
+    [K, n] product of `k_tiles` K tiles, on `tensor`'s device."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64 if m <= 16 else 128
+    if not tensor.is_cuda:
+        block_n = 32  # the interpreter runs tiles element by element: keep them small
+    grid_mn = ceil_div(m, block_m) * ceil_div(n, block_n)
+    if split_k is None:
+        # Decode (small M) has few output tiles: split K until about two programs run
+        # per multiprocessor, each on at least 4 K tiles, so the weight streams in at
+        # full bandwidth. The partial sums are added in a fixed order (deterministic).
+        want = ceil_div(2 * multiprocessors(tensor), grid_mn)
+        split_k = max(1, min(want, k_tiles // 4))
+    split_k = max(1, min(split_k, k_tiles))
+    per_split = ceil_div(k_tiles, split_k)
+    return block_m, block_n, ceil_div(k_tiles, per_split), per_split
+
+
+if triton is not None:
+
+    @triton.jit
+    def round_half_even(x):
+        floor = tl.floor(x)
+        frac = x - floor
+        odd = (floor - 2.0 * tl.floor(floor * 0.5)) != 0.0
+        up = (frac > 0.5) | ((frac == 0.5) & odd)
+        return tl.where(up, floor + 1.0, floor)
+
+    @triton.jit
+    def round_to_e4m3_grid(x):
+        # Round an fp32 already in [-448, 448] to the nearest e4m3 value (ties to even)
+        # in fp32, so that the cast after it is exact. The cast alone would round too, but
+        # Triton's interpreter drops the carry into the exponent (31.8 -> 16, not 32),
+        # and the kernels must match the torch references bit for bit everywhere.
+        exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        # e4m3 has 3 mantissa bits; below 2^-6 its values are subnormal, spaced 2^-9.
+        step_exponent = tl.maximum(exponent, -6) - 3
+        step = ((step_exponent + 127) << 23).to(tl.float32, bitcast=True)
+        rounded = round_half_even(x / step) * step
+        return tl.where(rounded == 0.0, x * 0.0, rounded)  # keep the sign of zero: -0.0001 -> -0

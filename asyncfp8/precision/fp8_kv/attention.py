@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .common import (
+from ..kernel_support import (
     ceil_div,
     check_impl,
     multiprocessors,

@@ -9,102 +9,38 @@ An optional SmoothQuant-style profile (per-input-channel factors, computed once 
 a factor and multiplies the preceding norm's weight by it: the product is unchanged,
 activation outliers shrink, and INT8 per-token activations lose less.
 
-This file is the whole format: quantizer, policy, and the built-in engine's runtime
-module (`Int8Linear`).
+This folder is the whole format (plus conf/precision/int8.yaml): the policy (here), the
+quantizers (quant.py, Triton and torch), the INT8 GEMM (gemm.py) and the built-in
+engine's runtime module (linear.py, `Int8Linear`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
-from .modules import QuantizedLinear
-from .policy import PrecisionPolicy, check_weight, register_policy
+from ..policy import PrecisionPolicy, register_policy
+from .linear import Int8Linear
+from .quant import (
+    SCALE_SUFFIX,
+    dequantize_per_channel,
+    quantize_activations_int8,
+    quantize_per_channel,
+    quantize_per_channel_reference,
+)
 
-INT8_MAX = 127.0
-AMAX_FLOOR = 1e-10
-SCALE_SUFFIX = "_scale"
-
-
-def quantize_per_channel_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    w = w.float()
-    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR) / INT8_MAX
-    q = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
-    return q, scale
-
-
-def quantize_per_channel(
-    w: torch.Tensor, name: str = "weight"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 [M, N], scale fp32 [M, 1]) with w ≈ q · scale row by row."""
-    check_weight(name, w)
-    from . import kernels
-
-    if kernels.triton_enabled(w):
-        return kernels.quantize_per_channel_triton(w)
-    return quantize_per_channel_reference(w)
-
-
-def dequantize_per_channel(
-    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    if scale.shape != (q.shape[0], 1):
-        raise ValueError(
-            f"scale has shape {tuple(scale.shape)}; a {tuple(q.shape)} weight needs ({q.shape[0]}, 1)"
-        )
-    return (q.float() * scale.float()).to(dtype)
-
-
-def quantize_activations_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (int8 [T, K], fp32 per-token scales [T, 1])."""
-    x = x.float()
-    scale = x.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR) / INT8_MAX
-    return torch.round(x / scale).clamp(-128, 127).to(torch.int8), scale
-
-
-class Int8Linear(QuantizedLinear):
-    """W8A8 INT8 for the built-in engine: activations quantized per token, an int8 × int8
-    → int32 GEMM through `asyncfp8.engines.kernels.int8_matmul` (Triton on CUDA, at any
-    batch; `torch._int_mm` on the CPU), scaled by the per-token and per-channel scales.
-    `real=False` is the fake-quant twin (exact integer sums in float64)."""
-
-    def __init__(
-        self,
-        name: str,
-        q: torch.Tensor,
-        scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        real: bool = True,
-    ):
-        super().__init__({name: q, name + SCALE_SUFFIX: scale}, bias)
-        self.weight_name, self.real = name, real
-        self.out_features, self.in_features = q.shape
-        self.register_buffer("q", torch.empty_like(q), persistent=False)
-        self.register_buffer(
-            "scale", torch.empty_like(scale, dtype=torch.float32), persistent=False
-        )
-        self.load({name: q, name + SCALE_SUFFIX: scale})
-
-    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.q.copy_(tensors[self.weight_name])
-        self.scale.copy_(tensors[self.weight_name + SCALE_SUFFIX])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        xq, x_scale = quantize_activations_int8(x.reshape(-1, self.in_features))
-        if self.real:
-            from asyncfp8.engines.kernels import int8_matmul
-
-            # float(int32 sum) · x scale · w scale in fp32, as the float64 twin below.
-            out = int8_matmul(xq, x_scale, self.q, self.scale, torch.float32)
-        else:
-            accumulated = xq.double() @ self.q.double().t()  # exact integer sums
-            out = accumulated.float() * x_scale * self.scale.t()
-        if self.bias is not None:
-            out = out + self.bias.float()
-        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+__all__ = [
+    "SCALE_SUFFIX",
+    "INT8Policy",
+    "Int8Linear",
+    "compressed_tensors_config",
+    "dequantize_per_channel",
+    "quantize_activations_int8",
+    "quantize_per_channel",
+    "quantize_per_channel_reference",
+]
 
 
 def compressed_tensors_config(ignore: Iterable[str] = ()) -> dict:
@@ -152,7 +88,7 @@ class INT8Policy(PrecisionPolicy):
         # an engine on a GPU), copied there once.
         self._smoothing_on: dict[tuple[str, torch.device], torch.Tensor] = {}
         if profile:
-            from .profile import load_profile
+            from ..profile import load_profile
 
             self.smoothing = load_profile(Path(profile))
 

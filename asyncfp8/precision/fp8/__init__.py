@@ -1,0 +1,146 @@
+"""FP8 W8A8, blockwise: the DeepSeek-V3 / vLLM / SGLang checkpoint format.
+
+The whole format is this folder (plus conf/precision/fp8.yaml): the policy (here), the
+quantizers for weights and activations (quant.py, Triton and torch), the block-scaled
+GEMM (gemm.py) and the built-in engine's runtime module (linear.py).
+
+Each 128×128 block of a linear weight gets its own scale s = max(|w|)/448 (floored
+at 1e-10), q = clamp(w / s, ±448) cast to e4m3 (round to nearest even), stored as
+`<name>` (float8_e4m3fn) and `<name>_scale_inv` (fp32 s, [⌈M/128⌉, ⌈N/128⌉]). Odd
+shapes are zero-padded to whole blocks, quantized, and `q` cropped back; the scale
+keeps its rounded-up shape. Activations are quantized on the fly by the engine, per
+token and per 128-column group. A block scale keeps a change local: an RL step that
+moves a few weights changes at most their blocks' scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ..policy import PrecisionPolicy, register_policy
+from .linear import FP8BlockLinear
+from .quant import (
+    BLOCK,
+    FP8_MAX,
+    SCALE_SUFFIX,
+    dequantize_blockwise,
+    fake_quantize_activations_fp8,
+    quantize_activations_fp8,
+    quantize_blockwise,
+    quantize_blockwise_reference,
+)
+
+__all__ = [
+    "BLOCK",
+    "FP8_MAX",
+    "SCALE_SUFFIX",
+    "FP8BlockLinear",
+    "FP8Policy",
+    "dequantize_blockwise",
+    "fake_quantize_activations_fp8",
+    "quantize_activations_fp8",
+    "quantize_blockwise",
+    "quantize_blockwise_reference",
+]
+
+
+@register_policy("fp8")
+class FP8Policy(PrecisionPolicy):
+    """W8A8 FP8 with 128×128 weight blocks (`block_size`) and dynamic per-token-group
+    activations (groups as wide as a weight block)."""
+
+    name = "fp8"
+    quantizes_weights = True
+
+    def __init__(self, block_size: tuple[int, int] | list[int] = BLOCK):
+        if len(block_size) != 2 or not all(isinstance(b, int) and b >= 16 for b in block_size):
+            raise ValueError(
+                f"fp8: block_size must be two ints >= 16 (the e4m3 GEMMs work on slices of at "
+                f"least 16), got {list(block_size)}"
+            )
+        if any(b % 16 for b in block_size):
+            raise ValueError(f"fp8: block_size must be multiples of 16, got {list(block_size)}")
+        self.block = (int(block_size[0]), int(block_size[1]))
+
+    def checkpoint_config(self, unquantized_layers: Iterable[str] = ()) -> dict:
+        config = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(self.block),
+        }
+        layers = sorted(unquantized_layers)
+        if layers:
+            config["ignored_layers"] = layers  # vLLM / SGLang skip quantization there
+        return config
+
+    def engine_config(self) -> dict:
+        return {
+            "dtype": "bfloat16",
+            "quantization": "fp8",
+            "quantization_config": self.checkpoint_config(),
+        }
+
+    def supported_by(self, engine: str) -> str | None:
+        if engine in ("vllm", "sglang") and self.block != BLOCK:
+            return (
+                f"its block-FP8 kernels are built and tested for 128x128 weight blocks; "
+                f"precision.block_size={list(self.block)} runs on engine=torch"
+            )
+        if engine in ("vllm", "sglang") and self.model_config is not None:
+            # Their loaders fuse q/k/v and gate/up and split the fused scale grid by
+            # block: every part must be whole blocks (checked here, not as a load error).
+            config = self.model_config
+            head_dim = getattr(config, "head_dim", None) or (
+                config.hidden_size // config.num_attention_heads
+            )
+            sizes = {
+                "intermediate_size": config.intermediate_size,
+                "hidden_size": config.hidden_size,
+                "num_attention_heads x head_dim": config.num_attention_heads * head_dim,
+                "num_key_value_heads x head_dim": config.num_key_value_heads * head_dim,
+            }
+            odd = {k: v for k, v in sizes.items() if v % self.block[0] or v % self.block[1]}
+            if odd:
+                return (
+                    f"its block-FP8 loader needs every fused projection in whole "
+                    f"{self.block[0]}x{self.block[1]} blocks, and this model's "
+                    + ", ".join(f"{k} = {v}" for k, v in odd.items())
+                    + " is not; engine=torch pads odd shapes"
+                )
+        return super().supported_by(engine)
+
+    def quantize_tensor(
+        self, name: str, tensor: torch.Tensor
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        q, scale_inv = quantize_blockwise(tensor, self.block, name=name)
+        yield name, q
+        yield name + SCALE_SUFFIX, scale_inv
+
+    def linear_module(self, name, tensors, bias, real=True):
+        return FP8BlockLinear(
+            name, tensors[name], tensors[name + SCALE_SUFFIX], bias, self.block, real
+        )
+
+    def fake_quantize_weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        q, scale_inv = quantize_blockwise(weight, self.block, name=name)
+        return dequantize_blockwise(q, scale_inv, self.block)
+
+    def fake_quantize_input(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return fake_quantize_activations_fp8(x, self.block[1])
+
+    def reference_matmul(self, name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # fp8_block_matmul's order: each K block's dequantized product summed alone and
+        # added to the FP32 output in K order, the last block zero-padded to full width.
+        # One sum over all of K rounds otherwise (1 BF16 ulp in 1 of 20 probes, measured).
+        block = self.block[1]
+        padding = -x.shape[-1] % block
+        inputs = F.pad(self.fake_quantize_input(name, x).float(), (0, padding))
+        weight = F.pad(self.fake_quantize_weight(name, weight).float(), (0, padding))
+        out = inputs.new_zeros(*inputs.shape[:-1], weight.shape[0])
+        for start in range(0, inputs.shape[-1], block):
+            out += inputs[..., start : start + block] @ weight[:, start : start + block].t()
+        return out

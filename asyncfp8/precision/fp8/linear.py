@@ -1,0 +1,137 @@
+"""The built-in engine's runtime module for blockwise FP8 W8A8 (`FP8BlockLinear`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ..kernel_support import KernelUnavailable, triton_runs_on
+from ..modules import QuantizedLinear
+from .gemm import fp8_block_matmul, scaled_mm_available, scaled_mm_weight_scales
+from .quant import BLOCK, SCALE_SUFFIX, dequantize_blockwise, quantize_activations_fp8
+
+log = logging.getLogger(__name__)
+# The scaled_mm failures already reported (one warning per kind, not one per layer).
+_scaled_mm_failures: set[str] = set()
+
+
+class FP8BlockLinear(QuantizedLinear):
+    """W8A8 blockwise FP8 for the built-in engine: activations quantized per token per
+    `block[1]` columns, weights per `block` block, accumulated in FP32. `real=True` runs
+    real e4m3 GEMMs through `gemm.fp8_block_matmul`: one torch
+    `scaled_mm` call on sm90 GPUs, the Triton kernel on other GPUs, and on the CPU the
+    per-block `torch._scaled_mm` loop (the reference numerics); `real=False` is the
+    fake-quant twin (the same rounding, float matmul), for checking the real kernels
+    against.
+
+    The weight is held zero-padded to whole blocks (so that every path gets K and N in
+    whole blocks; the output is cropped), and on sm90 also its scales in the layout
+    `scaled_mm` takes. A new version is copied into these buffers in place: a captured
+    CUDA graph keeps reading the right memory.
+
+    If the one-call `scaled_mm` raises (cuBLASLt refuses a shape or the FP32 output on
+    some driver), the layer says so once and uses the Triton GEMM (or the reference
+    loop) from then on: the engine's probe at start, and the warm-up before a CUDA graph
+    is captured, meet such a failure before any graph does."""
+
+    def __init__(
+        self,
+        name: str,
+        q: torch.Tensor,
+        scale_inv: torch.Tensor,
+        bias: torch.Tensor | None,
+        block: tuple[int, int] = BLOCK,
+        real: bool = True,
+    ):
+        super().__init__({name: q, name + SCALE_SUFFIX: scale_inv}, bias)
+        self.weight_name, self.block, self.real = name, tuple(block), real
+        self.out_features, self.in_features = q.shape
+        grid_rows, grid_cols = scale_inv.shape
+        block_rows, block_cols = self.block
+        # The padding stays zero across updates (`load` writes the unpadded part only).
+        self.register_buffer(
+            "q",
+            torch.zeros(
+                grid_rows * block_rows,
+                grid_cols * block_cols,
+                dtype=torch.float8_e4m3fn,
+                device=q.device,
+            ),
+            persistent=False,
+        )
+        self.register_buffer(
+            "scale_inv", torch.empty_like(scale_inv, dtype=torch.float32), persistent=False
+        )
+        sm90 = real and self.block == BLOCK and scaled_mm_available(self.q)
+        self.register_buffer(
+            "scale_mm",
+            scaled_mm_weight_scales(self.scale_inv) if sm90 else None,
+            persistent=False,
+        )
+        #: the GEMM path `fp8_block_matmul` takes ("scaled_mm" on sm90 until it fails)
+        self.impl = "scaled_mm" if sm90 else "auto"
+        self.load({name: q, name + SCALE_SUFFIX: scale_inv})
+
+    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        q, scale_inv = tensors[self.weight_name], tensors[self.weight_name + SCALE_SUFFIX]
+        rows, cols = q.shape
+        self.q.view(torch.uint8)[:rows, :cols].copy_(q.view(torch.uint8))
+        self.scale_inv.copy_(scale_inv)
+        if self.scale_mm is not None:
+            self.scale_mm.copy_(scaled_mm_weight_scales(self.scale_inv))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        group = self.block[1]
+        x = x.reshape(-1, self.in_features)
+        padding = self.q.shape[1] - self.in_features
+        if padding:  # zero columns up to the padded K: no group's amax changes, they quantize to 0
+            x = F.pad(x, (0, padding))
+        if self.real:
+            out = self._real_matmul(x, group)
+        else:
+            xq, x_scale = quantize_activations_fp8(x, group)
+            x_deq = (xq.float().view(x.shape[0], -1, group) * x_scale[..., None]).view(x.shape)
+            rows, cols = self.out_features, self.in_features
+            w_deq = dequantize_blockwise(self.q[:rows, :cols], self.scale_inv, self.block)
+            out = x_deq[:, :cols] @ w_deq.t()
+        out = out[:, : self.out_features]
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(dtype).reshape(*shape[:-1], self.out_features)
+
+    def _real_matmul(self, x: torch.Tensor, group: int) -> torch.Tensor:
+        one_call = self.impl == "scaled_mm"
+        xq, x_scale = quantize_activations_fp8(x, group, column_major_scales=one_call)
+        try:
+            return fp8_block_matmul(
+                xq,
+                x_scale,
+                self.q,
+                self.scale_inv,
+                self.block,
+                torch.float32,
+                impl=self.impl,
+                w_scale_mm=self.scale_mm,
+            )
+        except RuntimeError as err:
+            if not one_call or isinstance(err, KernelUnavailable):
+                raise
+            self.impl = "triton" if triton_runs_on(self.q) else "reference"
+            self.scale_mm = None
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            log.log(
+                logging.DEBUG if reason in _scaled_mm_failures else logging.WARNING,
+                "FP8 GEMM: torch's one-call scaled_mm failed for %s (%d tokens, weight %s): "
+                "%s; the layer (and any other it fails in) uses impl=%r from now on",
+                self.weight_name,
+                x.shape[0],
+                list(self.q.shape),
+                reason,
+                self.impl,
+            )
+            _scaled_mm_failures.add(reason)
+            return self._real_matmul(x, group)

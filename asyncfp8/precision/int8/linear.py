@@ -1,0 +1,52 @@
+"""The built-in engine's runtime module for INT8 W8A8 (`Int8Linear`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..modules import QuantizedLinear
+from .gemm import int8_matmul
+from .quant import SCALE_SUFFIX, quantize_activations_int8
+
+
+class Int8Linear(QuantizedLinear):
+    """W8A8 INT8 for the built-in engine: activations quantized per token, an int8 × int8
+    → int32 GEMM through `gemm.int8_matmul` (Triton on CUDA, at any
+    batch; `torch._int_mm` on the CPU), scaled by the per-token and per-channel scales.
+    `real=False` is the fake-quant twin (exact integer sums in float64)."""
+
+    def __init__(
+        self,
+        name: str,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        real: bool = True,
+    ):
+        super().__init__({name: q, name + SCALE_SUFFIX: scale}, bias)
+        self.weight_name, self.real = name, real
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("q", torch.empty_like(q), persistent=False)
+        self.register_buffer(
+            "scale", torch.empty_like(scale, dtype=torch.float32), persistent=False
+        )
+        self.load({name: q, name + SCALE_SUFFIX: scale})
+
+    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.q.copy_(tensors[self.weight_name])
+        self.scale.copy_(tensors[self.weight_name + SCALE_SUFFIX])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xq, x_scale = quantize_activations_int8(x.reshape(-1, self.in_features))
+        if self.real:
+            # float(int32 sum) · x scale · w scale in fp32, as the float64 twin below.
+            out = int8_matmul(xq, x_scale, self.q, self.scale, torch.float32)
+        else:
+            accumulated = xq.double() @ self.q.double().t()  # exact integer sums
+            out = accumulated.float() * x_scale * self.scale.t()
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
