@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from asyncfp8.batches import check_split
 from asyncfp8.correction import Correction, build_correction
+from asyncfp8.engines import supports as engine_supports
 from asyncfp8.engines.base import check_slots
 from asyncfp8.metrics import loggers_of
 from asyncfp8.precision import PrecisionPolicy, build_policy
@@ -147,7 +148,7 @@ def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
         )
     curve(cfg.sync)
     policy = build_policy(cfg.precision, model_dir)
-    reason = policy.supported_by(cfg.engine.name)
+    reason = engine_supports(cfg.engine.name, policy)
     if reason:
         raise ValueError(f"engine {cfg.engine.name} cannot run precision {policy.name!r}: {reason}")
     return Checked(policy, build_correction(cfg.correction), build_task(cfg.task, model_dir))

@@ -30,7 +30,7 @@ from asyncfp8.plan.costs import kv_bytes_per_token, weight_bytes
 from asyncfp8.plan.gpus import GPUS
 from asyncfp8.plan.model import load_model_facts
 from asyncfp8.plan.planner import make_plan
-from asyncfp8.plan.precisions import PRECISIONS
+from asyncfp8.plan.precisions import get_precision
 from asyncfp8.plan.step import kv_capacity_tokens
 from bench.common import write_json
 
@@ -174,7 +174,7 @@ def configure(settings: dict[str, Any]) -> dict[str, Any]:
 def memory_utilization_for(model_name: str, capacity: int, reserved_gib: float) -> float:
     """The gpu_memory_utilization at which a BF16 engine on an H100 holds `capacity`."""
     model = load_model_facts(model_name)
-    bf16 = PRECISIONS["bf16"]
+    bf16 = get_precision("bf16")
     needed = capacity * kv_bytes_per_token(model, bf16) + weight_bytes(model, bf16)
     return (needed + reserved_gib * 2**30) / GPUS["h100"].memory_bytes
 
@@ -321,7 +321,7 @@ def nemo_capacities() -> dict[str, Any]:
     model = load_model_facts("qwen3-8b")
     rows = []
     for name, value in published.items():
-        predicted = kv_capacity_tokens(model, PRECISIONS[name], GPUS["h100"], 1, util, reserved)
+        predicted = kv_capacity_tokens(model, get_precision(name), GPUS["h100"], 1, util, reserved)
         rows.append(
             {
                 "precision": name,

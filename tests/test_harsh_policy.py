@@ -136,8 +136,10 @@ def test_selected_by_target_with_its_settings(tiny_model_dir):
     assert policy.model_config.num_hidden_layers == 2  # bound to the model
     assert policy.engine_config() == {"dtype": "bfloat16"}  # no weight format of its own
     assert policy.checkpoint_config() is None  # vLLM / SGLang start from the BF16 model
+    from asyncfp8.engines import supports
+
     for engine in ("torch", "vllm", "sglang"):
-        assert policy.supported_by(engine) is None
+        assert supports(engine, policy) is None
     defaults = harsh()
     assert (defaults.group_size, defaults.bits, defaults.learner_forward) == (128, 3, "master")
     assert harsh("precision.learner_forward=quantized").learner_forward == "quantized"

@@ -29,7 +29,7 @@ from asyncfp8.plan.gpus import GPUS, get_gpu
 from asyncfp8.plan.lengths import lognormal, measured
 from asyncfp8.plan.model import BUNDLED_MODELS, facts_from_config, load_model_facts
 from asyncfp8.plan.planner import resolve_gpu
-from asyncfp8.plan.precisions import PRECISIONS
+from asyncfp8.plan.precisions import Precision, get_precision
 from asyncfp8.plan.rlstep import WeightSync, step_times, weight_sync
 from asyncfp8.plan.rollout import simulate
 from asyncfp8.plan.step import Efficiency, StepModel, decode_step, kv_capacity_tokens
@@ -84,7 +84,7 @@ def test_small_config_flops_by_hand():
     )
     hand = 4 * hand_per_layer + 2 * batch * 320 * 128  # 4 layers, then the LM head
     facts = facts_from_config({**SMALL, "model_type": "qwen2"}, "small")
-    ops = decode_ops(facts, PRECISIONS["bf16"], batch, batch * context)
+    ops = decode_ops(facts, get_precision("bf16"), batch, batch * context)
     assert step_flops(ops) == hand == 4_737_024
 
 
@@ -93,7 +93,7 @@ def test_decode_flops_equal_a_traced_qwen2_forward():
     model = qwen2(SMALL)
     traced, _ = traced_decode_flops(model, batch=3, prompt=10)
     facts = facts_from_config({**SMALL, "model_type": "qwen2"}, "small")
-    assert step_flops(decode_ops(facts, PRECISIONS["bf16"], 3, 3 * 11)) == traced
+    assert step_flops(decode_ops(facts, get_precision("bf16"), 3, 3 * 11)) == traced
 
 
 def test_decode_flops_of_qwen2_5_0_5b_equal_a_traced_forward_on_meta_tensors():
@@ -101,7 +101,7 @@ def test_decode_flops_of_qwen2_5_0_5b_equal_a_traced_forward_on_meta_tensors():
     config = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
     traced, _ = traced_decode_flops(qwen2(config, device="meta"), batch=4, prompt=100)
     facts = load_model_facts("qwen2.5-0.5b")
-    assert step_flops(decode_ops(facts, PRECISIONS["bf16"], 4, 4 * 101)) == traced
+    assert step_flops(decode_ops(facts, get_precision("bf16"), 4, 4 * 101)) == traced
 
 
 def test_moe_decode_flops_equal_a_traced_qwen3_moe_forward():
@@ -128,7 +128,7 @@ def test_moe_decode_flops_equal_a_traced_qwen3_moe_forward():
     traced, _ = traced_decode_flops(model, batch=3, prompt=10)
     facts = facts_from_config({**config, "model_type": "qwen3_moe"}, "tiny-moe")
     assert facts.parameter_count() == sum(p.numel() for p in model.parameters())
-    assert step_flops(decode_ops(facts, PRECISIONS["bf16"], 3, 3 * 11)) == traced
+    assert step_flops(decode_ops(facts, get_precision("bf16"), 3, 3 * 11)) == traced
 
 
 def test_weight_and_kv_bytes_equal_the_model_and_what_the_precision_policies_export():
@@ -138,14 +138,20 @@ def test_weight_and_kv_bytes_equal_the_model_and_what_the_precision_policies_exp
     model = qwen2(SMALL, dtype=torch.bfloat16)
     facts = load_model_facts("small")
     named = [(n, p.detach()) for n, p in model.named_parameters()]
-    assert weight_bytes(facts, PRECISIONS["bf16"]) == sum(t.nbytes for _, t in named)
+    assert weight_bytes(facts, get_precision("bf16")) == sum(t.nbytes for _, t in named)
     for name in ("fp8", "int8"):
         exported = get_policy(name).quantize_weights(named)
-        assert weight_bytes(facts, PRECISIONS[name]) == sum(t.nbytes for _, t in exported), name
+        assert weight_bytes(facts, get_precision(name)) == sum(t.nbytes for _, t in exported), name
+    # A format of one's own is priced from its own storage() (here FP8 in 64x32 blocks).
+    plugin = get_policy("fp8", block_size=[64, 32])
+    exported = plugin.quantize_weights(named)
+    assert weight_bytes(facts, Precision("fp8-64x32", plugin.storage())) == sum(
+        t.nbytes for _, t in exported
+    )
     _, past = traced_decode_flops(model, batch=2, prompt=5)
     cached = sum(t.nbytes for layer in past.layers for t in (layer.keys, layer.values))
-    assert cached == 2 * 6 * kv_bytes_per_token(facts, PRECISIONS["bf16"])
-    assert kv_bytes_per_token(facts, PRECISIONS["fp8+fp8_kv"]) * 2 == cached / 12
+    assert cached == 2 * 6 * kv_bytes_per_token(facts, get_precision("bf16"))
+    assert kv_bytes_per_token(facts, get_precision("fp8+fp8_kv")) * 2 == cached / 12
 
 
 def test_bundled_small_and_tiny_configs_match_the_model_factory():
@@ -189,16 +195,16 @@ def test_kv_capacity_by_hand():
     )
     kv_per_token = 2 * 36 * 8 * 128 * 2  # K and V, layers, KV heads, head size, BF16
     free = 0.9 * 80 * 2**30 - 2 * params - 2 * 2**30
-    assert kv_capacity_tokens(facts, PRECISIONS["bf16"], GPUS["h100"], 1, 0.9, 2.0) == int(
+    assert kv_capacity_tokens(facts, get_precision("bf16"), GPUS["h100"], 1, 0.9, 2.0) == int(
         free // kv_per_token
     )
     # tp=2: each GPU holds half the weights and 4 of the 8 KV heads.
     free_per_gpu = 0.9 * 80 * 2**30 - params - 2 * 2**30
-    assert kv_capacity_tokens(facts, PRECISIONS["bf16"], GPUS["h100"], 2, 0.9, 2.0) == int(
+    assert kv_capacity_tokens(facts, get_precision("bf16"), GPUS["h100"], 2, 0.9, 2.0) == int(
         free_per_gpu // (kv_per_token / 2)
     )
     # tp=16 > 8 KV heads: one head per GPU, replicated, so no more than tp=8 per GPU.
-    sixteen = kv_capacity_tokens(facts, PRECISIONS["bf16"], GPUS["h100"], 16, 0.9, 2.0)
+    sixteen = kv_capacity_tokens(facts, get_precision("bf16"), GPUS["h100"], 16, 0.9, 2.0)
     assert sixteen == int((0.9 * 80 * 2**30 - 2 * params / 16 - 2 * 2**30) // (kv_per_token / 8))
 
 
@@ -207,7 +213,7 @@ def test_kv_capacity_by_hand():
 
 @settings(max_examples=40, deadline=None)
 @given(
-    precision=st.sampled_from(sorted(PRECISIONS)),
+    precision=st.sampled_from(["bf16", "fp8", "fp8+fp8_kv", "fp8_kv", "int8"]),
     model=st.sampled_from(["qwen3-8b", "qwen3-30b-a3b", "qwen2.5-0.5b"]),
     batch=st.integers(1, 2048),
     context=st.integers(1, 32768),
@@ -216,7 +222,7 @@ def test_kv_capacity_by_hand():
 def test_more_bandwidth_or_compute_is_never_slower_and_more_work_never_faster(
     precision, model, batch, context, faster
 ):
-    facts, p, eff = load_model_facts(model), PRECISIONS[precision], Efficiency()
+    facts, p, eff = load_model_facts(model), get_precision(precision), Efficiency()
     gpu = GPUS["h100"]
     base = decode_step(facts, p, gpu, eff, batch, batch * context).seconds
     wider = replace(gpu, bandwidth_tb_s=gpu.bandwidth_tb_s * faster)
@@ -235,17 +241,17 @@ def test_more_bandwidth_or_compute_is_never_slower_and_more_work_never_faster(
 def test_kv_capacity_grows_with_memory_and_an_fp8_cache_holds_twice_the_tokens():
     facts = load_model_facts("qwen3-8b")
     capacities = [
-        kv_capacity_tokens(facts, PRECISIONS["fp8"], replace(GPUS["h100"], memory_gb=m))
+        kv_capacity_tokens(facts, get_precision("fp8"), replace(GPUS["h100"], memory_gb=m))
         for m in (40, 80, 141)
     ]
     assert capacities == sorted(capacities) and capacities[0] > 0
-    fp8 = kv_capacity_tokens(facts, PRECISIONS["fp8"], GPUS["h100"])
-    both = kv_capacity_tokens(facts, PRECISIONS["fp8+fp8_kv"], GPUS["h100"])
+    fp8 = kv_capacity_tokens(facts, get_precision("fp8"), GPUS["h100"])
+    both = kv_capacity_tokens(facts, get_precision("fp8+fp8_kv"), GPUS["h100"])
     assert both in (2 * fp8, 2 * fp8 + 1)
 
 
 def test_a_faster_gpu_never_makes_the_rollout_slower():
-    facts, precision = load_model_facts("qwen3-8b"), PRECISIONS["fp8"]
+    facts, precision = load_model_facts("qwen3-8b"), get_precision("fp8")
     responses = lognormal(2000, 0.8, 8192).sample(64, seed=0)
     times = []
     for scale in (1.0, 1.5, 3.0):
@@ -318,14 +324,14 @@ def test_weight_sync_sends_the_model_or_its_changed_elements_over_the_link():
         load_model_facts("qwen3-8b"),
         GPUS["h100"],
     )
-    full = weight_sync(facts, PRECISIONS["fp8"], h100, calibration, "full", 10, 0.03, 1)
-    delta = weight_sync(facts, PRECISIONS["fp8"], h100, calibration, "delta", 10, 0.03, 1)
-    assert full.wire_bytes == weight_bytes(facts, PRECISIONS["fp8"])
+    full = weight_sync(facts, get_precision("fp8"), h100, calibration, "full", 10, 0.03, 1)
+    delta = weight_sync(facts, get_precision("fp8"), h100, calibration, "delta", 10, 0.03, 1)
+    assert full.wire_bytes == weight_bytes(facts, get_precision("fp8"))
     # bench/sync.py measured FP8 deltas at 1.04x (changed fraction x full bytes).
     assert delta.wire_bytes == pytest.approx(full.wire_bytes * 0.03 * 1.04)
     assert full.transfer_s == pytest.approx(full.wire_bytes / 10e9)
     assert delta.seconds < full.seconds and delta.quantize_s == full.quantize_s > 0
-    bf16 = weight_sync(facts, PRECISIONS["bf16"], h100, calibration, "delta", 10, 0.03, 1)
+    bf16 = weight_sync(facts, get_precision("bf16"), h100, calibration, "delta", 10, 0.03, 1)
     assert bf16.quantize_s == 0  # nothing to quantize
     assert bf16.wire_bytes == pytest.approx(2 * facts.parameter_count() * 0.03 * 2.0)
 
@@ -571,3 +577,13 @@ def test_cli_refuses_bad_input_with_a_message_and_no_traceback(tmp_path, overrid
     assert "Traceback" not in result.stderr
     for text in expected:
         assert text in result.stderr, result.stderr
+
+
+def test_the_planner_reads_each_precision_from_its_policy():
+    assert get_precision("fp8+fp8_kv").weights == "fp8" and get_precision("fp8+fp8_kv").kv == "fp8"
+    assert get_precision("int8+fp8_kv").weights == "int8"  # any composition, not a fixed list
+    assert (get_precision("fp8_kv").weights, get_precision("fp8_kv").kv) == ("bf16", "fp8")
+    assert get_precision("int8").scale_bytes(10, 300) == 10 * 4  # one fp32 scale per row
+    assert get_precision("fp8").scale_bytes(200, 300) == 2 * 3 * 4  # per 128x128 block
+    with pytest.raises(PlanInputError, match="precision 'fp4': unknown precision policy 'fp4'"):
+        get_precision("fp4")

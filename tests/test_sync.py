@@ -601,3 +601,43 @@ def test_keys_cli_refuses_to_overwrite(tmp_path):
     assert oct((tmp_path / "k" / "server.key_secret").stat().st_mode)[-3:] == "600"
     with pytest.raises(FileExistsError, match="already holds keys"):
         main(["--out", str(tmp_path / "k")])
+
+
+def test_any_real_dtype_travels_so_a_new_format_needs_no_wire_table():
+    """The wire names dtypes as torch does: a format storing e8m0 scales or packed FP4
+    (none built in) sends them as they are, and its deltas work on their bytes."""
+    rng = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 255, (4, 96), generator=rng, dtype=torch.uint8)
+    new = {
+        "w": raw.view(torch.float4_e2m1fn_x2),
+        "w_scale": raw[:, :3].contiguous().view(torch.float8_e8m0fnu),
+        "ids": raw[:, :4].contiguous().view(torch.uint16),
+    }
+    version = decode_version(encode_version(1, new.items()))
+    assert all(
+        version.weights[k].dtype == t.dtype and bits_equal(version.weights[k], t)
+        for k, t in new.items()
+    )
+    changed = {k: t.clone() for k, t in new.items()}
+    changed["w"].view(torch.uint8)[0, 0] ^= 1
+    messages = encode_version(2, changed.items(), base=new, base_version=1)
+    assert msgpack.unpackb(messages[0][0][HEADER_AT:])["tensors"][0]["encoding"] == "delta"
+    got = decode_version(messages, base=new, base_version=1).weights["w"]
+    assert bits_equal(got, changed["w"])
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int4])
+def test_a_dtype_that_cannot_travel_is_refused_when_sent(dtype):
+    with pytest.raises(ValueError, match="cannot be sent"):
+        encode_version(0, [("w", torch.empty(0, dtype=dtype))])
+
+
+@pytest.mark.parametrize(
+    "name", ["int4", "qint8", "complex64", "bits8", "__class__", "float", ["x"]]
+)
+def test_a_header_naming_a_dtype_that_cannot_travel_is_rejected(name):
+    messages = encode_version(0, [("w", torch.zeros(4))])
+    header = msgpack.unpackb(messages[0][0][HEADER_AT:])
+    header["tensors"][0]["dtype"] = name
+    with pytest.raises(RejectedMessage, match="unknown dtype"):
+        VersionAssembler().feed([VERSION_TOPIC + seal(msgpack.packb(header)), messages[0][1]])

@@ -2,6 +2,7 @@
 
 from asyncfp8.engines import make_engine, SamplingParams
 engine = make_engine("torch", model_dir, policy)      # or "vllm", "sglang"
+supports("vllm", policy)   # None, or why that engine cannot run the policy
 engine.update_weights(version, tensors, extra)
 samples = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=32, seed=0))
 """
@@ -42,6 +43,21 @@ def make_engine(
     raise ValueError(f"unknown engine {name!r}; available: {', '.join(ENGINES)}")
 
 
+def supports(name: str, policy: PrecisionPolicy) -> str | None:
+    """None if engine `name` can run `policy` (bound to its model, for the checks that
+    need its shapes), else the reason; each adapter says (its `supports`), without
+    importing vLLM or SGLang."""
+    if name == "torch":
+        from .torch_engine import supports as adapter_supports
+    elif name == "vllm":
+        from .vllm_engine import supports as adapter_supports
+    elif name == "sglang":
+        from .sglang_engine import supports as adapter_supports
+    else:
+        raise ValueError(f"unknown engine {name!r}; available: {', '.join(ENGINES)}")
+    return adapter_supports(policy)
+
+
 def build_engine(
     cfg: Mapping[str, Any], model_dir: str, policy: PrecisionPolicy | str
 ) -> RolloutEngine:
@@ -58,4 +74,5 @@ __all__ = [
     "SamplingParams",
     "build_engine",
     "make_engine",
+    "supports",
 ]

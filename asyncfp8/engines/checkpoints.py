@@ -5,6 +5,7 @@ checkpoint (`version_specs`, for `asyncfp8.precision.check_received`)."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 from asyncfp8.precision import PrecisionPolicy
@@ -15,25 +16,73 @@ from .base import EngineUnsupported
 
 
 def refuse_unsupported(
-    engine: str, policy: PrecisionPolicy, formats: tuple[str, ...], source: Path
+    engine: str,
+    policy: PrecisionPolicy,
+    supports: Callable[[PrecisionPolicy], str | None],
+    source: Path,
 ) -> None:
-    """EngineUnsupported, at start, for a policy that says `engine` cannot run it (on the
-    model in `source`, which the policy is bound to here if it is not yet) or whose weight
-    format (`engine_config()["quantization"]`) is not among the `formats` the adapter
-    knows how to start and refit."""
+    """EngineUnsupported, at start, for a policy the adapter's `supports` refuses (on the
+    model in `source`, which the policy is bound to here if it is not yet)."""
     if policy.model_config is None:
         from transformers import AutoConfig
 
         policy.bind_model(AutoConfig.from_pretrained(source, local_files_only=True))
-    reason = policy.supported_by(engine)
-    quantization = policy.engine_config().get("quantization")
-    if not reason and quantization is not None and quantization not in formats:
-        reason = (
+    reason = supports(policy)
+    if reason:
+        raise EngineUnsupported(f"engine {engine} cannot run precision {policy.name!r}: {reason}")
+
+
+def checkpoint_refusal(policy: PrecisionPolicy, formats: tuple[str, ...]) -> str | None:
+    """Why an engine started from a checkpoint (vLLM, SGLang) cannot run `policy`, or None:
+    a weight format (`engine_config()["quantization"]`) not among the `formats` the adapter
+    starts and refits, an FP32 LM head (neither has the option), and for blockwise FP8
+    blocks other than 128x128 or a model whose fused projections are not whole blocks."""
+    config = policy.engine_config()
+    quantization = config.get("quantization")
+    lm_head = config.get("lm_head_dtype", "bfloat16")
+    if lm_head != "bfloat16":
+        shown = "FP32" if lm_head == "float32" else lm_head
+        return f"it has no option to run the LM head in {shown} (engine=torch does)"
+    if quantization is not None and quantization not in formats:
+        return (
             f"its weight format {quantization!r} is not one this adapter starts and refits "
             f"({', '.join(formats)}); engine=torch runs any policy with a linear_module"
         )
-    if reason:
-        raise EngineUnsupported(f"engine {engine} cannot run precision {policy.name!r}: {reason}")
+    if quantization == "fp8":
+        return _block_fp8_refusal(policy, config.get("quantization_config", {}))
+    return None
+
+
+def _block_fp8_refusal(policy: PrecisionPolicy, quantization_config: dict) -> str | None:
+    block = tuple(quantization_config.get("weight_block_size") or (128, 128))
+    if block != (128, 128):
+        return (
+            f"its block-FP8 kernels are built and tested for 128x128 weight blocks; "
+            f"precision.block_size={list(block)} runs on engine=torch"
+        )
+    config = policy.model_config
+    if config is None:
+        return None
+    # The loaders fuse q/k/v and gate/up and split the fused scale grid by block: every
+    # part must be whole blocks (checked here, not met as a load error).
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads
+    )
+    sizes = {
+        "intermediate_size": config.intermediate_size,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads x head_dim": config.num_attention_heads * head_dim,
+        "num_key_value_heads x head_dim": config.num_key_value_heads * head_dim,
+    }
+    odd = {k: v for k, v in sizes.items() if v % block[0] or v % block[1]}
+    if not odd:
+        return None
+    return (
+        f"its block-FP8 loader needs every fused projection in whole {block[0]}x{block[1]} "
+        "blocks, and this model's "
+        + ", ".join(f"{k} = {v}" for k, v in odd.items())
+        + " is not; engine=torch pads odd shapes"
+    )
 
 
 def policy_checkpoint(policy: PrecisionPolicy, source: Path, export_dir: str | None) -> Path:

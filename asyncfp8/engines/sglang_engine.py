@@ -40,9 +40,22 @@ from asyncfp8.models.loading import check_model_dir
 from asyncfp8.precision import PrecisionPolicy, TensorRole, check_received, get_policy
 
 from .base import EngineUnsupported, Sample, SamplingParams
-from .checkpoints import policy_checkpoint, refuse_unsupported, version_specs
+from .checkpoints import checkpoint_refusal, policy_checkpoint, refuse_unsupported, version_specs
 
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3"}
+
+
+FORMATS = ("fp8",)  # the weight formats this adapter starts and refits
+
+
+def supports(policy: PrecisionPolicy) -> str | None:
+    """None if SGLang can run `policy` (bound to its model), else why not; imports no SGLang."""
+    if policy.engine_config().get("quantization") == "compressed-tensors":
+        return (
+            "its update_weights_from_tensor re-runs no post-load processing, which int8 "
+            "layers need (engine=vllm or engine=torch run int8)"
+        )
+    return checkpoint_refusal(policy, FORMATS)
 
 
 class SGLangEngine:
@@ -58,7 +71,7 @@ class SGLangEngine:
         **engine_kwargs,
     ):
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
-        refuse_unsupported(self.name, self.policy, ("fp8",), check_model_dir(model_dir))
+        refuse_unsupported(self.name, self.policy, supports, check_model_dir(model_dir))
         config = self.policy.engine_config()
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true"):
             raise EngineUnsupported(

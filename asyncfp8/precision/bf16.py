@@ -24,11 +24,6 @@ class BF16Policy(PrecisionPolicy):
             "lm_head_dtype": "float32" if self.lm_head_fp32 else "bfloat16",
         }
 
-    def supported_by(self, engine: str) -> str | None:
-        if self.lm_head_fp32 and engine in ("vllm", "sglang"):
-            return "it has no option to run the LM head in FP32 (engine=torch does)"
-        return super().supported_by(engine)
-
     def passthrough(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if self.lm_head_fp32 and name.startswith("lm_head") and tensor.is_floating_point():
             # The learner's FP32 master values, not a BF16 rounding of them.

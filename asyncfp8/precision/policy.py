@@ -24,6 +24,7 @@ import torch
 
 from .manifest import Role, TensorRole
 from .schema import check_params, parameters
+from .storage import Storage
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -145,19 +146,11 @@ class PrecisionPolicy:
             "runtime module (PrecisionPolicy.linear_module)"
         )
 
-    def supported_by(self, engine: str) -> str | None:
-        """None if engine `engine` can run this policy, else the reason it cannot. The
-        engines also refuse what they find out themselves at start."""
-        if (
-            engine == "torch"
-            and self.quantizes_weights
-            and type(self).linear_module is PrecisionPolicy.linear_module
-        ):
-            return (
-                f"precision {self.name!r} quantizes weights but gives the built-in torch engine "
-                "no runtime module (PrecisionPolicy.linear_module)"
-            )
-        return None
+    def storage(self) -> Storage:
+        """What this precision's versions hold (weight and scale dtypes, scale layout, KV
+        dtype) and the GEMM type: what the planner prices. The base stores every weight
+        in `engine_dtype`."""
+        return Storage(weight_dtype=self.engine_dtype)
 
     def checkpoint_config(self, unquantized_layers: Iterable[str] = ()) -> dict[str, Any] | None:
         """The `quantization_config` an exported checkpoint's config.json carries;
@@ -273,8 +266,9 @@ class ComposedPolicy(PrecisionPolicy):
     def linear_module(self, name, tensors, bias, real=True):
         return self._weights.linear_module(name, tensors, bias, real)
 
-    def supported_by(self, engine):
-        return next((r for p in self.parts if (r := p.supported_by(engine))), None)
+    def storage(self):
+        smallest_kv = min((p.storage() for p in self.parts), key=lambda s: s.kv_dtype.itemsize)
+        return self._weights.storage().with_kv(smallest_kv)
 
     def fake_quantize_weight(self, name, weight):
         return self._weights.fake_quantize_weight(name, weight)

@@ -42,21 +42,28 @@ from .limits import Limits, RejectedMessage
 FORMAT_VERSION = 4
 VERSION_TOPIC = b"V"  # first byte of a chunk's header frame: what a SUB socket filters on
 SECTIONS = ("weights", "extra")
-DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def wire_dtype(name: object) -> torch.dtype | None:
+    """The torch dtype a header's `dtype` names (torch's own name: `float8_e4m3fn`), or
+    None. Any real dtype travels (floating point of any width, bool, whole-byte
+    integers), so a precision's storage dtypes (asyncfp8.precision.storage) need no
+    table here; complex, quantized and sub-byte placeholder dtypes do not."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or str(dtype) != f"torch.{name}":
+        return None
+    if dtype.is_floating_point or dtype == torch.bool:
+        return dtype
+    bits = 8 * dtype.itemsize
+    return dtype if name in (f"int{bits}", f"uint{bits}") else None
+
+
+def dtype_name(dtype: torch.dtype) -> str | None:
+    """The name a header gives `dtype`, or None if it cannot travel (see `wire_dtype`)."""
+    name = str(dtype).removeprefix("torch.")
+    return name if wire_dtype(name) is dtype else None
+
+
 DIGEST_BYTES = 8
 
 Storage = Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor]
@@ -270,7 +277,7 @@ def encode_tagged(
 
     for role, name, tensor in tagged:
         tensor = tensor.detach().contiguous()
-        if tensor.dtype not in DTYPE_NAMES:
+        if dtype_name(tensor.dtype) is None:
             raise ValueError(f"{name}: dtype {tensor.dtype} cannot be sent")
         if name in names:
             raise ValueError(f"{name}: sent twice in version {version}")
@@ -278,7 +285,7 @@ def encode_tagged(
         entry = {
             "name": name,
             **role.wire(),
-            "dtype": DTYPE_NAMES[tensor.dtype],
+            "dtype": dtype_name(tensor.dtype),
             "shape": list(tensor.shape),
             "result_checksum": None,  # a full tensor's parts each have theirs
         }
@@ -418,7 +425,10 @@ def parse_header(frame: bytes, limits: Limits) -> dict[str, Any]:
         )
         name = entry["name"]
         entry_role(entry)
-        _check(entry.get("dtype") in DTYPES, f"{name}: unknown dtype {entry.get('dtype')!r}")
+        _check(
+            wire_dtype(entry.get("dtype")) is not None,
+            f"{name}: unknown dtype {entry.get('dtype')!r}",
+        )
         shape = entry.get("shape")
         _check(
             isinstance(shape, list)
@@ -427,7 +437,7 @@ def parse_header(frame: bytes, limits: Limits) -> dict[str, Any]:
             f"{name}: bad shape {shape!r}",
         )
         _check(
-            math.prod(shape) * DTYPES[entry["dtype"]].itemsize <= limits.max_tensor_bytes,
+            math.prod(shape) * wire_dtype(entry["dtype"]).itemsize <= limits.max_tensor_bytes,
             f"{name}: {shape} exceeds max_tensor_bytes",
         )
         _check(
@@ -595,7 +605,7 @@ class VersionAssembler:
             len(self.entries) < self.limits.max_tensors * self.limits.max_chunks,
             "too many tensors",
         )
-        dtype, shape = DTYPES[entry["dtype"]], tuple(entry["shape"])
+        dtype, shape = wire_dtype(entry["dtype"]), tuple(entry["shape"])
         if entry["encoding"] == "delta":
             _check(
                 header.get("base_version") == self.base_version and name in self.base,

@@ -43,16 +43,16 @@ import torch
 
 from ..precision.manifest import TensorRole
 from .codec import (
-    DTYPE_NAMES,
-    DTYPES,
     Storage,
     Version,
     byte_view,
+    dtype_name,
     entry_role,
     received_version,
     same_role,
     seal,
     unseal,
+    wire_dtype,
 )
 from .copyhash import copy_xxh3
 from .limits import Limits, RejectedMessage
@@ -121,7 +121,7 @@ class SegmentWriter:
             entry is not None
             and name not in self.written
             and same_role(entry, role.wire())
-            and entry["dtype"] == DTYPE_NAMES.get(tensor.dtype)
+            and entry["dtype"] == dtype_name(tensor.dtype)
             and entry["shape"] == list(tensor.shape)
         )
         if self.target is None or not fits:
@@ -171,7 +171,7 @@ class SegmentWriter:
                 name,
             )
             self._hold_written()
-        if tensor.dtype not in DTYPE_NAMES:
+        if dtype_name(tensor.dtype) is None:
             raise ValueError(f"{name}: dtype {tensor.dtype} cannot be sent")
         self.held.append((role, name, tensor))
 
@@ -268,7 +268,7 @@ class SegmentWriter:
             layout[name] = {
                 "name": name,
                 **role.wire(),
-                "dtype": DTYPE_NAMES[tensor.dtype],
+                "dtype": dtype_name(tensor.dtype),
                 "shape": list(tensor.shape),
                 "offset": cursor,
                 "bytes": nbytes,
@@ -300,7 +300,7 @@ class SegmentWriter:
         return memoryview(self.maps[index])[offset : offset + nbytes]
 
     def _tensor_view(self, index: int, entry: dict[str, Any]) -> torch.Tensor:
-        dtype, shape = DTYPES[entry["dtype"]], entry["shape"]
+        dtype, shape = wire_dtype(entry["dtype"]), entry["shape"]
         if not entry["bytes"]:
             return torch.empty(shape, dtype=dtype)
         flat = torch.frombuffer(
@@ -402,7 +402,10 @@ def parse_notice(frame: bytes, limits: Limits) -> dict[str, Any]:
         check(isinstance(entry, dict) and isinstance(entry.get("name"), str), "unnamed tensor")
         name = entry["name"]
         entry_role(entry)
-        check(entry.get("dtype") in DTYPES, f"{name}: unknown dtype {entry.get('dtype')!r}")
+        check(
+            wire_dtype(entry.get("dtype")) is not None,
+            f"{name}: unknown dtype {entry.get('dtype')!r}",
+        )
         shape = entry.get("shape")
         check(
             isinstance(shape, list) and len(shape) <= limits.max_ndim and all(map(count, shape)),
@@ -410,7 +413,7 @@ def parse_notice(frame: bytes, limits: Limits) -> dict[str, Any]:
         )
         for key in ("offset", "bytes", "at", "length", "checksum"):
             check(count(entry.get(key)), f"{name}: {key} missing or not a count")
-        nbytes = DTYPES[entry["dtype"]].itemsize
+        nbytes = wire_dtype(entry["dtype"]).itemsize
         for d in shape:
             nbytes *= d
         check(entry["bytes"] == nbytes, f"{name}: byte count does not match its shape")
@@ -540,7 +543,7 @@ class ShmAssembler:
                     raise RejectedMessage(f"{name}: first piece starts at byte {piece['at']}")
                 entry = self.entries[name] = piece
                 self.tensors[name] = self.storage(
-                    name, DTYPES[entry["dtype"]], tuple(entry["shape"])
+                    name, wire_dtype(entry["dtype"]), tuple(entry["shape"])
                 )
                 self.received[name] = 0
             elif (

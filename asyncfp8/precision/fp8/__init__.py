@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..policy import PrecisionPolicy, register_policy
+from ..storage import ScaleLayout, Storage
 from .linear import FP8BlockLinear
 from .quant import (
     BLOCK,
@@ -84,34 +85,8 @@ class FP8Policy(PrecisionPolicy):
             "quantization_config": self.checkpoint_config(),
         }
 
-    def supported_by(self, engine: str) -> str | None:
-        if engine in ("vllm", "sglang") and self.block != BLOCK:
-            return (
-                f"its block-FP8 kernels are built and tested for 128x128 weight blocks; "
-                f"precision.block_size={list(self.block)} runs on engine=torch"
-            )
-        if engine in ("vllm", "sglang") and self.model_config is not None:
-            # Their loaders fuse q/k/v and gate/up and split the fused scale grid by
-            # block: every part must be whole blocks (checked here, not as a load error).
-            config = self.model_config
-            head_dim = getattr(config, "head_dim", None) or (
-                config.hidden_size // config.num_attention_heads
-            )
-            sizes = {
-                "intermediate_size": config.intermediate_size,
-                "hidden_size": config.hidden_size,
-                "num_attention_heads x head_dim": config.num_attention_heads * head_dim,
-                "num_key_value_heads x head_dim": config.num_key_value_heads * head_dim,
-            }
-            odd = {k: v for k, v in sizes.items() if v % self.block[0] or v % self.block[1]}
-            if odd:
-                return (
-                    f"its block-FP8 loader needs every fused projection in whole "
-                    f"{self.block[0]}x{self.block[1]} blocks, and this model's "
-                    + ", ".join(f"{k} = {v}" for k, v in odd.items())
-                    + " is not; engine=torch pads odd shapes"
-                )
-        return super().supported_by(engine)
+    def storage(self) -> Storage:
+        return Storage(torch.float8_e4m3fn, ScaleLayout(*self.block), compute="fp8")
 
     def quantize_tensor(
         self, name: str, tensor: torch.Tensor

@@ -20,6 +20,7 @@ import torch
 from ..fp8.quant import FP8_MAX
 from ..manifest import Role, TensorRole
 from ..policy import PrecisionPolicy, register_policy
+from ..storage import Storage
 
 CAPTURE_IMPLEMENTATION = "asyncfp8_kv_capture"
 FAKE_QUANT_IMPLEMENTATION = "asyncfp8_fp8_kv"
@@ -116,6 +117,9 @@ class FP8KVPolicy(PrecisionPolicy):
         self.percentile, self.margin = float(percentile), float(margin)
         #: layer -> (k_scale, v_scale) of the last calibration (the learner's quantized forward)
         self.latest_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def storage(self) -> Storage:
+        return Storage(kv_dtype=torch.float8_e4m3fn)
 
     def engine_config(self) -> dict:
         return {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..policy import PrecisionPolicy, register_policy
+from ..storage import ScaleLayout, Storage
 from .linear import Int8Linear
 from .quant import (
     SCALE_SUFFIX,
@@ -112,13 +113,8 @@ class INT8Policy(PrecisionPolicy):
             "quantization_config": self.checkpoint_config(),
         }
 
-    def supported_by(self, engine: str) -> str | None:
-        if engine == "sglang":
-            return (
-                "its update_weights_from_tensor re-runs no post-load processing, which int8 "
-                "layers need (engine=vllm or engine=torch run int8)"
-            )
-        return super().supported_by(engine)
+    def storage(self) -> Storage:
+        return Storage(torch.int8, ScaleLayout(rows=1, cols=None), compute="int8")
 
     def quantize_tensor(
         self, name: str, tensor: torch.Tensor
