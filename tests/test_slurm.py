@@ -104,7 +104,8 @@ def test_srun_of_the_launcher_runs_a_two_rank_learner_and_two_workers(tmp_path, 
     a two-rank learner (its process group from the variables asyncfp8 sets) and two
     workers; task 0 shows the progress and writes the summary; nothing lost."""
     run_dir = tmp_path / "run"
-    ports = free_ports(3)
+    # One call for all four: ports from separate calls can repeat once released.
+    *ports, rendezvous_port = free_ports(4)
     overrides = [
         f"model.path={tiny_model_dir}",
         f"run.dir={run_dir}",
@@ -117,7 +118,7 @@ def test_srun_of_the_launcher_runs_a_two_rank_learner_and_two_workers(tmp_path, 
             for name, port in zip(("version", "snapshot", "trajectory"), ports, strict=True)
         ),
     ]
-    rendezvous = str(free_ports(1)[0])  # the job's MASTER_PORT, as many clusters set one
+    rendezvous = str(rendezvous_port)  # the job's MASTER_PORT, as many clusters set one
     tasks = [
         subprocess.Popen(
             [sys.executable, "-m", "asyncfp8.launch", *overrides],
