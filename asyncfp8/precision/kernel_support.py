@@ -22,6 +22,10 @@ except ImportError:  # the `triton` extra is optional
     tl = None
 
 
+#: What the GEMMs (fp8/gemm.py, int8/gemm.py) can write their output in.
+GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernel_support import (
+    GEMM_OUT_DTYPES,
     ceil_div,
     check_2d,
     check_impl,
@@ -33,7 +34,6 @@ from ..kernel_support import (
 from .quant import to_column_major
 
 FP8 = torch.float8_e4m3fn
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SCALED_MM_BLOCK = (128, 128)
 
 if triton is not None:
@@ -129,7 +129,7 @@ def _check_fp8_operands(x_q, x_scales, w_q, w_scale_inv, block, out_dtype) -> tu
             f"x_scales has shape {tuple(x_scales.shape)}; {m} tokens of {k} columns in "
             f"groups of {bk} need {(m, ceil_div(k, bk))}"
         )
-    if out_dtype not in OUT_DTYPES:
+    if out_dtype not in GEMM_OUT_DTYPES:
         raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
     return bn, bk
 

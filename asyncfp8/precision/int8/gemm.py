@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernel_support import (
+    GEMM_OUT_DTYPES,
     ceil_div,
     check_2d,
     check_impl,
@@ -25,7 +26,6 @@ from ..kernel_support import (
     why_no_triton,
 )
 
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # cuBLAS's int8 GEMM behind torch._int_mm needs more than 16 rows on CUDA; 32 is also a
 # multiple of 8, which its other dimensions need.
 INT_MM_MIN_ROWS = 32
@@ -102,7 +102,7 @@ def _check_int8_operands(x_q, x_scale, w_q, w_scale, out_dtype):
         raise ValueError(
             f"w_scale must be fp32 [{n}, 1], got {w_scale.dtype} {tuple(w_scale.shape)}"
         )
-    if out_dtype not in OUT_DTYPES:
+    if out_dtype not in GEMM_OUT_DTYPES:
         raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
     return x_scale.reshape(m, 1), w_scale.reshape(n, 1)
 
