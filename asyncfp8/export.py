@@ -47,8 +47,14 @@ def save_model(
 
     out = Path(out)
     config = AutoConfig.from_pretrained(source_dir, local_files_only=True)
+    # A shell on the meta device whose parameters `assign=True` replaces by the BF16
+    # tensors below, built with no dtype: given one (or a config naming one), transformers
+    # builds under torch.set_default_dtype, which is process-wide, and the learner's
+    # publishing thread is computing a refit probe meanwhile.
+    config.dtype = None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config)
+    model.config.dtype = torch.bfloat16  # what the saved config says
     expected = set(model.state_dict())
     missing = expected - set(state)
     if config.tie_word_embeddings:

@@ -263,8 +263,11 @@ class ReferenceForward:
         row per forward, without padding, as engines score them (see TorchEngine.score)."""
         rows, width = input_ids.shape
         layers = len(self.model.model.layers)
-        logp = torch.full((rows, width - 1), math.nan)
-        layer_rms = torch.full((rows, layers, width), math.nan)
+        # FP32 by name, not torch's default dtype: this runs on the learner's publishing
+        # thread while its main thread may build a model, which transformers does under
+        # torch.set_default_dtype(BF16), a process-wide setting.
+        logp = torch.full((rows, width - 1), math.nan, dtype=torch.float32)
+        layer_rms = torch.full((rows, layers, width), math.nan, dtype=torch.float32)
         for row, length in enumerate(lengths.tolist()):
             if length < 2:
                 continue
@@ -284,7 +287,9 @@ class ReferenceForward:
     ) -> Probe:
         """The probe of the version made of `masters` (and `extra`, its KV scales): the
         previous version's log-probs first (the weights held now), then this one's."""
-        previous = torch.full((input_ids.shape[0], input_ids.shape[1] - 1), math.nan)
+        previous = torch.full(
+            (input_ids.shape[0], input_ids.shape[1] - 1), math.nan, dtype=torch.float32
+        )
         if self.loaded:
             previous, _ = self.forward(input_ids, lengths)
         self.load(masters, extra)
@@ -328,7 +333,11 @@ class ProbeCheck:
 
 
 def _cat(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([row.float().reshape(-1) for row in rows]) if rows else torch.zeros(0)
+    return (
+        torch.cat([row.float().reshape(-1) for row in rows])
+        if rows
+        else torch.zeros(0, dtype=torch.float32)
+    )
 
 
 def check_probe(

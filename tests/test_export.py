@@ -71,6 +71,24 @@ def test_the_learners_export_is_its_masters_in_bf16_and_gives_its_logprobs(
     )
 
 
+def test_exporting_leaves_torchs_process_wide_default_dtype_alone(
+    trained_run, tiny_model_dir, tmp_path, monkeypatch
+):
+    # The learner exports while its publishing thread computes the next version's refit
+    # probe; transformers builds a model given a dtype under torch.set_default_dtype, which
+    # is process-wide: the probe's reference came out in BF16 (a false alarm in CI).
+    from transformers import AutoConfig
+
+    from asyncfp8.export import save_model
+
+    changed = []
+    monkeypatch.setattr(torch, "set_default_dtype", changed.append)
+    _, masters = trained_run
+    out = save_model(masters, tiny_model_dir, tmp_path / "model", {"step": 7})
+    assert changed == []
+    assert AutoConfig.from_pretrained(out, local_files_only=True).dtype == torch.bfloat16
+
+
 def test_the_command_exports_a_checkpoint_and_quantizes_it(trained_run, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 

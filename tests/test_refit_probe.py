@@ -245,3 +245,38 @@ def test_bad_input_is_refused_naming_the_setting(tiny_model_dir):
     )
     with pytest.raises(ValueError, match="ASYNCFP8_REFIT_FAULT: unknown fault 'oops'"):
         RefitFault("oops", 1)
+
+
+@pytest.mark.parametrize("spec", ["bf16", "fp8+fp8_kv", "int8"])
+def test_the_reference_and_the_version_do_not_depend_on_torchs_default_dtype(
+    tiny_model_dir, setting, spec
+):
+    # They are made on the learner's publishing thread while its main thread may be
+    # loading a model; transformers builds models under torch.set_default_dtype(BF16),
+    # a process-wide setting. A reference written into default-dtype tensors came out
+    # rounded to BF16 (|Δ log p| 0.007 against an intact engine: a false refit alarm, CI).
+    policy = get_policy(spec)
+    policy.bind_model(setting["base"].config)
+    model = setting["next"]
+    extra = calibrate_version(model, policy, setting["calibration"])
+    ids, lengths = setting["ids"], setting["lengths"]
+
+    def made():
+        probe = ReferenceForward(tiny_model_dir, policy).probe(masters(model), extra, ids, lengths)
+        weights = dict(version_weights(policy, masters(model), extra_roles(policy, extra)))
+        return probe, weights
+
+    want_probe, want_weights = made()
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        got_probe, got_weights = made()
+    finally:
+        torch.set_default_dtype(before)
+    for name in Probe.FIELDS:
+        want, got = getattr(want_probe, name), getattr(got_probe, name)
+        assert got.dtype == want.dtype and torch.equal(got.nan_to_num(), want.nan_to_num()), name
+    assert want_weights.keys() == got_weights.keys()
+    for name, tensor in want_weights.items():
+        assert got_weights[name].dtype == tensor.dtype, name
+        assert torch.equal(got_weights[name].view(torch.uint8), tensor.view(torch.uint8)), name
