@@ -4,21 +4,26 @@ trains on, greedy (temperature 0) and at the run's sampling temperature.
 The prompts are the task's held-out split (`Task.heldout_prompts`: disjoint from the
 prompt stream and from what the tiny models were warm-started on), fixed for the run.
 The learner evaluates between steps, with its own weights (the workers keep generating
-meanwhile): every rank generates for its share of the prompts with the sharded model,
-in lock-step (`synced_gpus`: a rank whose sequences have all ended keeps joining the
-others' forwards), and the scores are summed over ranks. pass@1 is the mean reward
-(for a 0/1 reward, the fraction of prompts solved); sampled pass@1 averages
-`eval.samples` samples per prompt.
+meanwhile), sampling as the built-in engine samples (`engines.model_sampling`: its
+decode loop, its sampling rule, a random stream per request keyed by `run.seed` and the
+prompt's place in the split, so a prompt's completions do not depend on the number of
+ranks or on the global RNG). Every rank generates for its share of the prompts with the
+sharded model, in lock-step (a rank whose sequences have all ended keeps joining the
+others' forwards until every rank's have), and the scores are summed over ranks. pass@1
+is the mean reward (for a 0/1 reward, the fraction of prompts solved); sampled pass@1
+averages `eval.samples` samples per prompt.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
 
 from asyncfp8 import distributed
+from asyncfp8.engines.base import SamplingParams
+from asyncfp8.engines.model_sampling import sample_from_model
 from asyncfp8.tasks import Prompt, Task
 
 
@@ -33,64 +38,60 @@ class HeldOut:
         temperature: float,
         seed: int,
         ranks: distributed.Ranks,
+        dtype: torch.dtype | None = None,
     ):
         if prompts < 1 or samples < 1:
             raise ValueError(
                 f"eval.prompts and eval.samples must be >= 1, got {prompts}, {samples}"
             )
-        self.task, self.tokenizer, self.ranks = task, tokenizer, ranks
+        self.task, self.tokenizer, self.ranks, self.dtype = task, tokenizer, ranks, dtype
         self.prompts = task.heldout_prompts(prompts)
-        self.samples, self.max_new_tokens = samples, max_new_tokens
-        self.temperature, self.seed = temperature, seed
+        self.greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+        self.sampled = None  # at temperature 0 the sampled pass@1 is the greedy one
+        if temperature > 0:
+            self.sampled = SamplingParams(
+                n=samples, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed
+            )
 
-    def _generate(self, model, prompts: list[Prompt], sample: bool) -> list[str]:
-        config = GenerationConfig(
-            do_sample=sample,
-            temperature=self.temperature if sample else None,
-            top_k=0 if sample else None,
-            top_p=1.0 if sample else None,
-            num_return_sequences=self.samples if sample else 1,
-            max_new_tokens=self.max_new_tokens,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
+    def _scores(
+        self,
+        model,
+        prompts: Sequence[Prompt],
+        indices: Sequence[int],
+        sampling: SamplingParams,
+        all_done: Callable[[bool], bool] | None,
+    ) -> list[float]:
+        """The reward of each completion, prompt-major (`sampling.n` per prompt)."""
+        generated = sample_from_model(
+            model,
+            [self.tokenizer(p.text)["input_ids"] for p in prompts],
+            sampling,
+            self.tokenizer.eos_token_id,
+            self.tokenizer.pad_token_id,
+            indices=indices,
+            dtype=self.dtype,
+            all_done=all_done,
         )
-        batch = self.tokenizer([p.text for p in prompts], return_tensors="pt", padding=True)
-        batch = {key: value.to(self.ranks.device) for key, value in batch.items()}
-        output = model.generate(**batch, generation_config=config, synced_gpus=True)
-        return self.tokenizer.batch_decode(
-            output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
+        texts = self.tokenizer.batch_decode(
+            [g.token_ids for g in generated], skip_special_tokens=True
         )
+        return [self.task.score(text, prompts[i // sampling.n]) for i, text in enumerate(texts)]
 
-    def _scores(self, model, prompts: list[Prompt], sample: bool) -> list[float]:
-        completions = self._generate(model, prompts, sample)
-        repeat = self.samples if sample else 1
-        return [
-            self.task.score(completion, prompts[i // repeat])
-            for i, completion in enumerate(completions)
-        ]
-
-    @torch.no_grad()
     def evaluate(self, model) -> dict[str, Any]:
-        """Collective: every rank calls it. Leaves the RNG state and the model's train /
-        eval mode as they were."""
-        mine = self.prompts[self.ranks.rank :: self.ranks.world]
+        """Collective: every rank calls it. Leaves the model's train / eval mode and
+        attention implementation as they were, and draws nothing from torch's RNG."""
+        world, rank = self.ranks.world, self.ranks.rank
+        indices = list(range(rank, len(self.prompts), world))
         # A rank without a prompt of its own still runs the forwards (they are collective)
         # on a stand-in whose scores do not count.
-        counted = bool(mine)
-        mine = mine or self.prompts[:1]
-        cpu_state = torch.random.get_rng_state()
-        cuda_state = torch.cuda.get_rng_state() if self.ranks.device.type == "cuda" else None
-        torch.manual_seed(self.seed * 1_000_003 + self.ranks.rank)
-        was_training = model.training
-        model.eval()
-        try:
-            greedy = self._scores(model, mine, sample=False)
-            sampled = self._scores(model, mine, sample=self.temperature > 0)
-        finally:
-            model.train(was_training)
-            torch.random.set_rng_state(cpu_state)
-            if cuda_state is not None:
-                torch.cuda.set_rng_state(cuda_state)
+        counted = bool(indices)
+        indices = indices or [0]
+        mine = [self.prompts[i] for i in indices]
+        all_done = None if world == 1 else all_ranks_done
+        greedy = self._scores(model, mine, indices, self.greedy, all_done)
+        sampled = greedy
+        if self.sampled is not None:
+            sampled = self._scores(model, mine, indices, self.sampled, all_done)
         weight = 1.0 if counted else 0.0
         sums = distributed.sum_over_ranks(
             {
@@ -105,3 +106,8 @@ class HeldOut:
             "eval/pass1_sampled": sums["sampled"] / sums["samples"],
             "eval/prompts": int(sums["prompts"]),
         }
+
+
+def all_ranks_done(done_here: bool) -> bool:
+    """Whether every rank's sequences are done (collective: once per decode step)."""
+    return distributed.sum_over_ranks({"undone": float(not done_here)})["undone"] == 0

@@ -111,6 +111,9 @@ def test_launcher_with_a_two_rank_learner_and_dynamic_sampling(tmp_path, tiny_mo
         "run.steps=6",
         "run.workers=2",
         "run.learner_procs=2",
+        # FSDP's mixed precision, as on a GPU: held-out evaluation decodes the sharded
+        # model in BF16 over FP32 masters (its KV cache in the compute dtype)
+        "run.compute_dtype=bfloat16",
         "run.group_size=2",  # groups of 2 often agree: dynamic sampling has work to do
         "run.dynamic_sampling=true",
         "eval.every=3",

@@ -167,10 +167,11 @@ def forward_static(
 class Prefill:
     """The forward of `batch` distinct prompts of at most `width` tokens (left padded) of
     `model`, a transformers causal LM whose attention implementation is `ATTENTION`,
-    over a static cache of their own (`kv_scales` as for `StaticKVCache`: None for a
-    cache in the model dtype). The slot decoder copies its rows into the slots it fills;
-    the engine's probe and scoring run through it too. `keep_hidden`: keep the last
-    forward's hidden states in `hidden` (for a speculative drafter)."""
+    over a static cache of their own (`kv_scales` and `dtype` as for
+    `StaticKVCache.for_model`: None for a cache in the model dtype). The slot decoder
+    copies its rows into the slots it fills; the engine's probe and scoring run through
+    it too. `keep_hidden`: keep the last forward's hidden states in `hidden` (for a
+    speculative drafter)."""
 
     def __init__(
         self,
@@ -179,10 +180,11 @@ class Prefill:
         width: int,
         kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         keep_hidden: bool = False,
+        dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.device = model.get_input_embeddings().weight.device
-        self.cache = StaticKVCache.for_model(model, batch, width, kv_scales)
+        self.cache = StaticKVCache.for_model(model, batch, width, kv_scales, dtype)
         self.batch, self.width = batch, width
         self.kinds = sorted(set(getattr(model.config, "layer_types", None) or LAYER_KINDS))
         self.keep_hidden = keep_hidden

@@ -70,9 +70,11 @@ class StaticKVCache:
         batch: int,
         max_tokens: int,
         scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> StaticKVCache:
-        """A cache shaped for a transformers causal LM, on its device, in the dtype of its
-        residual stream (the embeddings'), which keys and values come in."""
+        """A cache shaped for a transformers causal LM, on its device, in the dtype keys
+        and values come in: `dtype` (a model whose forward casts its weights, as FSDP's
+        mixed precision does), by default its embeddings'."""
         config = model.config
         embeddings = model.get_input_embeddings().weight
         head_dim = (
@@ -84,7 +86,7 @@ class StaticKVCache:
             config.num_key_value_heads,
             max_tokens,
             head_dim,
-            embeddings.dtype,
+            embeddings.dtype if dtype is None else dtype,
             embeddings.device,
             scales,
         )

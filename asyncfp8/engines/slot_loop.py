@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .base import SamplingParams
-from .request_sampling import FINAL, SAMPLE, draw, sample_per_request, stream_keys
+from .request_sampling import FINAL, SAMPLE, draw, request_seed, sample_per_request, stream_keys
 from .slots import SlotDecoder
 from .stepping import Kept, RecordingDecoder, SlotSteps, StepStrategy
 
@@ -33,6 +33,26 @@ class Request:
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     seed: int
+
+
+def seeded_requests(
+    prompts: Sequence[Sequence[int]],
+    budgets: Sequence[int],
+    seed: int,
+    indices: Sequence[int] | None = None,
+) -> list[Request]:
+    """Request i: prompt i with budget i, its stream keyed by (`seed`, `indices[i]`)
+    (default: i), so that a request moved to another call, batch or rank keeps its
+    tokens."""
+    indices = range(len(prompts)) if indices is None else indices
+    if not len(prompts) == len(budgets) == len(indices):
+        raise ValueError(
+            f"{len(prompts)} prompts, {len(budgets)} budgets and {len(indices)} indices"
+        )
+    return [
+        Request(tuple(ids), budget, request_seed(seed, index))
+        for ids, budget, index in zip(prompts, budgets, indices, strict=True)
+    ]
 
 
 @dataclass
@@ -84,7 +104,12 @@ class SlotLoop:
     and its sample is the same. `between_steps` runs before each forward; `version()` is
     read after it: that version's forward (and any prefill then) produces the next
     logits, and the tokens sampled from them carry it. `strategy` makes the steps
-    (default `PlainStep`)."""
+    (default `PlainStep`).
+
+    `all_done`: for processes that run one sharded model together (FSDP: every forward
+    is a collective, so all must make as many), called once per iteration with whether
+    this loop's requests are all done; the loop ends when it returns True and steps its
+    idle rows until then. It needs a slot per request (one prefill each, at the start)."""
 
     def __init__(
         self,
@@ -99,7 +124,14 @@ class SlotLoop:
         between_steps: Callable[[], None] | None = None,
         stats: SlotStats | None = None,
         strategy: StepStrategy | None = None,
+        all_done: Callable[[bool], bool] | None = None,
     ):
+        if all_done is not None and not 0 < len(requests) <= decoder.slots:
+            raise ValueError(
+                f"a loop stepping with other processes (all_done) needs 1 to {decoder.slots} "
+                f"requests (one slot each), got {len(requests)}"
+            )
+        self.all_done = all_done
         self.strategy = PlainStep() if strategy is None else strategy
         if self.strategy.needs_hidden and not decoder.record_hidden:
             raise ValueError("this step strategy needs a SlotDecoder built with record_hidden=True")
@@ -144,7 +176,10 @@ class SlotLoop:
             if still is None and self.stops and self.plain_steps % self.check_every == 0:
                 still = self.live.tolist()
             self.harvest(self.finished_rows(still))
-            if not self.queue and all(o is None for o in self.owner):
+            done = not self.queue and all(o is None for o in self.owner)
+            if self.all_done is not None:
+                done = self.all_done(done)
+            if done:
                 break
             if self.between_steps is not None:
                 self.between_steps()

@@ -37,7 +37,8 @@ class SlotDecoder:
     `fixed_length` (default: as `graph`): every step attends over all `max_tokens`
     positions under the mask, the one shape a graph replays; without it a step reads
     only the positions some row has reached (launched one by one, a step gains nothing
-    from a fixed shape)."""
+    from a fixed shape). `dtype`: the dtype the model's forward computes in, when it is
+    not its embeddings' (FSDP's mixed precision casts the weights at each forward)."""
 
     def __init__(
         self,
@@ -48,13 +49,15 @@ class SlotDecoder:
         record_hidden: bool = False,
         graph: bool = False,
         fixed_length: bool | None = None,
+        dtype: torch.dtype | None = None,
     ):
         if slots < 1 or max_tokens < 1:
             raise ValueError(f"need slots >= 1 and max_tokens >= 1, got {slots}, {max_tokens}")
         config = model.config
         self.model, self.kv_scales = model, kv_scales
         self.device = model.get_input_embeddings().weight.device
-        self.cache = StaticKVCache.for_model(model, slots, max_tokens, kv_scales)
+        self.dtype = model.get_input_embeddings().weight.dtype if dtype is None else dtype
+        self.cache = StaticKVCache.for_model(model, slots, max_tokens, kv_scales, self.dtype)
         self.slots, self.max_tokens = slots, max_tokens
         self.kinds = sorted(set(getattr(config, "layer_types", None) or LAYER_KINDS))
         long = dict(dtype=torch.long, device=self.device)
@@ -72,9 +75,8 @@ class SlotDecoder:
         self.record_hidden = record_hidden
         if record_hidden:
             size = config.hidden_size
-            dtype = model.get_input_embeddings().weight.dtype
             self.hidden_states = torch.zeros(
-                slots, max_tokens, size, dtype=dtype, device=self.device
+                slots, max_tokens, size, dtype=self.dtype, device=self.device
             )
             self.fed_tokens = torch.zeros(slots, max_tokens, **long)
         if graph and self.device.type != "cuda":
@@ -106,7 +108,9 @@ class SlotDecoder:
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in distinct])
         # The prompts run over a small cache of their own, whose rows are then copied
         # into the slots' rows.
-        prefill = Prefill(self.model, len(distinct), width, self.kv_scales, self.record_hidden)
+        prefill = Prefill(
+            self.model, len(distinct), width, self.kv_scales, self.record_hidden, self.dtype
+        )
         logits = prefill.run(input_ids, mask)
         target = torch.tensor(list(slots), dtype=torch.long, device=self.device)
         source = torch.tensor(rows, dtype=torch.long, device=self.device)

@@ -35,8 +35,7 @@ from asyncfp8.speculative.slots import SlotSpeculation
 from .base import EngineUnsupported, Sample, SamplingParams, Scores, check_slots
 from .decode import ATTENTION, LAYER_KINDS, Prefill, forward_static, processed_logprobs
 from .kv_cache import quantize_kv
-from .request_sampling import request_seed
-from .slot_loop import Request, SlotLoop, SlotStats
+from .slot_loop import SlotLoop, SlotStats, seeded_requests
 from .slots import SlotDecoder
 
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -501,11 +500,7 @@ class TorchEngine:
         seed = 0 if sampling.seed is None else sampling.seed
         if sampling.seed is None and sampling.temperature > 0:
             seed = int(torch.randint(0, 2**62, ()))  # unseeded: a fresh stream per call
-        indices = list(range(len(jobs))) if indices is None else indices
-        requests = [
-            Request(tuple(ids), budget, request_seed(seed, index))
-            for (_, ids), budget, index in zip(jobs, budgets, indices, strict=True)
-        ]
+        requests = seeded_requests([ids for _, ids in jobs], budgets, seed, indices)
         # An eos-finished row runs on (recording nothing) until the next check.
         positions = max(len(r.prompt_ids) for r in requests) + max(budgets)
         drafts = 0 if self.speculation is None else self.speculation.max_k + 1

@@ -123,6 +123,7 @@ class Learner:
                 run.temperature,
                 run.seed,
                 self.ranks,
+                self.dtype,
             )
         self.step = 0
         # Training time before this process (a resumed run), and the step it resumed at.

@@ -1,20 +1,20 @@
-"""Plain temperature-1 sampling with transformers, and the task reward it scores.
+"""Plain temperature-1 sampling of a model outside an engine, and the task reward it
+scores.
 
-Used to measure a policy (the tiny-model warm-start, the demo); the rollout engines
-in `asyncfp8.engines` are what RL samples with.
+Used to measure a policy (the tiny-model warm-start, the demo); it samples through the
+built-in engine's decode loop and sampling rule (`engines.model_sampling`), so a seed
+gives the tokens `TorchEngine` gives for the same weights.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-from transformers import GenerationConfig
-
+from asyncfp8.engines.base import SamplingParams
+from asyncfp8.engines.model_sampling import sample_from_model
 from asyncfp8.tasks import Prompt, Task
 
 
-@torch.no_grad()
 def sample_completions(
     model,
     tokenizer,
@@ -25,29 +25,23 @@ def sample_completions(
     batch_size: int = 256,
 ) -> list[str]:
     """One completion per prompt, sampled from the full distribution at `temperature`
-    (no top-k / top-p), reproducible for a seed."""
-    config = GenerationConfig(
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
+    (no top-k / top-p), reproducible for a seed: prompt i's tokens depend on the seed
+    and on i alone, not on `batch_size`."""
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
     completions: list[str] = []
-    try:
-        for start in range(0, len(prompts), batch_size):
-            batch = tokenizer(
-                list(prompts[start : start + batch_size]), return_tensors="pt", padding=True
-            )
-            output = model.generate(**batch, generation_config=config)
-            new_tokens = output[:, batch["input_ids"].shape[1] :]
-            completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-    finally:
-        torch.random.set_rng_state(generator_state)
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        generated = sample_from_model(
+            model,
+            [tokenizer(text)["input_ids"] for text in batch],
+            sampling,
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            indices=range(start, start + len(batch)),
+        )
+        completions += tokenizer.batch_decode(
+            [g.token_ids for g in generated], skip_special_tokens=True
+        )
     return completions
 
 
@@ -60,12 +54,7 @@ def mean_reward(
     temperature: float = 1.0,
     seed: int = 0,
 ) -> float:
-    was_training = model.training
-    model.eval()
-    try:
-        completions = sample_completions(
-            model, tokenizer, [p.text for p in prompts], max_new_tokens, temperature, seed
-        )
-    finally:
-        model.train(was_training)
+    completions = sample_completions(
+        model, tokenizer, [p.text for p in prompts], max_new_tokens, temperature, seed
+    )
     return sum(task.score(c, p) for c, p in zip(completions, prompts, strict=True)) / len(prompts)
