@@ -1,7 +1,7 @@
 """Policy-gradient losses: group advantages, PPO-clip (clip-higher, dual-clip) /
 REINFORCE per token, the KL-to-reference estimators, loss aggregation, and
 `policy_loss_terms` / `corrected_policy_loss`, the one place where behaviour, proximal
-and current policies meet the correction.
+and current policies meet the correction, under the settings of a `PolicyLoss`.
 
 Decoupled (three policies): behaviour = rollout logprobs, proximal = a learner
 recompute, θ = the policy being optimized. The PPO ratio is π_θ/π_prox; the correction
@@ -16,6 +16,7 @@ by its weights as well would count the ratio twice.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -141,6 +142,58 @@ def per_token_policy_loss(
     return loss, was_clipped
 
 
+@dataclass(frozen=True)
+class PolicyLoss:
+    """How the policy loss is made: the clipped objective (`optim.loss`, `clip_low`,
+    `clip_high`, `clip_ratio_c`: `per_token_policy_loss`), how the correction meets it
+    (`correction.mode`: the module docstring) and how tokens add up (`optim.aggregation`:
+    `aggregate`). Checked when made."""
+
+    kind: LossKind = "ppo_clip"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_ratio_c: float | None = None
+    mode: Mode = "decoupled"
+    aggregation: Aggregation = "token_mean"
+
+    def __post_init__(self):
+        if self.mode not in ("decoupled", "bypass"):
+            raise ValueError(f"unknown mode {self.mode!r}; use decoupled or bypass")
+        if self.aggregation not in ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean"):
+            raise ValueError(
+                f"unknown aggregation {self.aggregation!r}; use token_mean, "
+                "seq_mean_token_sum or seq_mean_token_mean"
+            )
+        one = torch.zeros(1, 1)
+        self.per_token(one, one, torch.zeros(1))  # the kind and clip settings, checked
+
+    @classmethod
+    def from_config(cls, optim, mode: str) -> PolicyLoss:
+        """From the run's `optim` settings and `correction.mode`."""
+        return cls(
+            kind=optim.loss,
+            clip_low=optim.clip_low,
+            clip_high=optim.clip_high,
+            clip_ratio_c=optim.clip_ratio_c,
+            mode=mode,
+            aggregation=optim.aggregation,
+        )
+
+    def per_token(
+        self, logp: torch.Tensor, proximal_logp: torch.Tensor, advantages: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`per_token_policy_loss` with these settings."""
+        return per_token_policy_loss(
+            logp,
+            proximal_logp,
+            advantages,
+            self.kind,
+            self.clip_low,
+            self.clip_high,
+            self.clip_ratio_c,
+        )
+
+
 @dataclass
 class PolicyLossTerms:
     """One batch's policy loss before aggregation: `per_token` (the clipped loss times
@@ -154,76 +207,49 @@ class PolicyLossTerms:
 
 
 def policy_loss_terms(
+    loss: PolicyLoss,
     correction: Correction,
     logp: torch.Tensor,
-    rollout_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
+    batch: Mapping[str, torch.Tensor],
     proximal_logp: torch.Tensor | None = None,
-    versions: torch.Tensor | None = None,
     current_version: int | None = None,
-    mode: Mode = "decoupled",
-    kind: LossKind = "ppo_clip",
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    clip_ratio_c: float | None = None,
 ) -> PolicyLossTerms:
     """The correction applied to one batch's per-token policy loss (module docstring:
-    decoupled vs bypass)."""
-    if mode == "decoupled":
+    decoupled vs bypass). `logp`: π_θ of the sampled tokens [B, T]; `batch`: their
+    `rollout_logp` [B, T], `advantages` [B], `mask` [B, T] and (for corrections that
+    read staleness) `versions` [B, T], as `batches.batch_tensors` makes them;
+    `proximal_logp`: π_prox (decoupled)."""
+    rollout_logp, mask = batch["rollout_logp"], batch["mask"]
+    versions = batch.get("versions")
+    if loss.mode == "decoupled":
         if proximal_logp is None:
             raise ValueError(
                 "decoupled mode needs proximal_logp (a learner recompute); use mode='bypass' to skip it"
             )
         result = correction(proximal_logp, rollout_logp, mask, versions, current_version)
         weights = result.weights
-    elif mode == "bypass":
+    else:  # bypass
         proximal_logp = rollout_logp
         result = correction(logp.detach(), rollout_logp, mask, versions, current_version)
-        weights = result.weights if kind == "reinforce" else result.mask.to(logp.dtype)
-    else:
-        raise ValueError(f"unknown mode {mode!r}; use decoupled or bypass")
-    per_token, clipped = per_token_policy_loss(
-        logp, proximal_logp, advantages, kind, clip_low, clip_high, clip_ratio_c
-    )
+        weights = result.weights if loss.kind == "reinforce" else result.mask.to(logp.dtype)
+    per_token, clipped = loss.per_token(logp, proximal_logp, batch["advantages"])
     return PolicyLossTerms(per_token * weights, result.mask, clipped & result.mask, result.metrics)
 
 
 def corrected_policy_loss(
+    loss: PolicyLoss,
     correction: Correction,
     logp: torch.Tensor,
-    rollout_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
+    batch: Mapping[str, torch.Tensor],
     proximal_logp: torch.Tensor | None = None,
-    versions: torch.Tensor | None = None,
     current_version: int | None = None,
-    mode: Mode = "decoupled",
-    kind: LossKind = "ppo_clip",
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    aggregation: Aggregation = "token_mean",
-    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of one whole batch with the correction applied, and its metrics."""
-    terms = policy_loss_terms(
-        correction,
-        logp,
-        rollout_logp,
-        advantages,
-        mask,
-        proximal_logp,
-        versions,
-        current_version,
-        mode,
-        kind,
-        clip_low,
-        clip_high,
-        clip_ratio_c,
-    )
-    loss = aggregate(terms.per_token, terms.mask, aggregation)
+    """The loss of one whole batch with the correction applied (`policy_loss_terms`,
+    aggregated by `loss.aggregation`), and its metrics."""
+    terms = policy_loss_terms(loss, correction, logp, batch, proximal_logp, current_version)
+    value = aggregate(terms.per_token, terms.mask, loss.aggregation)
     n_kept = terms.mask.sum().clamp_min(1)
     metrics = dict(terms.metrics)
-    metrics["loss/policy"] = loss.item()
+    metrics["loss/policy"] = value.item()
     metrics["loss/ppo_clip_frac"] = (terms.clipped.sum() / n_kept).item()
-    return loss, metrics
+    return value, metrics

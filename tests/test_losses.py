@@ -5,6 +5,7 @@ import torch
 
 from asyncfp8.correction import get_correction
 from asyncfp8.losses import (
+    PolicyLoss,
     aggregate,
     aggregate_parts,
     corrected_policy_loss,
@@ -12,6 +13,11 @@ from asyncfp8.losses import (
     kl_penalty,
     per_token_policy_loss,
 )
+
+
+def batch(rollout_logp, advantages, mask):
+    """The tensors of a batch the policy loss reads, as `batches.batch_tensors` names them."""
+    return {"rollout_logp": rollout_logp, "advantages": advantages, "mask": mask}
 
 
 def test_grpo_advantages_by_hand():
@@ -108,7 +114,7 @@ def test_correction_weights_scale_the_gradient_and_carry_none():
     def grad_of(correction):
         logp.grad = None
         loss, _ = corrected_policy_loss(
-            correction, logp, rollout, advantages, mask, proximal_logp=proximal
+            PolicyLoss(), correction, logp, batch(rollout, advantages, mask), proximal
         )
         loss.backward()
         return logp.grad.clone()
@@ -128,20 +134,25 @@ def test_bypass_uses_only_the_rejection_mask_with_ppo_and_the_weights_with_reinf
     mask = torch.ones(1, 2, dtype=torch.bool)
     advantages = torch.tensor([1.0])
     tis = get_correction("token_tis", threshold=1.2)
-    ppo, _ = corrected_policy_loss(
-        tis, logp, rollout, advantages, mask, mode="bypass", clip_high=1.0
-    )
+    tokens = batch(rollout, advantages, mask)
+    ppo, _ = corrected_policy_loss(PolicyLoss(mode="bypass", clip_high=1.0), tis, logp, tokens)
     # PPO ratio π_θ/π_rollout = 1.5, 0.8 is the IS itself: no extra weights
     assert ppo.item() == pytest.approx(-(1.5 + 0.8) / 2, rel=1e-5)
     reinforce, _ = corrected_policy_loss(
-        tis, logp, rollout, advantages, mask, mode="bypass", kind="reinforce"
+        PolicyLoss(mode="bypass", kind="reinforce"), tis, logp, tokens
     )
     expected = -(1.2 * math.log(0.75) + 0.8 * math.log(0.4)) / 2
     assert reinforce.item() == pytest.approx(expected, rel=1e-5)
     with pytest.raises(ValueError, match="decoupled mode needs proximal_logp"):
-        corrected_policy_loss(tis, logp, rollout, advantages, mask, mode="decoupled")
+        corrected_policy_loss(PolicyLoss(mode="decoupled"), tis, logp, tokens)
     with pytest.raises(ValueError, match="unknown mode"):
-        corrected_policy_loss(tis, logp, rollout, advantages, mask, mode="sideways")
+        PolicyLoss(mode="sideways")
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        PolicyLoss(aggregation="per_token")
+    with pytest.raises(ValueError, match="unknown policy loss"):
+        PolicyLoss(kind="ppo")
+    with pytest.raises(ValueError, match="dual-clip needs clip_ratio_c > 1"):
+        PolicyLoss(clip_ratio_c=0.5)
 
 
 def test_rejected_tokens_leave_the_loss_denominator():
@@ -149,12 +160,33 @@ def test_rejected_tokens_leave_the_loss_denominator():
     proximal = rollout + torch.tensor([[0.0, 0.0, 0.0, 5.0]])  # last token: ratio e^5, rejected
     logp = proximal.clone().requires_grad_()
     loss, metrics = corrected_policy_loss(
+        PolicyLoss(),
         get_correction("token_mis", upper=5.0),
         logp,
-        rollout,
-        torch.tensor([1.0]),
-        torch.ones(1, 4, dtype=torch.bool),
-        proximal_logp=proximal,
+        batch(rollout, torch.tensor([1.0]), torch.ones(1, 4, dtype=torch.bool)),
+        proximal,
     )
     assert loss.item() == pytest.approx(-1.0)  # mean over the 3 kept tokens of -A·r with r = 1
     assert metrics["correction/frac_masked"] == pytest.approx(0.25)
+
+
+def test_the_loss_settings_come_from_the_runs_optim_and_correction_mode():
+    from omegaconf import OmegaConf
+
+    optim = OmegaConf.create(
+        {
+            "loss": "reinforce",
+            "clip_low": 0.1,
+            "clip_high": 0.3,
+            "clip_ratio_c": 3.0,
+            "aggregation": "seq_mean_token_sum",
+        }
+    )
+    assert PolicyLoss.from_config(optim, "bypass") == PolicyLoss(
+        kind="reinforce",
+        clip_low=0.1,
+        clip_high=0.3,
+        clip_ratio_c=3.0,
+        mode="bypass",
+        aggregation="seq_mean_token_sum",
+    )

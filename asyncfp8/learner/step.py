@@ -32,7 +32,13 @@ from asyncfp8.correction.registry import Correction
 from asyncfp8.failpoints import failpoint
 from asyncfp8.inbox import Group
 from asyncfp8.logprobs import completion_logprobs
-from asyncfp8.losses import aggregate_parts, group_advantages, kl_penalty, policy_loss_terms
+from asyncfp8.losses import (
+    PolicyLoss,
+    aggregate_parts,
+    group_advantages,
+    kl_penalty,
+    policy_loss_terms,
+)
 from asyncfp8.sync import Trajectory
 
 Row = tuple[int, Trajectory, float]  # (sample index in the batch, trajectory, advantage)
@@ -120,7 +126,8 @@ class TrainStep:
         world: int = 1,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.correction, self.optim, self.mode = correction, optim, correction_mode
+        self.correction, self.optim = correction, optim
+        self.loss = PolicyLoss.from_config(optim, correction_mode)  # checked here
         self.temperature, self.pad_token_id, self.device = temperature, pad_token_id, device
         self.reference, self.world = reference, world
 
@@ -131,7 +138,7 @@ class TrainStep:
         # π_prox is the policy before this step's first update: with one update, each
         # micro-batch's own forward; with several, a recompute before the first.
         proximal = None
-        if self.mode == "decoupled" and optim.mini_batches * optim.ppo_epochs > 1:
+        if self.loss.mode == "decoupled" and optim.mini_batches * optim.ppo_epochs > 1:
             with torch.no_grad(), distributed.memory_advice("the recompute", self.memory()):
                 proximal = [[self.logprobs(self.model, b)[0] for b in mini] for mini in batches]
         seen: dict[int, torch.Tensor] = {}  # per sample: the log-probs the correction saw
@@ -176,21 +183,7 @@ class TrainStep:
         logp, entropy = self.logprobs(self.model, micro)
         if proximal is None:
             proximal = logp.detach()
-        terms = policy_loss_terms(
-            self.correction,
-            logp,
-            micro["rollout_logp"],
-            micro["advantages"],
-            micro["mask"],
-            proximal_logp=proximal,
-            versions=micro["versions"],
-            current_version=version,
-            mode=self.mode,
-            kind=optim.loss,
-            clip_low=optim.clip_low,
-            clip_high=optim.clip_high,
-            clip_ratio_c=optim.clip_ratio_c,
-        )
+        terms = policy_loss_terms(self.loss, self.correction, logp, micro, proximal, version)
         kept = terms.mask.to(logp.dtype)
         per_token = terms.per_token - optim.entropy_coef * entropy
         if self.reference is not None:
@@ -199,16 +192,16 @@ class TrainStep:
             kl = kl_penalty(logp, reference_logp, optim.kl_estimator)
             per_token = per_token + optim.kl_coef * kl
             sums["kl"] += (kl.detach() * kept).sum().item()
-        numerator, denominator = aggregate_parts(per_token, terms.mask, optim.aggregation)
+        numerator, denominator = aggregate_parts(per_token, terms.mask, self.loss.aggregation)
         numerator.backward()
         sums["total"] += numerator.item()
-        policy = aggregate_parts(terms.per_token.detach(), terms.mask, optim.aggregation)[0]
+        policy = aggregate_parts(terms.per_token.detach(), terms.mask, self.loss.aggregation)[0]
         sums["policy"] += policy.item()
         sums["denominator"] += denominator
         sums["entropy"] += (entropy.detach() * kept).sum().item()
         sums["kept"] += kept.sum().item()
         sums["clipped"] += terms.clipped.sum().item()
-        return proximal if self.mode == "decoupled" else logp.detach()
+        return proximal if self.loss.mode == "decoupled" else logp.detach()
 
     def _tensors(self, rows: list[Row]) -> dict[str, Any]:
         batch = batch_tensors([t for _, t, _ in rows], self.pad_token_id)
