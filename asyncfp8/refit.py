@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from asyncfp8.engines.base import EngineUnsupported, KVScaleReadback, ProbeScoring
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.precision.fp8_kv import fake_quantize_e4m3, kv_scale_names
 from asyncfp8.precision.manifest import Role, TensorRole
@@ -529,7 +530,7 @@ class RefitChecker:
 
     def __init__(self, engine, tolerance: ProbeTolerance):
         self.engine, self.tolerance = engine, tolerance
-        self.reads_kv_scales = callable(getattr(engine, "held_kv_scales", None))
+        self.reads_kv_scales = isinstance(engine, KVScaleReadback)
         self.last_seconds = 0.0
 
     @classmethod
@@ -538,9 +539,7 @@ class RefitChecker:
         refused here, at start, naming the setting."""
         if cfg is None or not cfg.get("enabled", True):
             return None
-        from asyncfp8.engines.base import EngineUnsupported
-
-        if not callable(getattr(engine, "score", None)):
+        if not isinstance(engine, ProbeScoring):
             raise EngineUnsupported(
                 f"engine {engine.name} cannot score the refit probe (it has no score()): "
                 "sync.probe.enabled=false runs it without the check that each version "
