@@ -46,6 +46,49 @@ def max_staleness_of(run: Any) -> int:
     return int(run.max_staleness)
 
 
+def placement_of(run: Any) -> str:
+    """`run.placement` (separate for a run saved before it existed)."""
+    placement = str(run.get("placement", "separate"))
+    if placement not in ("separate", "colocated"):
+        raise ValueError(f"run.placement must be separate or colocated, got {placement!r}")
+    return placement
+
+
+def check_placement(cfg: DictConfig, role: str) -> None:
+    """What `run.placement=colocated` (the learner's own engine, learner/colocated.py)
+    cannot do yet, refused by name."""
+    if placement_of(cfg.run) != "colocated":
+        return
+    run = cfg.run
+    if role == "worker":
+        raise ValueError(
+            "run.placement=colocated: the learner generates with its own engine, so no "
+            "worker process is started; run.placement=separate runs workers"
+        )
+    if run.learner_procs != 1:
+        raise ValueError(
+            f"run.placement=colocated runs one learner rank with its engine for now, got "
+            f"run.learner_procs={run.learner_procs}; use run.placement=separate for several"
+        )
+    if cfg.engine.name != "torch":
+        raise ValueError(
+            f"run.placement=colocated runs the built-in engine in the learner's process for "
+            f"now, got engine={cfg.engine.name}; use engine=torch or run.placement=separate"
+        )
+    if run.get("inflight_updates", False):
+        raise ValueError(
+            "run.inflight_updates=true applies versions during a generation, but colocated "
+            "the learner applies each version between its turns: run.inflight_updates=false"
+        )
+    mode = (cfg.engine.get("speculative") or {}).get("mode")
+    if mode not in (None, False, "none"):
+        raise ValueError(
+            f"engine.speculative.mode={mode}: the online drafter's state is a worker's "
+            "checkpoint, which a colocated run has no worker to keep; "
+            "engine.speculative.mode=none, or run.placement=separate"
+        )
+
+
 def check_training(cfg: DictConfig) -> None:
     """The train step's and evaluation's settings."""
     optim = cfg.optim
@@ -125,7 +168,13 @@ def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
     check_training(cfg)
     if role == "launcher":  # the learner checks its split at the world size it started with
         check_split(run.groups_per_step * run.group_size, cfg.optim.mini_batches, run.learner_procs)
-    if role == "launcher" and (not isinstance(run.workers, int) or run.workers < 1):
+    check_placement(cfg, role)
+    colocated = placement_of(run) == "colocated"
+    if (
+        role == "launcher"
+        and not colocated
+        and (not isinstance(run.workers, int) or run.workers < 1)
+    ):
         raise ValueError(
             f"run.workers must be >= 1 for the launcher (it starts them), got {run.workers!r}"
         )

@@ -1,7 +1,11 @@
 """The learner's receiving side: trajectories in, complete GRPO groups out, and the
 answers to the workers' lease requests, on a thread of its own so that trajectories are
 acknowledged and work is leased out while the learner computes. It sits beside the lease
-book (asyncfp8.leases), whose state it keeps current."""
+book (asyncfp8.leases), whose state it keeps current.
+
+Without an address (a colocated learner, `learner/colocated.py`) there is no socket and
+no thread: the learner's own engine asks `lease` and hands its trajectories to `deliver`,
+and they go through the same books."""
 
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ class Inbox:
 
     def __init__(
         self,
-        address: str,
+        address: str | None,
         book: LeaseBook,
         group_size: int,
         sampling: dict,
@@ -50,9 +54,11 @@ class Inbox:
         watch: HandshakeWatch | None = None,
     ):
         self.book, self.group_size, self.sampling, self.seed = book, group_size, sampling, seed
-        self.receiver = TrajectoryReceiver(
-            address, curve=curve, limits=limits, on_lease=self._on_lease, watch=watch
-        )
+        self.receiver = None
+        if address is not None:
+            self.receiver = TrajectoryReceiver(
+                address, curve=curve, limits=limits, on_lease=self._on_lease, watch=watch
+            )
         self.lock = threading.Condition()
         self.ready: deque[Group] = deque()
         self.dropped: list[tuple[int, int, int]] = []  # stale groups since the last step
@@ -82,7 +88,22 @@ class Inbox:
         self._thread = threading.Thread(target=self._serve, name="asyncfp8-inbox", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        if self.receiver is not None:
+            self._thread.start()
+
+    def deliver(self, trajectories: list[Trajectory]) -> None:
+        """Trajectories handed over in this process (no socket: each arrives once)."""
+        with self.lock:
+            for trajectory in trajectories:
+                self._add(trajectory)
+
+    def ready_groups(self) -> int:
+        with self.lock:
+            return len(self.ready)
+
+    def lease(self, worker: str, want: int, stats: dict[str, float]) -> dict[str, Any]:
+        """The answer to a lease request of `want` groups from `worker` in this process."""
+        return self._on_lease({"worker_id": worker, "sender": worker, "want": want, "stats": stats})
 
     def _serve(self) -> None:
         last_expiry = time.monotonic()
@@ -237,7 +258,7 @@ class Inbox:
         with self.lock:
             return {
                 "book": self.book.state_dict(),
-                "receiver": self.receiver.state_dict(),
+                "receiver": None if self.receiver is None else self.receiver.state_dict(),
                 "ready": [
                     (g.lease, g.prompt, [dataclasses.asdict(t) for t in g.trajectories])
                     for g in self.ready
@@ -256,7 +277,8 @@ class Inbox:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.lock:
             self.book.load_state_dict(state["book"], time.monotonic())
-            self.receiver.load_state_dict(state["receiver"])
+            if self.receiver is not None and state["receiver"] is not None:
+                self.receiver.load_state_dict(state["receiver"])
             self.ready = deque(
                 Group(lease, prompt, [Trajectory(**t) for t in part])
                 for lease, prompt, part in state["ready"]
@@ -282,13 +304,16 @@ class Inbox:
                 "data/expired_groups": self.book.expired_groups,
                 "counts": dict(self.counts),
                 "workers": {name: dict(stats) for name, stats in self.workers.items()},
-                "rejected": self.receiver.rejected,
-                "rejected_by_source": dict(self.receiver.rejections.counts),
-                "duplicates": self.receiver.duplicates,
+                "rejected": 0 if self.receiver is None else self.receiver.rejected,
+                "rejected_by_source": {}
+                if self.receiver is None
+                else dict(self.receiver.rejections.counts),
+                "duplicates": 0 if self.receiver is None else self.receiver.duplicates,
             }
 
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self.receiver.close()
+        if self.receiver is not None:
+            self.receiver.close()

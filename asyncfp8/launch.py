@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
-from asyncfp8.checks import check_config
+from asyncfp8.checks import check_config, placement_of
 from asyncfp8.export import MODEL_DIR
 from asyncfp8.learner import CHECKPOINT_DIR, LEARNER_STATE, ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
 from asyncfp8.metrics import METRICS_FILE, loggers_of, wandb_sync_hint
@@ -259,13 +259,20 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
         *(f"sync.{name}_port={port}" for name, port in zip(PORTS, ports, strict=True)),
     ]
     learner = Process("learner", "asyncfp8.learner", common, run_dir, ranks=run.learner_procs)
+    colocated = placement_of(run) == "colocated"
     workers = [
         Process(f"worker-{i}", "asyncfp8.worker", [*common, f"run.worker_id={i}"], run_dir)
-        for i in range(run.workers)
+        for i in range(0 if colocated else run.workers)
     ]
+    ranks = f"{run.learner_procs} rank{'s' if run.learner_procs > 1 else ''}"
+    shape = (
+        f"learner ({ranks}) generating with its own engine (run.placement=colocated; "
+        "no worker processes)"
+        if colocated
+        else f"learner ({ranks}) + {run.workers} workers"
+    )
     print(
-        f"[launch] learner ({run.learner_procs} rank{'s' if run.learner_procs > 1 else ''}) + "
-        f"{run.workers} workers ({cfg.engine.name} engine, {policy.spec}, "
+        f"[launch] {shape} ({cfg.engine.name} engine, {policy.spec}, "
         f"correction {cfg.correction.name}, {run.mode}); logs and metrics in {run_dir}",
         flush=True,
     )
@@ -336,6 +343,11 @@ def launch_under_slurm(
     workers); the learner's rank 0 task also shows the progress bar and writes the summary.
     `run.dir` must be on storage every node sees (default: runs/slurm-<job id>)."""
     run = cfg.run
+    if placement_of(run) == "colocated":
+        raise ValueError(
+            "run.placement=colocated runs in one process on one machine; under srun each "
+            "task is a process of its own: run.placement=separate"
+        )
     role = role_of(task, run.learner_procs)
     given = {o.split("=", 1)[0] for o in overrides}
     if "run.workers" in given and run.workers != role.workers:

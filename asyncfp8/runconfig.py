@@ -11,6 +11,7 @@ with the keys named, unless `run.force_resume=true` says the change is meant.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,17 @@ def _safe(key: str) -> bool:
 
 def _select(cfg: DictConfig, key: str) -> Any:
     return OmegaConf.select(cfg, key, throw_on_missing=False)
+
+
+def save_config(cfg: DictConfig, run_dir: Path) -> Path:
+    """The run's config (resolved) as `<run_dir>/config.yaml`, written beside it and
+    renamed over it: the launcher's progress bar and `asyncfp8.report` read it while a
+    resumed learner writes it again, and must never see half of it."""
+    path = Path(run_dir) / CONFIG_FILE
+    temporary = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
+    OmegaConf.save(cfg, temporary, resolve=True)
+    os.replace(temporary, path)
+    return path
 
 
 def saved_config(run_dir: Path) -> DictConfig:

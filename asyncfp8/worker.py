@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
 from asyncfp8.chaos.refit_faults import RefitFault
 from asyncfp8.checks import check_config
-from asyncfp8.engines import EngineUnsupported, SamplingParams, build_engine
+from asyncfp8.engines import EngineUnsupported, build_engine
 from asyncfp8.engines.base import InflightUpdates, KVCacheReset, SpeculativeDrafts
 from asyncfp8.models import run_model_dir
 from asyncfp8.precision.policy import plain
@@ -42,8 +42,9 @@ from asyncfp8.process import (
     setup_logging,
 )
 from asyncfp8.refit import Probe, RefitChecker
+from asyncfp8.rollout import roll_out
 from asyncfp8.runconfig import CONFIG_FILE, restore_on_resume
-from asyncfp8.sync import HandshakeWatch, Trajectory, TrajectorySender, VersionSubscriber
+from asyncfp8.sync import HandshakeWatch, TrajectorySender, VersionSubscriber
 
 REQUEST_AGAIN_AFTER = 5.0  # s without an answer to a lease request: ask again
 SNAPSHOT_AFTER = 2.0  # s waiting for a leased version before asking for a snapshot
@@ -353,35 +354,13 @@ class Worker:
         return self.sender.replies.popleft()
 
     def _generate(self, lease: dict) -> None:
-        prompts = [self.task.prompt(index) for index in lease["prompts"]]
-        settings = lease["sampling"]
-        sampling = SamplingParams(
-            n=settings["n"],
-            temperature=settings["temperature"],
-            max_new_tokens=settings["max_new_tokens"],
-            seed=settings["seed"],
-        )
         started = time.perf_counter()
-        samples = self.engine.generate([p.text for p in prompts], sampling)
+        trajectories = roll_out(self.engine, self.task, lease)
         self.stats["generate_s"] += time.perf_counter() - started
-        for sample in samples:
-            prompt = prompts[sample.prompt_index]
-            self.sender.send(
-                Trajectory(
-                    prompt_ids=sample.prompt_ids,
-                    token_ids=sample.token_ids,
-                    logprobs=sample.logprobs,
-                    versions=sample.versions,
-                    reward=self.task.score(sample.text, prompt),
-                    group_id=f"{lease['lease']}:{prompt.index}",
-                    prompt_index=prompt.index,
-                    finish_reason=sample.finish_reason,
-                    meta={"lease": lease["lease"]},
-                ),
-                timeout=self.cfg.sync.learner_timeout,
-            )
-            self.stats["tokens"] += len(sample.token_ids)
-        self.stats["samples"] += len(samples)
+        for trajectory in trajectories:
+            self.sender.send(trajectory, timeout=self.cfg.sync.learner_timeout)
+            self.stats["tokens"] += len(trajectory.token_ids)
+        self.stats["samples"] += len(trajectories)
         self._drafter_checkpoint()
         self.sender.pump()
 

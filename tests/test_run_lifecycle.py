@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -252,3 +253,26 @@ def test_the_readmes_custom_reward_runs_as_written(tmp_path, tiny_model_dir):
     )
     assert code == 2 and "cannot be called as needs_more(completion, answer)" in out, out[-2000:]
     assert seconds < 60 and not (tmp_path / "bad" / "learner.log").exists()
+
+
+def test_the_runs_config_is_replaced_whole_never_left_half_written(tmp_path, monkeypatch):
+    # A resumed learner writes config.yaml again while the progress bar and the report
+    # read it (the chaos suite's torn-write readers once met "Missing key precision").
+    from omegaconf import OmegaConf
+
+    from asyncfp8.runconfig import save_config, saved_config
+
+    old = OmegaConf.create({"precision": {"name": "bf16"}, "run": {"steps": 3}})
+    save_config(old, tmp_path)
+    real_save = OmegaConf.save
+
+    def dies_half_way(cfg, path, resolve=False):
+        real_save(cfg, path, resolve=resolve)
+        Path(path).write_text(Path(path).read_text()[:10])  # a torn file...
+        raise OSError("killed mid-write")  # ...and the writer gone
+
+    monkeypatch.setattr(OmegaConf, "save", dies_half_way)
+    with pytest.raises(OSError, match="killed mid-write"):
+        save_config(OmegaConf.create({"precision": {"name": "fp8"}}), tmp_path)
+    monkeypatch.setattr(OmegaConf, "save", real_save)
+    assert saved_config(tmp_path) == old  # the previous config, whole

@@ -57,6 +57,11 @@ class ComputeDtype(enum.StrEnum):
     bfloat16 = "bfloat16"
 
 
+class Placement(enum.StrEnum):
+    separate = "separate"
+    colocated = "colocated"
+
+
 class Device(enum.StrEnum):
     auto = "auto"
     cpu = "cpu"
@@ -76,6 +81,7 @@ class WandbConfig:
 @dataclass
 class RunConfig:
     mode: str = MISSING  # async | sync (checks.max_staleness_of: "async" is no enum name)
+    placement: Placement = MISSING  # learner/colocated.py
     steps: int = MISSING
     groups_per_step: int = MISSING
     group_size: int = MISSING

@@ -3,7 +3,9 @@
 `Hub` owns everything only rank 0 has: the sockets (versions out through the publisher,
 trajectories and lease requests in through the inbox, on its own thread), the lease
 book, the ledger of what each step trained on, the metrics log, and the protocol that
-hands every rank its share of a step (or STOP when the run stops). `RankHub` is its
+hands every rank its share of a step (or STOP when the run stops). Colocated
+(`colocated.py`), it has no sockets: versions go to the learner's own engine, and the
+engine's rollout turns fill the inbox. `RankHub` is its
 counterpart on the other ranks: it receives its share and does nothing else, so the
 learner's loop reads the same on every rank.
 """
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from asyncfp8 import distributed
 from asyncfp8.inbox import Group, Inbox
@@ -25,9 +27,10 @@ from asyncfp8.leases import LeaseBook
 from asyncfp8.ledger import Ledger
 from asyncfp8.metrics import MetricsLog
 from asyncfp8.process import StopFlag, curve, endpoints
-from asyncfp8.runconfig import CONFIG_FILE
+from asyncfp8.runconfig import save_config
 from asyncfp8.sync import BackgroundPublisher, HandshakeWatch, Limits, VersionPublisher
 
+from .colocated import Colocated
 from .step import Share, StepSums, all_rewards_equal
 from .step_metrics import StepMetrics
 
@@ -52,8 +55,10 @@ class Hub:
         world: int,
         stop: StopFlag,
         step_metrics: StepMetrics,
+        colocated: Colocated | None = None,
     ):
         run, sync = cfg.run, cfg.sync
+        self.colocated = colocated
         self.cfg, self.max_staleness, self.world, self.stop = cfg, max_staleness, world, stop
         self.step_metrics = step_metrics
         addresses, secure = endpoints(sync, "bind"), curve(sync)
@@ -67,6 +72,13 @@ class Hub:
             "temperature": run.temperature,
             "max_new_tokens": run.max_new_tokens,
         }
+        if colocated is not None:
+            self.versions = colocated.versions
+            self.sender = BackgroundPublisher(self.versions, background=False)
+            self.inbox = Inbox(None, book, run.group_size, sampling, run.seed, None)
+            self.ledger: Ledger | None = None
+            self.metrics: MetricsLog | None = None
+            return
         try:
             self.versions = VersionPublisher(
                 addresses.versions,
@@ -103,7 +115,7 @@ class Hub:
         self.ledger = Ledger(run_dir, resumed_step=resumed_step)
         # run.loggers: JSONL, TensorBoard, W&B (a resumed run continues its W&B run)
         self.metrics = MetricsLog.for_run(self.cfg, resumed_step=resumed_step)
-        OmegaConf.save(self.cfg, run_dir / CONFIG_FILE, resolve=True)
+        save_config(self.cfg, run_dir)
 
     def start(self) -> None:
         self.inbox.start()
@@ -143,11 +155,18 @@ class Hub:
         skip = all_rewards_equal if run.dynamic_sampling else None
         waited_since = time.monotonic()
         while True:
+            if self.colocated is not None:  # the learner's own rollout turn
+                self.colocated.fill(self.inbox, run.groups_per_step)
+            wait = 0.0 if self.colocated is not None else WAIT_LOG_S
             groups = self.inbox.take(
-                run.groups_per_step, version, self.max_staleness, WAIT_LOG_S, skip=skip
+                run.groups_per_step, version, self.max_staleness, wait, skip=skip
             )
             if groups is not None:
                 return groups
+            if self.colocated is not None:  # dynamic sampling skipped some: more to make
+                if self.stop:
+                    raise Preempted
+                continue
             if self.stop:
                 raise Preempted
             waited = time.monotonic() - waited_since
@@ -205,11 +224,13 @@ class Hub:
 
     def finish(self) -> None:
         """Tells the workers the run is done, and gives them a moment to hear it."""
-        self.inbox.finish(linger=15)
+        self.inbox.finish(linger=0 if self.colocated is not None else 15)
 
     def close(self) -> None:
         self.inbox.close()
         self.versions.close()
+        if self.colocated is not None:
+            self.colocated.close()
         self.watch.close()
         if self.ledger is not None:
             self.ledger.close()

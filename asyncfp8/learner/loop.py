@@ -8,7 +8,9 @@ The loop (`Learner.run`) is the algorithm; each part has its own module:
 - `publisher.py`: a version out (number reserved, weights gathered, KV scales
   calibrated, the refit probe, the background sender);
 - `checkpoints.py`: checkpoints, resume and export;
-- `step_metrics.py`: what rank 0 logs per step.
+- `step_metrics.py`: what rank 0 logs per step;
+- `colocated.py`: `run.placement=colocated`, the learner's own engine taking turns with
+  training (the hub asks it for each step's groups).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from omegaconf import DictConfig
 
 from asyncfp8 import distributed
 from asyncfp8.batches import check_split
-from asyncfp8.checks import check_config, max_staleness_of
+from asyncfp8.checks import check_config, max_staleness_of, placement_of
+from asyncfp8.engines import build_engine
 from asyncfp8.evaluation import HeldOut
 from asyncfp8.inbox import Group
 from asyncfp8.logprobs import install_logprob_head
@@ -34,6 +37,7 @@ from asyncfp8.process import StopFlag, endpoints, set_threads
 from asyncfp8.refit import ReferenceForward
 
 from .checkpoints import Checkpointer
+from .colocated import Colocated
 from .hub import Hub, Preempted, RankHub
 from .publisher import FIRST_CALIBRATION_PROMPTS, Publisher
 from .step import Share, StepSums, TrainStep, lr_lambda, plan_shares
@@ -52,7 +56,9 @@ class Learner:
         self.task, self.policy, self.correction = checked.task, checked.policy, checked.correction
         self.ranks = distributed.start(run.device, run.dist_timeout)
         check_split(run.groups_per_step * run.group_size, optim.mini_batches, self.ranks.world)
-        set_threads(run.threads, run.workers + self.ranks.world)
+        self.colocated_placement = placement_of(run) == "colocated"
+        workers = 0 if self.colocated_placement else run.workers
+        set_threads(run.threads, workers + self.ranks.world)
         for seed in (torch.manual_seed, random.seed, np.random.seed):
             seed(run.seed)
         self.dir = Path(run.dir)
@@ -93,6 +99,7 @@ class Learner:
                 self.ranks.world,
                 self.stop,
                 StepMetrics(self.correction, tokenizer.pad_token_id),
+                self._colocated_engine(),
             )
             if self.ranks.main
             else RankHub(self.stop)
@@ -266,6 +273,13 @@ class Learner:
         batch = self.tokenizer(texts, return_tensors="pt", padding=True)
         return {key: value.to(self.ranks.device) for key, value in batch.items()}
 
+    def _colocated_engine(self) -> Colocated | None:
+        """With run.placement=colocated, the learner's own rollout engine (rank 0)."""
+        if not self.colocated_placement:
+            return None
+        engine = build_engine(self.cfg.engine, str(self.model_dir), self.policy)
+        return Colocated(self.cfg, engine, self.task, self.policy)
+
     def _probe_reference(self) -> ReferenceForward | None:
         """The refit probe's reference (asyncfp8/refit.py), on rank 0: what an engine
         running each version must compute on a few sequences, shipped with the version."""
@@ -296,7 +310,7 @@ class Learner:
         self.hub.say(
             "model %s (%.2fM parameters), precision %s (learner forward: %s, quantized from: "
             "%s), correction %s (%s), %s mode, max staleness %d, %d rank(s) on %s computing "
-            "in %s, listening on %s",
+            "in %s, %s",
             self.model_dir,
             sum(p.numel() for p in self.model.parameters()) / 1e6,
             self.policy.spec,
@@ -309,5 +323,7 @@ class Learner:
             self.ranks.world,
             self.ranks.device.type,
             str(self.dtype).removeprefix("torch."),
-            endpoints(cfg.sync, "bind").trajectories,
+            f"generating with its own {cfg.engine.name} engine (run.placement=colocated)"
+            if self.colocated_placement
+            else f"listening on {endpoints(cfg.sync, 'bind').trajectories}",
         )

@@ -1,0 +1,144 @@
+"""The colocated placement (`run.placement=colocated`): the learner and its rollout engine
+in one process, taking turns on the device: generate, train, apply the new version.
+
+Nothing but the transport changes. Work is leased from the same lease book and its
+trajectories go through the same inbox (`Inbox.lease` / `Inbox.deliver`, no socket), so
+the version numbers, leases, ledger, corrections and the chaos audit are the placement's
+too. A version is quantized by the precision policy from the gathered weights, as for a
+worker, and handed to the engine as tensors (`EngineVersions`: no encoding, no socket;
+the refit probe is checked as a worker checks it).
+
+Each rollout turn generates with the newest version, so what a step trains on is never
+stale. Today: one learner rank, the built-in torch engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from asyncfp8.engines import RolloutEngine
+from asyncfp8.inbox import Inbox
+from asyncfp8.refit import Probe, RefitChecker
+from asyncfp8.rollout import roll_out
+from asyncfp8.sync.version_pubsub import PublishStats
+from asyncfp8.tasks import Task
+
+log = logging.getLogger("asyncfp8.learner")
+WORKER_ID = "colocated"  # how the books and the metrics name the learner's own engine
+
+
+class RefitFailed(RuntimeError):
+    """The engine does not compute what the version it was handed says (no transport to
+    blame here: its modules or kernels disagree with the policy's reference)."""
+
+
+class EngineVersions:
+    """The colocated version channel: `publish` (as `sync.VersionPublisher.publish`
+    takes it, from `sync.BackgroundPublisher`) applies each version to the engine in
+    this process and checks its refit probe."""
+
+    def __init__(self, engine: RolloutEngine, checker: RefitChecker | None, stats: dict):
+        self.engine, self.checker, self.stats = engine, checker, stats
+        self.in_flight = threading.Event()
+        self.in_flight.set()
+        self.rejected = 0  # no messages to reject
+
+    def publish(
+        self,
+        version: int,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        extra: Mapping[str, torch.Tensor] | None = None,
+        policy: str = "",
+        engine_config: Mapping[str, Any] | None = None,
+        roles: Mapping[str, Any] | None = None,
+    ) -> PublishStats:
+        started = time.perf_counter()
+        tensors = dict(weights)  # the policy quantizes them as they stream, filling `roles`
+        probe, sent = Probe.take(dict(extra or {}), roles)
+        self.engine.update_weights(version, tensors, sent, roles)
+        applied = time.perf_counter()
+        self.stats["update_s"] += applied - started
+        self.stats["updates"] += 1
+        if probe is not None and self.checker is not None:
+            check = self.checker.check(version, probe, sent)
+            self.stats |= check.metrics()
+            self.stats["refit/probe_s"] += self.checker.last_seconds
+            self.stats["refit/probes"] += 1
+            if not check.passed:
+                self.stats["refit/failures"] += 1
+                raise RefitFailed(check.describe())
+        return PublishStats(version, 0, 0, time.perf_counter() - started)
+
+    def close(self) -> None:
+        pass
+
+
+class Colocated:
+    """The learner's own engine and its rollout turns (rank 0)."""
+
+    def __init__(self, cfg: DictConfig, engine: RolloutEngine, task: Task, policy):
+        self.cfg, self.engine, self.task = cfg, engine, task
+        # The keys a worker reports with its lease requests (the step metrics read them).
+        self.stats = dict.fromkeys(
+            (
+                "samples",
+                "tokens",
+                "generate_s",
+                "update_s",
+                "updates",
+                "paused_s",
+                "rejected_versions",
+                "inflight_updates",
+                "refit/probe_s",
+                "refit/probes",
+                "refit/failures",
+                "refit/recovered",
+            ),
+            0.0,
+        )
+        checker = RefitChecker.for_worker(cfg.sync.get("probe"), engine, policy)
+        self.versions = EngineVersions(engine, checker, self.stats)
+        # Named and numbered as a worker's trajectories are on receipt: this process's
+        # incarnation (a resumed learner is another sender) and a sequence number, which
+        # the ledger records and the audit counts.
+        self.sender = f"{WORKER_ID}/{uuid.uuid4().hex[:12]}"
+        self.seq = 0
+
+    def fill(self, inbox: Inbox, groups: int) -> None:
+        """Generates, lease by lease, until the inbox holds `groups` complete groups."""
+        while inbox.ready_groups() < groups:
+            lease = inbox.lease(WORKER_ID, self.cfg.run.lease_groups, self.stats)
+            if "lease" not in lease:
+                raise RuntimeError(
+                    f"the lease book gave the colocated engine no work ({lease}) with "
+                    f"{inbox.ready_groups()} of {groups} groups ready"
+                )
+            if self.engine.version is None or self.engine.version < lease["min_version"]:
+                raise RuntimeError(
+                    f"lease {lease['lease']} wants version {lease['min_version']}, the engine "
+                    f"holds {self.engine.version}"
+                )
+            started = time.perf_counter()
+            trajectories = roll_out(self.engine, self.task, lease)
+            self.stats["generate_s"] += time.perf_counter() - started
+            self.stats["samples"] += len(trajectories)
+            self.stats["tokens"] += sum(len(t.token_ids) for t in trajectories)
+            for trajectory in trajectories:
+                trajectory.worker_id, trajectory.sender, trajectory.seq = (
+                    WORKER_ID,
+                    self.sender,
+                    self.seq,
+                )
+                self.seq += 1
+            inbox.deliver(trajectories)
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,49 @@
+"""A lease turned into scored trajectories: what a worker does with each lease it gets,
+and what a colocated learner does in its rollout turn (`learner/colocated.py`).
+
+A lease (the learner's `Inbox.lease` answer) names its prompts by index in the task's
+stream and the sampling settings, seed included; each of its prompts gets `n` samples,
+scored by the task's reward, each token tagged with the version that produced it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from asyncfp8.engines import RolloutEngine, SamplingParams
+from asyncfp8.sync import Trajectory
+from asyncfp8.tasks import Task
+
+
+def lease_sampling(lease: Mapping[str, Any]) -> SamplingParams:
+    settings = lease["sampling"]
+    return SamplingParams(
+        n=settings["n"],
+        temperature=settings["temperature"],
+        max_new_tokens=settings["max_new_tokens"],
+        seed=settings["seed"],
+    )
+
+
+def roll_out(engine: RolloutEngine, task: Task, lease: Mapping[str, Any]) -> list[Trajectory]:
+    """The lease's samples from `engine`, scored, as trajectories of the lease."""
+    prompts = [task.prompt(index) for index in lease["prompts"]]
+    samples = engine.generate([p.text for p in prompts], lease_sampling(lease))
+    trajectories = []
+    for sample in samples:
+        prompt = prompts[sample.prompt_index]
+        trajectories.append(
+            Trajectory(
+                prompt_ids=sample.prompt_ids,
+                token_ids=sample.token_ids,
+                logprobs=sample.logprobs,
+                versions=sample.versions,
+                reward=task.score(sample.text, prompt),
+                group_id=f"{lease['lease']}:{prompt.index}",
+                prompt_index=prompt.index,
+                finish_reason=sample.finish_reason,
+                meta={"lease": lease["lease"]},
+            )
+        )
+    return trajectories

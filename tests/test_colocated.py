@@ -1,0 +1,181 @@
+"""run.placement=colocated (asyncfp8/learner/colocated.py): the learner generates with its
+own engine in turns. The same books as the separate placement (leases, ledger, audit),
+the same samples for the same seed, the version's tensors as a worker would have
+received them, and a killed run resumes."""
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from asyncfp8.chaos.audit import audit
+from asyncfp8.chaos.cluster import SMALL_RUN
+from asyncfp8.engines.torch_engine import TorchEngine
+from asyncfp8.learner.colocated import EngineVersions
+from asyncfp8.ledger import read_ledger
+from asyncfp8.models import load_model
+from asyncfp8.precision import extra_roles, get_policy, version_weights
+from asyncfp8.precision.manifest import decoder_layers
+from asyncfp8.report import per_step
+from asyncfp8.sync import VersionPublisher, VersionSubscriber
+from tests.test_e2e import launch
+
+LOOPBACK = "tcp://127.0.0.1:*"
+SYNC = ("run.mode=sync", "run.steps=4", "run.workers=1", "run.lease_groups=2", "eval.every=0")
+
+
+def trained_samples(run_dir):
+    """Per step: each trained group's prompt and its samples' sequence numbers."""
+    return [
+        [(prompt, sorted(seq for _, seq, _ in members)) for _, prompt, members in r["groups"]]
+        for r in read_ledger(run_dir)
+    ]
+
+
+def test_colocated_trains_on_the_samples_the_separate_placement_trains_on(tmp_path, tiny_model_dir):
+    # Sync mode, one worker: leases, their seeds and the versions they are generated with
+    # are fixed by the books, so both placements make the same samples and the same steps.
+    separate, _ = launch(tmp_path / "separate", tiny_model_dir, *SYNC)
+    colocated, out = launch(
+        tmp_path / "colocated", tiny_model_dir, *SYNC, "run.placement=colocated"
+    )
+    assert "run.placement=colocated; no worker processes" in out
+    assert not list(colocated.glob("worker-*.log"))
+    a, b = per_step(separate), per_step(colocated)
+    assert [r["total/samples"] for r in a] == [r["total/samples"] for r in b] == [16, 32, 48, 64]
+    for key in ("reward/mean", "optim/grad_norm", "mismatch/kl_k3"):
+        assert [r[key] for r in a] == pytest.approx([r[key] for r in b], rel=1e-6), key
+    assert trained_samples(separate) == trained_samples(colocated)
+    for run_dir in (separate, colocated):
+        result = audit(run_dir, group_size=4, max_staleness=0)
+        assert result.lost == 0 and not result.duplicate_samples and result.stale_samples == 0
+    assert {s.split("/")[0] for s in audit(colocated, 4, 0).senders} == {"colocated"}
+
+
+def test_a_colocated_fp8_version_is_what_a_worker_would_have_received(tiny_model_dir):
+    policy = get_policy("fp8")
+    model = load_model(tiny_model_dir, dtype=torch.float32)
+    policy.bind_model(model.config)
+    g = torch.Generator().manual_seed(0)
+    masters = [
+        (n, p.detach() + 0.01 * torch.randn(p.shape, generator=g))
+        for n, p in model.named_parameters()
+    ]
+    layers = decoder_layers(model)
+
+    def version():
+        roles = extra_roles(policy, {})
+        return version_weights(policy, masters, roles=roles, layers=layers), roles
+
+    colocated = TorchEngine(str(tiny_model_dir), policy)
+    weights, roles = version()
+    EngineVersions(colocated, None, dict.fromkeys(("update_s", "updates"), 0.0)).publish(
+        3, weights, {}, roles=roles
+    )
+    # The separate placement: encoded, sent over ZeroMQ, decoded by a worker's subscriber.
+    publisher = VersionPublisher(LOOPBACK, LOOPBACK, transport="tcp")
+    subscriber = VersionSubscriber(
+        publisher.publish_address, publisher.snapshot_address, transport="tcp"
+    )
+    try:
+        time.sleep(0.3)  # the SUB connects before the first publish (PUB drops until then)
+        weights, roles = version()
+        publisher.publish(3, weights, {}, policy=policy.spec, roles=roles)
+        received = None
+        deadline = time.monotonic() + 30
+        while received is None and time.monotonic() < deadline:
+            received = subscriber.poll(timeout_ms=200)
+        assert received is not None and received.number == 3
+    finally:
+        subscriber.close()
+        publisher.close()
+    separate = TorchEngine(str(tiny_model_dir), policy)
+    separate.update_weights(3, received.weights, received.extra, received.manifest)
+
+    def held(engine):  # parameters and buffers (the FP8 weights and scales are buffers)
+        return dict(engine.model.named_parameters()) | dict(engine.model.named_buffers())
+
+    mine, theirs = held(colocated), held(separate)
+    assert mine.keys() == theirs.keys()
+    quantized = [name for name, t in mine.items() if t.dtype == torch.float8_e4m3fn]
+    assert quantized  # FP8 weights, bit for bit
+    for name, tensor in mine.items():
+        assert tensor.dtype == theirs[name].dtype, name
+        assert torch.equal(tensor.view(torch.uint8), theirs[name].view(torch.uint8)), name
+
+
+def test_a_killed_colocated_run_resumes_and_loses_nothing(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "asyncfp8.learner",
+        f"model.path={tiny_model_dir}",
+        f"run.dir={run_dir}",
+        *SMALL_RUN,
+        "run.placement=colocated",
+        "run.steps=30",
+        "run.checkpoint_every=3",
+        "eval.every=0",
+    ]
+    log = (tmp_path / "learner.log").open("w")
+    learner = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and len(per_step(run_dir)) < 8:
+            time.sleep(0.05)
+        assert len(per_step(run_dir)) >= 8, (tmp_path / "learner.log").read_text()[-3000:]
+        learner.send_signal(signal.SIGKILL)
+        learner.wait()
+    finally:
+        learner.kill()
+    resumed = subprocess.run(
+        [*command, "run.resume=true"], capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    done = per_step(run_dir)
+    assert [r["step"] for r in done] == list(range(1, 31))
+    versions = [r["sync/version"] for r in done]
+    assert versions == sorted(set(versions))
+    result = audit(run_dir, group_size=4, max_staleness=1)
+    assert result.lost == 0 and not result.duplicate_samples and not result.duplicate_prompts
+    assert len(result.senders) == 2  # the killed process and the resumed one
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message", "code"),
+    [
+        (["run.learner_procs=2"], r"one learner rank with its engine for now.*learner_procs=2", 2),
+        (["engine=vllm"], r"built-in engine in the learner's process.*engine=vllm", 2),
+        (
+            ["engine.slots=4", "run.inflight_updates=true"],
+            r"run.inflight_updates=true applies versions during",
+            2,
+        ),
+        # Hydra's schema check (exit 1, as for any mistyped setting)
+        (["run.placement=sideways"], r"'sideways', expected one of \[separate, colocated\]", 1),
+    ],
+)
+def test_what_colocated_cannot_do_is_refused_at_start_naming_the_setting(
+    tmp_path, tiny_model_dir, overrides, message, code
+):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncfp8.launch",
+            f"model.path={tiny_model_dir}",
+            f"run.dir={tmp_path / 'run'}",
+            "run.placement=colocated",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == code, done.stdout + done.stderr
+    assert re.search(message, done.stdout + done.stderr), done.stdout + done.stderr
