@@ -25,7 +25,8 @@ from asyncfp8.sync import VersionPublisher, VersionSubscriber
 from tests.test_e2e import launch
 
 LOOPBACK = "tcp://127.0.0.1:*"
-SYNC = ("run.mode=sync", "run.steps=4", "run.workers=1", "run.lease_groups=2", "eval.every=0")
+# One lease of the step's 4 groups at a time, as the colocated engine leases them.
+SYNC = ("run.mode=sync", "run.steps=4", "run.workers=1", "run.lease_groups=4", "eval.every=0")
 
 
 def trained_samples(run_dir):

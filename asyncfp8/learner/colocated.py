@@ -113,9 +113,12 @@ class Colocated:
         self.seq = 0
 
     def fill(self, inbox: Inbox, groups: int) -> None:
-        """Generates, lease by lease, until the inbox holds `groups` complete groups."""
-        while inbox.ready_groups() < groups:
-            lease = inbox.lease(WORKER_ID, self.cfg.run.lease_groups, self.stats)
+        """Generates until the inbox holds `groups` complete groups: one lease of all
+        that are missing (one generate call, the largest batch: on the 2-core dev VM 68.5
+        trained samples/s against 57.5 with leases of run.lease_groups=4 of 8 groups),
+        again only if dynamic sampling skipped some."""
+        while (missing := groups - inbox.ready_groups()) > 0:
+            lease = inbox.lease(WORKER_ID, missing, self.stats)
             if "lease" not in lease:
                 raise RuntimeError(
                     f"the lease book gave the colocated engine no work ({lease}) with "
