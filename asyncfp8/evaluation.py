@@ -39,12 +39,17 @@ class HeldOut:
         seed: int,
         ranks: distributed.Ranks,
         dtype: torch.dtype | None = None,
+        kv_scales: Callable[[], list[tuple[torch.Tensor, torch.Tensor]] | None] | None = None,
     ):
+        """`kv_scales`: called at each evaluation, the per-layer (k, v) scales of an e4m3
+        KV cache when the learner's own forward rounds keys and values to e4m3 (an FP8 KV
+        cache with precision.learner_forward=quantized), else None."""
         if prompts < 1 or samples < 1:
             raise ValueError(
                 f"eval.prompts and eval.samples must be >= 1, got {prompts}, {samples}"
             )
         self.task, self.tokenizer, self.ranks, self.dtype = task, tokenizer, ranks, dtype
+        self.kv_scales = kv_scales
         self.prompts = task.heldout_prompts(prompts)
         self.greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
         self.sampled = None  # at temperature 0 the sampled pass@1 is the greedy one
@@ -60,6 +65,7 @@ class HeldOut:
         indices: Sequence[int],
         sampling: SamplingParams,
         all_done: Callable[[bool], bool] | None,
+        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None,
     ) -> list[float]:
         """The reward of each completion, prompt-major (`sampling.n` per prompt)."""
         generated = sample_from_model(
@@ -71,6 +77,7 @@ class HeldOut:
             indices=indices,
             dtype=self.dtype,
             all_done=all_done,
+            kv_scales=kv_scales,
         )
         texts = self.tokenizer.batch_decode(
             [g.token_ids for g in generated], skip_special_tokens=True
@@ -88,10 +95,11 @@ class HeldOut:
         indices = indices or [0]
         mine = [self.prompts[i] for i in indices]
         all_done = None if world == 1 else all_ranks_done
-        greedy = self._scores(model, mine, indices, self.greedy, all_done)
+        kv_scales = None if self.kv_scales is None else self.kv_scales()
+        greedy = self._scores(model, mine, indices, self.greedy, all_done, kv_scales)
         sampled = greedy
         if self.sampled is not None:
-            sampled = self._scores(model, mine, indices, self.sampled, all_done)
+            sampled = self._scores(model, mine, indices, self.sampled, all_done, kv_scales)
         weight = 1.0 if counted else 0.0
         sums = distributed.sum_over_ranks(
             {

@@ -224,7 +224,8 @@ def policy_loss_terms(
     if loss.mode == "decoupled":
         if proximal_logp is None:
             raise ValueError(
-                "decoupled mode needs proximal_logp (a learner recompute); use mode='bypass' to skip it"
+                "decoupled mode needs proximal_logp (a learner recompute); "
+                "correction.mode=bypass skips it"
             )
         result = correction(proximal_logp, rollout_logp, mask, versions, current_version)
         weights = result.weights

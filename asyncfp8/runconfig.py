@@ -76,8 +76,11 @@ def save_config(cfg: DictConfig, run_dir: Path) -> Path:
     resumed learner writes it again, and must never see half of it."""
     path = Path(run_dir) / CONFIG_FILE
     temporary = path.with_name(f".{CONFIG_FILE}.{os.getpid()}.tmp")
-    OmegaConf.save(cfg, temporary, resolve=True)
-    os.replace(temporary, path)
+    try:
+        OmegaConf.save(cfg, temporary, resolve=True)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
     return path
 
 

@@ -140,3 +140,66 @@ def test_held_out_evaluation_scores_the_engines_samples(tiny_model_dir):
         "eval/prompts": 12,
     }
     assert heldout.evaluate(model) == metrics  # fixed streams: the same score each time
+
+
+def test_with_kv_scales_a_model_samples_what_an_fp8_kv_cache_engine_samples(taught_model_dir):
+    # Held-out evaluation of a learner whose forward rounds keys and values to e4m3
+    # (precision.learner_forward=quantized): its cache stores e4m3 with the version's
+    # scales, as the engine's does.
+    from asyncfp8.precision import calibrate_version, get_policy, version_weights
+    from asyncfp8.precision.fp8_kv import kv_scale_names
+
+    tokenizer = load_tokenizer(taught_model_dir)
+    policy = get_policy("fp8_kv")
+    model = load_model(taught_model_dir, dtype=torch.float32)
+    policy.bind_model(model.config)
+    calibration = dict(tokenizer(PROMPTS, return_tensors="pt", padding=True))
+    extra = calibrate_version(model, policy, calibration)
+    masters = [(name, p.detach()) for name, p in model.named_parameters()]
+    engine = TorchEngine(str(taught_model_dir), "fp8_kv")
+    engine.update_weights(0, dict(version_weights(policy, masters)), extra)
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=14, seed=4)
+    expected = engine.generate(PROMPTS, sampling)
+    names = [kv_scale_names(layer) for layer in range(model.config.num_hidden_layers)]
+    scales = [(extra[n["k"]].float(), extra[n["v"]].float()) for n in names]
+    bf16 = load_model(taught_model_dir, dtype=torch.bfloat16)
+    ids, eos, pad = encoded(tokenizer, PROMPTS), tokenizer.eos_token_id, tokenizer.pad_token_id
+    got = sample_from_model(bf16, ids, sampling, eos, pad, kv_scales=scales)
+    assert [g.token_ids for g in got] == [s.token_ids for s in expected]
+    assert [g.logprobs for g in got] == [s.logprobs for s in expected]
+    plain = sample_from_model(bf16, ids, sampling, eos, pad)  # the control: no e4m3 cache
+    assert [g.logprobs for g in plain] != [s.logprobs for s in expected]
+
+
+@pytest.mark.parametrize("forward", ["master", "quantized"])
+def test_the_learner_evaluates_with_an_e4m3_cache_only_when_its_forward_rounds_kv(
+    tmp_path, tiny_model_dir, forward
+):
+    from asyncfp8.learner import Learner
+    from asyncfp8.precision.fp8_kv import kv_scale_names
+    from tests.recorded import learner_config
+
+    learner = Learner(
+        learner_config(
+            tiny_model_dir,
+            tmp_path / "run",
+            "precision=fp8_kv",
+            f"precision.learner_forward={forward}",
+            "eval.every=1",
+        )
+    )
+    try:
+        learner.publisher.publish()
+        scales = learner._evaluation_kv_scales()
+        if forward == "master":
+            assert scales is None  # the learner's attention is plain: so is evaluation's
+            return
+        extra = learner.publisher.latest_extra
+        layers = learner.model.config.num_hidden_layers
+        assert len(scales) == layers
+        for layer, (k, v) in enumerate(scales):
+            names = kv_scale_names(layer)
+            assert torch.equal(k, extra[names["k"]]) and torch.equal(v, extra[names["v"]])
+        assert 0 <= learner.heldout.evaluate(learner.model)["eval/pass1_greedy"] <= 1
+    finally:
+        learner.close()

@@ -34,13 +34,15 @@ def sample_from_model(
     indices: Sequence[int] | None = None,
     dtype: torch.dtype | None = None,
     all_done: Callable[[bool], bool] | None = None,
+    kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> list[Generated]:
     """`sampling.n` completions of each token-id prompt from `model` (a transformers
     causal LM), prompt-major: completion k of prompt i is request `indices[i] · n + k`
     (default `indices[i]` = i) of a call seeded with `sampling.seed` (None: 0), as in
     `TorchEngine.generate`. `dtype`: what the model computes in, when not its embeddings'
     dtype (FSDP's mixed precision). `all_done`: see `SlotLoop` (ranks of a sharded model
-    step together)."""
+    step together). `kv_scales`: per layer (k_scale, v_scale) 0-dim fp32 tensors for an
+    e4m3 KV cache, as the engine's (None: a cache in the model's dtype)."""
     if not prompts:
         raise ValueError("sample_from_model needs at least one prompt")
     if any(not ids for ids in prompts):
@@ -62,7 +64,7 @@ def sample_from_model(
     model.eval()
     model.set_attn_implementation(ATTENTION)
     try:
-        decoder = SlotDecoder(model, len(requests), positions, dtype=dtype)
+        decoder = SlotDecoder(model, len(requests), positions, kv_scales, dtype=dtype)
         return SlotLoop(decoder, requests, sampling, eos, pad, all_done=all_done).run()
     finally:
         model.set_attn_implementation(attention)

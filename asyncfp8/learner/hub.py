@@ -163,13 +163,17 @@ class Hub:
             )
             if groups is not None:
                 return groups
-            if self.colocated is not None:  # dynamic sampling skipped some: more to make
-                if self.stop:
-                    raise Preempted
-                continue
             if self.stop:
                 raise Preempted
             waited = time.monotonic() - waited_since
+            if self.colocated is not None:  # dynamic sampling skipped some: more to make
+                if waited > run.worker_wait_timeout:
+                    raise SystemExit(
+                        f"learner: no {run.groups_per_step} groups with a reward spread after "
+                        f"{waited:.0f} s of generating (run.worker_wait_timeout): "
+                        "run.dynamic_sampling skips every group whose rewards are all equal"
+                    )
+                continue
             counts = self.inbox.snapshot_counts()
             if waited > run.worker_wait_timeout:
                 raise SystemExit(

@@ -33,6 +33,7 @@ from asyncfp8.evaluation import HeldOut
 from asyncfp8.inbox import Group
 from asyncfp8.logprobs import install_logprob_head
 from asyncfp8.models import load_model, load_tokenizer, run_model_dir
+from asyncfp8.precision.fp8_kv import kv_scale_names
 from asyncfp8.process import StopFlag, endpoints, set_threads
 from asyncfp8.refit import ReferenceForward
 
@@ -57,6 +58,11 @@ class Learner:
         self.ranks = distributed.start(run.device, run.dist_timeout)
         check_split(run.groups_per_step * run.group_size, optim.mini_batches, self.ranks.world)
         self.colocated_placement = placement_of(run) == "colocated"
+        if self.colocated_placement and self.ranks.world != 1:
+            raise ValueError(
+                f"run.placement=colocated runs one learner rank with its engine for now; "
+                f"this learner has {self.ranks.world} (torchrun): run.placement=separate"
+            )
         workers = 0 if self.colocated_placement else run.workers
         set_threads(run.threads, workers + self.ranks.world)
         for seed in (torch.manual_seed, random.seed, np.random.seed):
@@ -131,6 +137,7 @@ class Learner:
                 run.seed,
                 self.ranks,
                 self.dtype,
+                self._evaluation_kv_scales,
             )
         self.step = 0
         # Training time before this process (a resumed run), and the step it resumed at.
@@ -272,6 +279,18 @@ class Learner:
         texts = [self.task.prompt(i).text for i in range(FIRST_CALIBRATION_PROMPTS)]
         batch = self.tokenizer(texts, return_tensors="pt", padding=True)
         return {key: value.to(self.ranks.device) for key, value in batch.items()}
+
+    def _evaluation_kv_scales(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The latest version's KV scales when the learner's forward rounds keys and
+        values to e4m3 with them (an FP8 KV cache, precision.learner_forward=quantized):
+        evaluation's cache then stores e4m3 with them, as the engine's does."""
+        fp8_cache = self.policy.engine_config().get("kv_cache_dtype") == "fp8"
+        if not fp8_cache or self.policy.learner_forward != "quantized":
+            return None
+        extra = self.publisher.latest_extra
+        names = [kv_scale_names(layer) for layer in range(self.model.config.num_hidden_layers)]
+        device = self.ranks.device
+        return [(extra[n["k"]].float().to(device), extra[n["v"]].float().to(device)) for n in names]
 
     def _colocated_engine(self) -> Colocated | None:
         """With run.placement=colocated, the learner's own rollout engine (rank 0)."""

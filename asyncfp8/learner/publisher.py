@@ -52,6 +52,8 @@ class Publisher:
         #: the rows the next version's KV scales (and its refit probe) come from
         self.calibration_batch = first_calibration
         self.version: int | None = None  # the latest version published
+        #: its extra tensors (KV scales), on every rank
+        self.latest_extra: dict[str, torch.Tensor] = {}
         #: each parameter's decoder layer, for the versions' manifests
         self.layers = decoder_layers(model)
 
@@ -75,6 +77,7 @@ class Publisher:
             full = distributed.full_state_dict(self.model)  # on rank 0's CPU, in FP32
             with without_logits(self.model):
                 extra = calibrate_version(self.model, self.policy, self.calibration_batch)
+        self.latest_extra = extra
         if self.sender is None:
             return {}
         # By parameter name, so that tied weights are sent once. The sender snapshots them
