@@ -15,6 +15,23 @@ from asyncfp8.engines import RolloutEngine, SamplingParams
 from asyncfp8.sync import Trajectory
 from asyncfp8.tasks import Task
 
+#: What a rollout process counts, reported with each lease request (the learner's step
+#: metrics read them per worker): a worker's, and a colocated learner's own engine's.
+ROLLOUT_STATS = (
+    "samples",
+    "tokens",
+    "generate_s",
+    "update_s",
+    "updates",
+    "paused_s",
+    "rejected_versions",  # bad weight messages this worker received
+    "inflight_updates",  # versions applied between two decode steps
+    "refit/probe_s",  # scoring the refit probes (asyncfp8/refit.py)
+    "refit/probes",  # versions whose probe was checked
+    "refit/failures",  # probes beyond tolerance (each followed by a snapshot)
+    "refit/recovered",  # failures the snapshot repaired
+)
+
 
 def lease_sampling(lease: Mapping[str, Any]) -> SamplingParams:
     settings = lease["sampling"]

@@ -42,7 +42,7 @@ from asyncfp8.process import (
     setup_logging,
 )
 from asyncfp8.refit import Probe, RefitChecker
-from asyncfp8.rollout import roll_out
+from asyncfp8.rollout import ROLLOUT_STATS, roll_out
 from asyncfp8.runconfig import CONFIG_FILE, restore_on_resume
 from asyncfp8.sync import HandshakeWatch, TrajectorySender, VersionSubscriber
 
@@ -110,23 +110,7 @@ class Worker:
             resend_after=cfg.sync.resend_after,
             watch=self.watch,
         )
-        self.stats = dict.fromkeys(
-            (
-                "samples",
-                "tokens",
-                "generate_s",
-                "update_s",
-                "updates",
-                "paused_s",
-                "rejected_versions",  # bad weight messages this worker received
-                "inflight_updates",  # versions applied between two decode steps
-                "refit/probe_s",  # scoring the refit probes (asyncfp8/refit.py)
-                "refit/probes",  # versions whose probe was checked
-                "refit/failures",  # probes beyond tolerance (each followed by a snapshot)
-                "refit/recovered",  # failures the snapshot repaired
-            ),
-            0.0,
-        )
+        self.stats = dict.fromkeys(ROLLOUT_STATS, 0.0)
         self.probe = RefitChecker.for_worker(cfg.sync.get("probe"), self.engine, self.policy)
         self.fault = RefitFault.from_env()  # None outside the reliability suite
         # The online drafter (engine.speculative): its state is this worker's checkpoint,

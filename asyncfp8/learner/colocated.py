@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from asyncfp8.engines import RolloutEngine
 from asyncfp8.inbox import Inbox
 from asyncfp8.refit import Probe, RefitChecker
-from asyncfp8.rollout import roll_out
+from asyncfp8.rollout import ROLLOUT_STATS, roll_out
 from asyncfp8.sync.version_pubsub import PublishStats
 from asyncfp8.tasks import Task
 
@@ -86,24 +86,7 @@ class Colocated:
 
     def __init__(self, cfg: DictConfig, engine: RolloutEngine, task: Task, policy):
         self.cfg, self.engine, self.task = cfg, engine, task
-        # The keys a worker reports with its lease requests (the step metrics read them).
-        self.stats = dict.fromkeys(
-            (
-                "samples",
-                "tokens",
-                "generate_s",
-                "update_s",
-                "updates",
-                "paused_s",
-                "rejected_versions",
-                "inflight_updates",
-                "refit/probe_s",
-                "refit/probes",
-                "refit/failures",
-                "refit/recovered",
-            ),
-            0.0,
-        )
+        self.stats = dict.fromkeys(ROLLOUT_STATS, 0.0)
         checker = RefitChecker.for_worker(cfg.sync.get("probe"), engine, policy)
         self.versions = EngineVersions(engine, checker, self.stats)
         # Named and numbered as a worker's trajectories are on receipt: this process's
