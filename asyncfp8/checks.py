@@ -47,11 +47,37 @@ def max_staleness_of(run: Any) -> int:
 
 
 def placement_of(run: Any) -> str:
-    """`run.placement` (separate for a run saved before it existed)."""
+    """`run.placement` as a process runs it: separate for a run saved before the setting
+    existed, and for `auto` in a learner or worker started by hand or under srun (they
+    are separate processes; only the launcher on one machine resolves auto, with
+    `auto_placement`, and hands its children the result)."""
     placement = str(run.get("placement", "separate"))
-    if placement not in ("separate", "colocated"):
-        raise ValueError(f"run.placement must be separate or colocated, got {placement!r}")
-    return placement
+    if placement not in ("auto", "separate", "colocated"):
+        raise ValueError(f"run.placement must be auto, separate or colocated, got {placement!r}")
+    return "separate" if placement == "auto" else placement
+
+
+def auto_placement(cfg: DictConfig, gpus: int) -> tuple[str, str]:
+    """What the launcher runs for `run.placement=auto` on a machine with `gpus` GPUs, and
+    why: colocated with one device (a CPU and no GPU, or one GPU), where processes would
+    share it (on the 2-core dev VM colocated and asynchronous trained the most samples
+    per second: bench/peers.py, docs/results.md); separate where the run asks for what
+    only separate processes do."""
+    run = cfg.run
+    speculative = (cfg.engine.get("speculative") or {}).get("mode")
+    separate_because = [
+        (gpus > 1, f"{gpus} GPUs: the learner and its workers on devices of their own"),
+        (run.learner_procs != 1, f"run.learner_procs={run.learner_procs}"),
+        (run.workers is not None, f"run.workers={run.workers} asks for worker processes"),
+        (cfg.engine.name != "torch", f"engine={cfg.engine.name} runs in worker processes"),
+        (bool(run.get("inflight_updates", False)), "run.inflight_updates=true"),
+        (speculative not in (None, False, "none"), f"engine.speculative.mode={speculative}"),
+    ]
+    for separate, why in separate_because:
+        if separate:
+            return "separate", why
+    device = "one GPU" if gpus == 1 else "the CPU, no GPU"
+    return "colocated", f"one device ({device}): the learner generates with its own engine"
 
 
 def check_placement(cfg: DictConfig, role: str) -> None:
@@ -173,10 +199,12 @@ def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
     if (
         role == "launcher"
         and not colocated
+        and run.workers is not None
         and (not isinstance(run.workers, int) or run.workers < 1)
     ):
         raise ValueError(
-            f"run.workers must be >= 1 for the launcher (it starts them), got {run.workers!r}"
+            f"run.workers must be >= 1 for the launcher (it starts them) or null (one per "
+            f"core the learner leaves, 1 or 2), got {run.workers!r}"
         )
     if run.tensorboard not in (True, False, "auto"):
         raise ValueError(f"run.tensorboard must be true, false or auto, got {run.tensorboard!r}")

@@ -97,6 +97,16 @@ class Inbox:
             for trajectory in trajectories:
                 self._add(trajectory)
 
+    def wait_for_change(self, timeout: float) -> None:
+        """Blocks until a group is complete, a step frees lease capacity or publishes a
+        version, the run finishes, or `timeout` s pass (a colocated rollout thread waits
+        here for work; 0: only wakes whoever waits)."""
+        with self.lock:
+            if timeout > 0:
+                self.lock.wait(timeout)
+            else:
+                self.lock.notify_all()
+
     def ready_groups(self) -> int:
         with self.lock:
             return len(self.ready)
@@ -240,6 +250,7 @@ class Inbox:
             self.book.close(groups)
             if version is not None:
                 self.version = version
+            self.lock.notify_all()
 
     def finish(self, linger: float) -> None:
         """Tells every worker the run is over (at its next lease request), waiting up to
@@ -247,6 +258,7 @@ class Inbox:
         deadline = time.monotonic() + linger
         with self.lock:
             self.finished = True
+            self.lock.notify_all()
         while time.monotonic() < deadline:
             with self.lock:
                 recent = {s for s, t in self.last_request.items() if time.monotonic() - t < 60}

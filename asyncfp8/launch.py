@@ -26,18 +26,19 @@ from collections import deque
 from pathlib import Path
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from tqdm import tqdm
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
-from asyncfp8.checks import check_config, placement_of
+from asyncfp8.checks import auto_placement, check_config, placement_of
 from asyncfp8.export import MODEL_DIR
 from asyncfp8.learner import CHECKPOINT_DIR, LEARNER_STATE, ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
 from asyncfp8.metrics import METRICS_FILE, loggers_of, wandb_sync_hint
 from asyncfp8.models import run_model_dir
 from asyncfp8.precision import PrecisionPolicy
-from asyncfp8.process import die_with_parent
+from asyncfp8.process import die_with_parent, worker_count
 from asyncfp8.report import LAST_STEPS, plot_runs, summarize
 from asyncfp8.runconfig import restore_on_resume
 from asyncfp8.slurm import SlurmTask, role_of, slurm_task
@@ -251,25 +252,37 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
     run_dir = Path(run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     ports = chosen_ports(cfg, overrides)
-    own = ("run.dir=", "run.worker_id=", "sync.host=", *(f"sync.{p}_port=" for p in PORTS))
+    placement = placement_of(run)
+    if run.placement == "auto" and not run.resume:  # a resumed run keeps how it ran
+        placement, why = auto_placement(cfg, torch.cuda.device_count())
+        print(f"[launch] run.placement=auto: {placement} ({why})", flush=True)
+    own = (
+        "run.dir=",
+        "run.worker_id=",
+        "run.placement=",
+        "sync.host=",
+        *(f"sync.{p}_port=" for p in PORTS),
+    )
     common = [
         *(o for o in overrides if not o.startswith(own)),
         f"run.dir={run_dir}",
+        f"run.placement={placement}",
         "sync.host=127.0.0.1",
         *(f"sync.{name}_port={port}" for name, port in zip(PORTS, ports, strict=True)),
     ]
     learner = Process("learner", "asyncfp8.learner", common, run_dir, ranks=run.learner_procs)
-    colocated = placement_of(run) == "colocated"
+    colocated = placement == "colocated"
     workers = [
         Process(f"worker-{i}", "asyncfp8.worker", [*common, f"run.worker_id={i}"], run_dir)
-        for i in range(0 if colocated else run.workers)
+        for i in range(0 if colocated else worker_count(run))
     ]
     ranks = f"{run.learner_procs} rank{'s' if run.learner_procs > 1 else ''}"
     shape = (
         f"learner ({ranks}) generating with its own engine (run.placement=colocated; "
         "no worker processes)"
         if colocated
-        else f"learner ({ranks}) + {run.workers} workers"
+        else f"learner ({ranks}) + {len(workers)} worker{'s' if len(workers) > 1 else ''}"
+        + ("" if run.workers is not None else f" (run.workers=null: {os.cpu_count()} cores)")
     )
     print(
         f"[launch] {shape} ({cfg.engine.name} engine, {policy.spec}, "

@@ -79,6 +79,22 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+#: `run.workers=null` starts at most this many workers: what the separate placement was
+#: measured with on machines of 3 or more cores (docs/results.md).
+MAX_AUTO_WORKERS = 2
+
+
+def worker_count(run: Any) -> int:
+    """`run.workers`, or for null one worker per core the learner ranks leave, between 1
+    and MAX_AUTO_WORKERS. On the 2-core dev VM one worker beside the learner trained 132.6
+    samples/s where two (three processes on two cores) trained 112.4 in the same session
+    (bench/peers.py, docs/results.md): oversubscribed processes slow each other down."""
+    if run.workers is not None:
+        return int(run.workers)
+    spare = (os.cpu_count() or 1) - int(run.learner_procs)
+    return min(MAX_AUTO_WORKERS, max(1, spare))
+
+
 def set_threads(requested: int | None, processes: int) -> int:
     """torch threads for this process: `requested`, or the machine's cores split evenly
     between the `processes` asyncfp8 runs here (oversubscribed threads spin and slow

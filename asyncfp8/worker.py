@@ -40,6 +40,7 @@ from asyncfp8.process import (
     endpoints,
     set_threads,
     setup_logging,
+    worker_count,
 )
 from asyncfp8.refit import Probe, RefitChecker
 from asyncfp8.rollout import ROLLOUT_STATS, roll_out
@@ -76,7 +77,7 @@ class Worker:
         )
         self.log = setup_logging(f"worker-{self.id}")
         self.stop = StopFlag()
-        threads = set_threads(run.threads, run.workers + 1)
+        threads = set_threads(run.threads, worker_count(run) + 1)
         model_dir = run_model_dir(cfg)
         checked = check_config(cfg, model_dir, "worker")  # before the engine loads anything
         self.task, self.policy = checked.task, checked.policy

@@ -9,7 +9,8 @@ Systems (each a fresh process, one after another, nothing else running):
   through constraints.txt) and driven by `bench/peers_trl.py` there;
 - asyncfp8's launcher in each placement: separate (a learner and `run.workers` worker
   processes) asynchronous with 2 workers (three processes on two cores) and with 1, and
-  `run.mode=sync` with 2; colocated (one process, in turns).
+  `run.mode=sync` with 2; colocated (one process), asynchronous (a rollout thread
+  generates the next step while the learner trains) and in turns (`run.mode=sync`).
 
 The job is the launcher's default (`make run`'s: the `small` model, `addition` with worked
 answers, 8 prompts × 8 samples, lr 3e-4, T = 1, 40 new tokens, no KL) with held-out
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -60,7 +62,8 @@ PLACEMENTS = {
         "run.mode=sync",
         "run.workers=2",
     ],
-    "asyncfp8 colocated": ["run.placement=colocated", "run.mode=sync"],
+    "asyncfp8 colocated async (overlapped)": ["run.placement=colocated", "run.mode=async"],
+    "asyncfp8 colocated sync (turns)": ["run.placement=colocated", "run.mode=sync"],
 }
 TRL = f"TRL {TRL_VERSION} GRPOTrainer"
 
@@ -282,7 +285,7 @@ def main() -> int:
             start_model = heldout(cfg, str(run_model_dir(cfg)), cfg.eval.prompts, cfg.eval.samples)
             print(f"start model: held-out greedy pass@1 {start_model['heldout_pass1_greedy']:.3f}")
         for system in systems:
-            out = root / f"{system.replace(' ', '_')}_seed{seed}"
+            out = root / f"{re.sub(r'[^A-Za-z0-9.]+', '_', system)}_seed{seed}"
             print(f"{system}, seed {seed}: {args.steps} steps ...", flush=True)
             if system == TRL:
                 row = run_trl(python, trl_job(cfg, args.steps, seed, threads), out, args.skip)

@@ -2,7 +2,9 @@
 # per setting and seed, then one report over them all.
 #   run_settings OUT_DIR "SEEDS" "name overrides..." ...
 # A finished run (its summary.json written) is kept, so a stopped study continues where it
-# stopped; $EXTRA holds overrides for every run, $PY the interpreter.
+# stopped; $EXTRA holds overrides for every run, $PY the interpreter. The studies in
+# docs/results.md ran as one learner and two worker processes, so every run is placed so
+# ($PLACEMENT; the launcher's default on one device is now one colocated process).
 run_settings() {
   local out=$1 seeds_text=$2
   shift 2
@@ -17,7 +19,8 @@ run_settings() {
       rm -rf "$dir"
       echo "[runs] $name seed $seed ($(( (SECONDS - started) / 60 )) min so far)"
       # shellcheck disable=SC2086
-      "$py" -m asyncfp8.launch $overrides ${EXTRA:-} run.seed="$seed" run.dir="$dir" | tail -n 3
+      "$py" -m asyncfp8.launch ${PLACEMENT:-run.placement=separate run.workers=2} $overrides \
+        ${EXTRA:-} run.seed="$seed" run.dir="$dir" | tail -n 3
     done
   done
   echo "[runs] all runs done in $(( (SECONDS - started) / 60 )) min"

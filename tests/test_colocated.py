@@ -1,7 +1,8 @@
 """run.placement=colocated (asyncfp8/learner/colocated.py): the learner generates with its
-own engine in turns. The same books as the separate placement (leases, ledger, audit),
-the same samples for the same seed, the version's tensors as a worker would have
-received them, and a killed run resumes."""
+own engine, in turns (run.mode=sync) or on a rollout thread while it trains (async). The
+same books as the separate placement (leases, ledger, audit), the same samples for the
+same seed, the version's tensors as a worker would have received them, the overlap kept
+within the staleness bound, a failed rollout thread reported, and a killed run resumes."""
 
 import re
 import signal
@@ -14,15 +15,20 @@ import torch
 
 from asyncfp8.chaos.audit import audit
 from asyncfp8.chaos.cluster import SMALL_RUN
+from asyncfp8.checks import auto_placement, placement_of
 from asyncfp8.engines.torch_engine import TorchEngine
-from asyncfp8.learner.colocated import EngineVersions
+from asyncfp8.inbox import Inbox
+from asyncfp8.learner.colocated import Colocated, EngineVersions
+from asyncfp8.leases import LeaseBook
 from asyncfp8.ledger import read_ledger
 from asyncfp8.models import load_model
 from asyncfp8.precision import extra_roles, get_policy, version_weights
 from asyncfp8.precision.manifest import decoder_layers
 from asyncfp8.report import per_step
 from asyncfp8.sync import VersionPublisher, VersionSubscriber
+from asyncfp8.tasks import build_task
 from tests.test_e2e import launch
+from tests.test_run_lifecycle import compose
 
 LOOPBACK = "tcp://127.0.0.1:*"
 # One lease of the step's 4 groups at a time, as the colocated engine leases them.
@@ -109,6 +115,85 @@ def test_a_colocated_fp8_version_is_what_a_worker_would_have_received(tiny_model
         assert torch.equal(tensor.view(torch.uint8), theirs[name].view(torch.uint8)), name
 
 
+def test_colocated_async_generates_the_next_step_while_the_learner_trains(tmp_path, tiny_model_dir):
+    run_dir, _ = launch(
+        tmp_path,
+        tiny_model_dir,
+        "run.placement=colocated",
+        "run.mode=async",
+        "run.max_staleness=1",
+        "run.steps=8",
+        "eval.every=0",
+    )
+    done = per_step(run_dir)
+    assert [r["step"] for r in done] == list(range(1, 9))
+    # Overlapped: some step trained on groups generated with the version before its own
+    # (made while the previous step trained), and none on older ones.
+    assert max(r["staleness/max"] for r in done) == 1
+    assert sum(r["staleness/mean"] for r in done[1:]) > 0
+    result = audit(run_dir, group_size=4, max_staleness=1)
+    assert result.lost == 0 and not result.duplicate_samples and not result.duplicate_prompts
+    assert {s.split("/")[0] for s in result.senders} == {"colocated"}
+    assert done[-1]["worker/colocated/tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "gpus", "expected", "why"),
+    [
+        ([], 0, "colocated", "one device (the CPU, no GPU)"),
+        ([], 1, "colocated", "one device (one GPU)"),
+        ([], 2, "separate", "2 GPUs"),
+        (["run.workers=2"], 0, "separate", "run.workers=2 asks for worker processes"),
+        (["run.learner_procs=2"], 0, "separate", "run.learner_procs=2"),
+        (["engine=vllm"], 0, "separate", "engine=vllm runs in worker processes"),
+        (["engine.slots=4", "run.inflight_updates=true"], 0, "separate", "inflight_updates"),
+    ],
+)
+def test_auto_placement_is_colocated_on_one_device_unless_the_run_asks_for_workers(
+    overrides, gpus, expected, why
+):
+    cfg = compose(*overrides)
+    assert cfg.run.placement == "auto"
+    placement, reason = auto_placement(cfg, gpus)
+    assert placement == expected and why in reason
+    # A learner or worker started by hand is a separate process whatever auto would pick.
+    assert placement_of(cfg.run) == "separate"
+
+
+def test_the_launcher_resolves_auto_and_says_so(tmp_path, tiny_model_dir):
+    run_dir, out = launch(tmp_path, tiny_model_dir, "run.steps=2", "eval.every=0")
+    assert "run.placement=auto: colocated (one device (the CPU, no GPU)" in out
+    assert not list(run_dir.glob("worker-*.log"))
+    # The learner ran (and saved) what the launcher resolved: a resume keeps it.
+    assert "placement: colocated" in (run_dir / "config.yaml").read_text()
+
+
+class FailingEngine:
+    version = 1
+
+    def generate(self, prompts, sampling):
+        raise ValueError("the engine broke")
+
+    def close(self):
+        pass
+
+
+def test_a_failed_colocated_rollout_thread_stops_the_learner_naming_why(tiny_model_dir):
+    cfg = compose(f"model.path={tiny_model_dir}", "run.mode=async", "sync.probe.enabled=false")
+    task = build_task(cfg.task, tiny_model_dir)
+    colocated = Colocated(cfg, FailingEngine(), task, policy=get_policy("bf16"))
+    sampling = {"n": 2, "temperature": 1.0, "max_new_tokens": 4}
+    inbox = Inbox(None, LeaseBook(capacity=4, timeout=60), 2, sampling, 0, None)
+    inbox.trained(0, 1)  # version 1 is out: work may be leased
+    colocated.start(inbox)
+    deadline = time.monotonic() + 30
+    while colocated.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match=r"rollout thread failed.*the engine broke"):
+        colocated.fill(inbox, 2)
+    colocated.close()  # the thread has ended; close joins it at once
+
+
 def test_a_killed_colocated_run_resumes_and_loses_nothing(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     command = [
@@ -158,7 +243,11 @@ def test_a_killed_colocated_run_resumes_and_loses_nothing(tmp_path, tiny_model_d
             2,
         ),
         # Hydra's schema check (exit 1, as for any mistyped setting)
-        (["run.placement=sideways"], r"'sideways', expected one of \[separate, colocated\]", 1),
+        (
+            ["run.placement=sideways"],
+            r"'sideways', expected one of \[auto, separate, colocated\]",
+            1,
+        ),
     ],
 )
 def test_what_colocated_cannot_do_is_refused_at_start_naming_the_setting(

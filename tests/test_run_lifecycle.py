@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from asyncfp8.chaos.cluster import SMALL_RUN
 from asyncfp8.metrics import read_metrics
+from asyncfp8.process import worker_count
 from asyncfp8.runconfig import restore_on_resume
 
 
@@ -69,7 +70,7 @@ def test_resume_takes_the_saved_settings_and_only_safe_changes(tmp_path):
     cfg, changes = restore_on_resume(compose(*overrides), overrides)
     assert cfg.precision.name == "int8" and cfg.correction.name == "token_mis"
     assert cfg.correction.upper == 4 and cfg.run.steps == 300 and cfg.run.workers == 3
-    assert changes == ["run.steps: 200 -> 300", "run.workers: 2 -> 3"]
+    assert changes == ["run.steps: 200 -> 300", "run.workers: None -> 3"]
     # The original command again, plus run.resume=true: nothing changes, nothing refused.
     again = ["precision=int8", "correction=token_mis", "correction.upper=4", *overrides[:2]]
     assert restore_on_resume(compose(*again), again)[1] == []
@@ -161,6 +162,25 @@ def test_ctrl_c_then_the_printed_resume_command_continues_the_same_run(tmp_path,
     assert summary["samples"] >= 20 * 16  # the whole run's samples, not only since the resume
 
 
+@pytest.mark.parametrize(
+    ("cores", "learner_procs", "workers", "expected"),
+    [
+        (2, 1, None, 1),  # a 2-core machine: one worker beside the learner, no oversubscription
+        (1, 1, None, 1),  # at least one, or nothing would generate
+        (3, 1, None, 2),
+        (64, 1, None, 2),  # at most two: what the separate placement was measured with
+        (3, 2, None, 1),  # the learner's ranks take their cores first
+        (2, 1, 3, 3),  # a number is taken as given
+    ],
+)
+def test_run_workers_null_leaves_each_process_a_core(
+    monkeypatch, cores, learner_procs, workers, expected
+):
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    run = compose(f"run.learner_procs={learner_procs}", f"run.workers={workers or 'null'}").run
+    assert worker_count(run) == expected
+
+
 # --- failures reach the user in seconds ----------------------------------------------------------
 
 
@@ -203,8 +223,11 @@ def test_a_learner_that_fails_at_start_is_reported_within_seconds(tmp_path, tiny
     taken.listen()
     run_dir = tmp_path / "run"
     try:
-        code, out, _ = launch(
-            tiny_model_dir, run_dir, f"sync.version_port={taken.getsockname()[1]}"
+        code, out, _ = launch(  # separate: a colocated learner listens on no port
+            tiny_model_dir,
+            run_dir,
+            "run.placement=separate",
+            f"sync.version_port={taken.getsockname()[1]}",
         )
         finished = time.time()
     finally:

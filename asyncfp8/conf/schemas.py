@@ -58,6 +58,7 @@ class ComputeDtype(enum.StrEnum):
 
 
 class Placement(enum.StrEnum):
+    auto = "auto"
     separate = "separate"
     colocated = "colocated"
 
@@ -91,7 +92,7 @@ class RunConfig:
     temperature: float = MISSING
     max_new_tokens: int = MISSING
     seed: int = MISSING
-    workers: int = MISSING
+    workers: int | None = MISSING  # null: process.worker_count
     learner_procs: int = MISSING
     slurm: Any = MISSING  # auto | true | false (asyncfp8/slurm.py)
     device: Device = MISSING

@@ -1,5 +1,5 @@
 """The colocated placement (`run.placement=colocated`): the learner and its rollout engine
-in one process, taking turns on the device: generate, train, apply the new version.
+in one process, sharing its device.
 
 Nothing but the transport changes. Work is leased from the same lease book and its
 trajectories go through the same inbox (`Inbox.lease` / `Inbox.deliver`, no socket), so
@@ -8,8 +8,16 @@ too. A version is quantized by the precision policy from the gathered weights, a
 worker, and handed to the engine as tensors (`EngineVersions`: no encoding, no socket;
 the refit probe is checked as a worker checks it).
 
-Each rollout turn generates with the newest version, so what a step trains on is never
-stale. Today: one learner rank, the built-in torch engine.
+Two ways to share it, by `run.mode`:
+- `sync`, turns: when a step needs groups the learner generates them (one lease of all
+  that are missing), then trains, then applies the new version. Nothing it trains on is
+  stale.
+- `async`, overlapped: a rollout thread leases and generates the next step's groups with
+  the version the engine holds while the learner trains the current one, as a worker
+  would (`run.max_staleness` bounds how old they may be, and the lease book's capacity
+  how far ahead it runs). A new version is applied between two generate calls (the
+  engine lock), never during one. The torch threads are split between the two.
+Today: one learner rank, the built-in torch engine.
 """
 
 from __future__ import annotations
@@ -45,8 +53,16 @@ class EngineVersions:
     takes it, from `sync.BackgroundPublisher`) applies each version to the engine in
     this process and checks its refit probe."""
 
-    def __init__(self, engine: RolloutEngine, checker: RefitChecker | None, stats: dict):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        checker: RefitChecker | None,
+        stats: dict,
+        engine_lock: threading.Lock | None = None,
+    ):
         self.engine, self.checker, self.stats = engine, checker, stats
+        # held by a generate call of the rollout thread: versions go in between two calls
+        self.engine_lock = engine_lock or threading.Lock()
         self.in_flight = threading.Event()
         self.in_flight.set()
         self.rejected = 0  # no messages to reject
@@ -63,18 +79,19 @@ class EngineVersions:
         started = time.perf_counter()
         tensors = dict(weights)  # the policy quantizes them as they stream, filling `roles`
         probe, sent = Probe.take(dict(extra or {}), roles)
-        self.engine.update_weights(version, tensors, sent, roles)
-        applied = time.perf_counter()
-        self.stats["update_s"] += applied - started
-        self.stats["updates"] += 1
-        if probe is not None and self.checker is not None:
-            check = self.checker.check(version, probe, sent)
-            self.stats |= check.metrics()
-            self.stats["refit/probe_s"] += self.checker.last_seconds
-            self.stats["refit/probes"] += 1
-            if not check.passed:
-                self.stats["refit/failures"] += 1
-                raise RefitFailed(check.describe())
+        with self.engine_lock:
+            self.engine.update_weights(version, tensors, sent, roles)
+            applied = time.perf_counter()
+            self.stats["update_s"] += applied - started
+            self.stats["updates"] += 1
+            if probe is not None and self.checker is not None:
+                check = self.checker.check(version, probe, sent)
+                self.stats |= check.metrics()
+                self.stats["refit/probe_s"] += self.checker.last_seconds
+                self.stats["refit/probes"] += 1
+                if not check.passed:
+                    self.stats["refit/failures"] += 1
+                    raise RefitFailed(check.describe())
         return PublishStats(version, 0, 0, time.perf_counter() - started)
 
     def close(self) -> None:
@@ -82,24 +99,45 @@ class EngineVersions:
 
 
 class Colocated:
-    """The learner's own engine and its rollout turns (rank 0)."""
+    """The learner's own engine (rank 0): its rollout turns (`run.mode=sync`) or its
+    rollout thread (`run.mode=async`), see the module's docstring."""
 
     def __init__(self, cfg: DictConfig, engine: RolloutEngine, task: Task, policy):
         self.cfg, self.engine, self.task = cfg, engine, task
+        self.overlap = cfg.run.mode == "async"
         self.stats = dict.fromkeys(ROLLOUT_STATS, 0.0)
         checker = RefitChecker.for_worker(cfg.sync.get("probe"), engine, policy)
-        self.versions = EngineVersions(engine, checker, self.stats)
+        self.engine_lock = threading.Lock()
+        self.versions = EngineVersions(engine, checker, self.stats, self.engine_lock)
         # Named and numbered as a worker's trajectories are on receipt: this process's
         # incarnation (a resumed learner is another sender) and a sequence number, which
         # the ledger records and the audit counts.
         self.sender = f"{WORKER_ID}/{uuid.uuid4().hex[:12]}"
         self.seq = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self, inbox: Inbox) -> None:
+        """Overlapped: starts the rollout thread (it leases once the first version is out)."""
+        if self.overlap:
+            self._thread = threading.Thread(
+                target=self._rollouts, args=(inbox,), name="asyncfp8-rollout", daemon=True
+            )
+            self._thread.start()
 
     def fill(self, inbox: Inbox, groups: int) -> None:
-        """Generates until the inbox holds `groups` complete groups: one lease of all
-        that are missing (one generate call, the largest batch: on the 2-core dev VM 68.5
-        trained samples/s against 57.5 with leases of run.lease_groups=4 of 8 groups),
-        again only if dynamic sampling skipped some."""
+        """In turns: generates until the inbox holds `groups` complete groups, one lease of
+        all that are missing (one generate call, the largest batch: on the 2-core dev VM
+        68.5 trained samples/s against 57.5 with leases of run.lease_groups=4 of 8 groups),
+        again only if dynamic sampling skipped some. Overlapped: the rollout thread fills
+        it; this raises what stopped that thread, if anything did."""
+        if self.overlap:
+            if self.error is not None:
+                raise RuntimeError(f"the colocated rollout thread failed: {self.error!r}") from (
+                    self.error
+                )
+            return
         while (missing := groups - inbox.ready_groups()) > 0:
             lease = inbox.lease(WORKER_ID, missing, self.stats)
             if "lease" not in lease:
@@ -107,24 +145,52 @@ class Colocated:
                     f"the lease book gave the colocated engine no work ({lease}) with "
                     f"{inbox.ready_groups()} of {groups} groups ready"
                 )
-            if self.engine.version is None or self.engine.version < lease["min_version"]:
-                raise RuntimeError(
-                    f"lease {lease['lease']} wants version {lease['min_version']}, the engine "
-                    f"holds {self.engine.version}"
-                )
-            started = time.perf_counter()
-            trajectories = roll_out(self.engine, self.task, lease)
-            self.stats["generate_s"] += time.perf_counter() - started
-            self.stats["samples"] += len(trajectories)
-            self.stats["tokens"] += sum(len(t.token_ids) for t in trajectories)
-            for trajectory in trajectories:
-                trajectory.worker_id, trajectory.sender, trajectory.seq = (
-                    WORKER_ID,
-                    self.sender,
-                    self.seq,
-                )
-                self.seq += 1
-            inbox.deliver(trajectories)
+            self._generate(inbox, lease)
+
+    def _rollouts(self, inbox: Inbox) -> None:
+        """The rollout thread: lease a step's groups, generate, deliver; as a worker does,
+        it waits while the lease book is full (the learner is a step behind) and stops
+        when the run is over."""
+        want = self.cfg.run.groups_per_step
+        try:
+            while not self._stop.is_set():
+                lease = inbox.lease(WORKER_ID, want, self.stats)
+                if lease.get("done"):
+                    return
+                if "wait" in lease:
+                    started = time.perf_counter()
+                    inbox.wait_for_change(float(lease["wait"]))
+                    self.stats["paused_s"] += time.perf_counter() - started
+                    continue
+                with self.engine_lock:
+                    self._generate(inbox, lease)
+        except BaseException as err:  # the learner raises it at its next wait (fill)
+            self.error = err
+            log.exception("the colocated rollout thread failed")
+            inbox.wait_for_change(0)  # wakes a learner waiting for groups
+
+    def _generate(self, inbox: Inbox, lease: dict[str, Any]) -> None:
+        if self.engine.version is None or self.engine.version < lease["min_version"]:
+            raise RuntimeError(
+                f"lease {lease['lease']} wants version {lease['min_version']}, the engine "
+                f"holds {self.engine.version}"
+            )
+        started = time.perf_counter()
+        trajectories = roll_out(self.engine, self.task, lease)
+        self.stats["generate_s"] += time.perf_counter() - started
+        self.stats["samples"] += len(trajectories)
+        self.stats["tokens"] += sum(len(t.token_ids) for t in trajectories)
+        for trajectory in trajectories:
+            trajectory.worker_id, trajectory.sender, trajectory.seq = (
+                WORKER_ID,
+                self.sender,
+                self.seq,
+            )
+            self.seq += 1
+        inbox.deliver(trajectories)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
         self.engine.close()

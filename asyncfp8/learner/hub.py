@@ -37,6 +37,7 @@ from .step_metrics import StepMetrics
 log = logging.getLogger("asyncfp8.learner")
 STOP = "stop"  # what rank 0 hands the others instead of a share when the run stops
 WAIT_LOG_S = 5.0  # how often a learner waiting for trajectories says so
+COLOCATED_WAIT_S = 0.5  # how often it checks on its own rollout thread (colocated, async)
 
 
 class Preempted(Exception):
@@ -119,6 +120,8 @@ class Hub:
 
     def start(self) -> None:
         self.inbox.start()
+        if self.colocated is not None:
+            self.colocated.start(self.inbox)
 
     def say(self, message: str, *args: Any) -> None:
         """Logs `message` once for the run (rank 0 speaks for every rank)."""
@@ -154,10 +157,11 @@ class Hub:
         run = self.cfg.run
         skip = all_rewards_equal if run.dynamic_sampling else None
         waited_since = time.monotonic()
+        turns = self.colocated is not None and not self.colocated.overlap
         while True:
-            if self.colocated is not None:  # the learner's own rollout turn
+            if self.colocated is not None:  # the learner's own rollout turn, or its thread's health
                 self.colocated.fill(self.inbox, run.groups_per_step)
-            wait = 0.0 if self.colocated is not None else WAIT_LOG_S
+            wait = 0.0 if turns else COLOCATED_WAIT_S if self.colocated is not None else WAIT_LOG_S
             groups = self.inbox.take(
                 run.groups_per_step, version, self.max_staleness, wait, skip=skip
             )
@@ -166,12 +170,19 @@ class Hub:
             if self.stop:
                 raise Preempted
             waited = time.monotonic() - waited_since
-            if self.colocated is not None:  # dynamic sampling skipped some: more to make
+            if self.colocated is not None:  # generating, or dynamic sampling skipped some
                 if waited > run.worker_wait_timeout:
-                    raise SystemExit(
-                        f"learner: no {run.groups_per_step} groups with a reward spread after "
-                        f"{waited:.0f} s of generating (run.worker_wait_timeout): "
+                    why = (
                         "run.dynamic_sampling skips every group whose rewards are all equal"
+                        if run.dynamic_sampling
+                        else "is the engine this slow? (stats: "
+                        f"{self.inbox.snapshot_counts()['workers']})"
+                    )
+                    raise SystemExit(
+                        f"learner: no {run.groups_per_step} groups"
+                        f"{' with a reward spread' if run.dynamic_sampling else ''} after "
+                        f"{waited:.0f} s of generating in this process "
+                        f"(run.worker_wait_timeout): {why}"
                     )
                 continue
             counts = self.inbox.snapshot_counts()

@@ -34,7 +34,7 @@ from asyncfp8.inbox import Group
 from asyncfp8.logprobs import install_logprob_head
 from asyncfp8.models import load_model, load_tokenizer, run_model_dir
 from asyncfp8.precision.fp8_kv import kv_scale_names
-from asyncfp8.process import StopFlag, endpoints, set_threads
+from asyncfp8.process import StopFlag, endpoints, set_threads, worker_count
 from asyncfp8.refit import ReferenceForward
 
 from .checkpoints import Checkpointer
@@ -63,7 +63,9 @@ class Learner:
                 f"run.placement=colocated runs one learner rank with its engine for now; "
                 f"this learner has {self.ranks.world} (torchrun): run.placement=separate"
             )
-        workers = 0 if self.colocated_placement else run.workers
+        # Colocated and async, a rollout thread generates beside the training one: the
+        # cores are split between the two as between two processes.
+        workers = int(run.mode == "async") if self.colocated_placement else worker_count(run)
         set_threads(run.threads, workers + self.ranks.world)
         for seed in (torch.manual_seed, random.seed, np.random.seed):
             seed(run.seed)
