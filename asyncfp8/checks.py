@@ -58,15 +58,20 @@ def placement_of(run: Any) -> str:
 
 
 def auto_placement(cfg: DictConfig, gpus: int) -> tuple[str, str]:
-    """What the launcher runs for `run.placement=auto` on a machine with `gpus` GPUs, and
-    why: colocated with one device (a CPU and no GPU, or one GPU), where processes would
-    share it (on the 2-core dev VM colocated and asynchronous trained the most samples
-    per second: bench/peers.py, docs/results.md); separate where the run asks for what
-    only separate processes do."""
+    """What the launcher runs for `run.placement=auto` with `gpus` GPUs to use, and why:
+    colocated with one device (a CPU and no GPU, or one GPU), where processes would share
+    it (on the 2-core dev VM colocated and asynchronous trained the most samples per
+    second of every placement: bench/peers.py, docs/results.md); separate where the run
+    asks for what only separate processes do, and for run.mode=sync without a GPU (there
+    the colocated turns measured slower than a learner and two workers)."""
     run = cfg.run
     speculative = (cfg.engine.get("speculative") or {}).get("mode")
     separate_because = [
         (gpus > 1, f"{gpus} GPUs: the learner and its workers on devices of their own"),
+        (
+            gpus == 0 and run.mode == "sync",
+            "run.mode=sync on a CPU: colocated turns measured slower than separate processes",
+        ),
         (run.learner_procs != 1, f"run.learner_procs={run.learner_procs}"),
         (run.workers is not None, f"run.workers={run.workers} asks for worker processes"),
         (cfg.engine.name != "torch", f"engine={cfg.engine.name} runs in worker processes"),

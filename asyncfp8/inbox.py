@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -97,15 +98,34 @@ class Inbox:
             for trajectory in trajectories:
                 self._add(trajectory)
 
-    def wait_for_change(self, timeout: float) -> None:
-        """Blocks until a group is complete, a step frees lease capacity or publishes a
-        version, the run finishes, or `timeout` s pass (a colocated rollout thread waits
-        here for work; 0: only wakes whoever waits)."""
+    def lease_or_wait(self, worker: str, want: int, stats: dict[str, float]) -> dict[str, Any]:
+        """`lease`; when the answer is to wait, first waits that long or until the books
+        change (a step frees capacity or publishes a version, a group completes, the run
+        finishes), with no change missed between the answer and the wait: a colocated
+        rollout thread asks here."""
+        with self.lock:  # a Condition over an RLock: `lease` takes it again
+            answer = self.lease(worker, want, stats)
+            if "wait" in answer:
+                self.lock.wait(float(answer["wait"]))
+            return answer
+
+    def wake(self) -> None:
+        """Wakes whoever waits on the books (a learner waiting for groups)."""
         with self.lock:
-            if timeout > 0:
-                self.lock.wait(timeout)
-            else:
-                self.lock.notify_all()
+            self.lock.notify_all()
+
+    def expire_all(self) -> list:
+        """Every outstanding lease expired now, its missing prompts queued first and its
+        partial groups dropped: what a resumed colocated learner does with the leases its
+        stopped rollout thread held (no other process holds them, and no socket thread
+        expires them). Returns the expired leases."""
+        with self.lock:
+            expired = self.book.expire(math.inf)
+            for lease in expired:
+                for prompt in lease.pending:
+                    self.partial.pop((lease.id, prompt), None)
+            self.lock.notify_all()
+            return expired
 
     def ready_groups(self) -> int:
         with self.lock:
@@ -225,6 +245,7 @@ class Inbox:
                     self.book.close(1)
                     self.skipped.append(group)
                     self.counts["skipped_groups"] += 1
+                    self.lock.notify_all()  # capacity freed: a colocated rollout thread leases
                 if len(self.ready) >= count:
                     return [self.ready.popleft() for _ in range(count)]
                 left = deadline - time.monotonic()

@@ -1,7 +1,8 @@
-"""One command for a run on this machine: one learner and `run.workers` workers as
-processes, with the same Hydra overrides, one progress bar, and a summary with plots.
+"""One command for a run on this machine: the learner and its workers as processes (or,
+colocated, the learner alone with its own engine; `run.placement=auto` picks), with the
+same Hydra overrides, one progress bar, and a summary with plots.
 
-    python -m asyncfp8.launch                                   # small model, BF16, 2 workers
+    python -m asyncfp8.launch                                   # small model, BF16, auto placement
     python -m asyncfp8.launch precision=fp8 correction=token_tis run.steps=100
     python -m asyncfp8.launch run.mode=sync                     # the synchronous baseline
     srun python -m asyncfp8.launch run.learner_procs=8 ...      # one process per Slurm task
@@ -252,21 +253,23 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
     run_dir = Path(run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     ports = chosen_ports(cfg, overrides)
-    placement = placement_of(run)
-    if run.placement == "auto" and not run.resume:  # a resumed run keeps how it ran
-        placement, why = auto_placement(cfg, torch.cuda.device_count())
+    placement, resolved = placement_of(run), []
+    # A fresh run's auto is resolved here and handed to the processes, so the run saves
+    # (and a resume keeps) what ran; a resumed run runs as it ran (auto read as separate).
+    if run.placement == "auto" and not run.resume:
+        gpus = 0 if run.device == "cpu" else torch.cuda.device_count()
+        placement, why = auto_placement(cfg, gpus)
+        resolved = [f"run.placement={placement}"]
         print(f"[launch] run.placement=auto: {placement} ({why})", flush=True)
-    own = (
-        "run.dir=",
-        "run.worker_id=",
-        "run.placement=",
-        "sync.host=",
-        *(f"sync.{p}_port=" for p in PORTS),
-    )
+    own = ("run.dir=", "run.worker_id=", "sync.host=", *(f"sync.{p}_port=" for p in PORTS))
     common = [
-        *(o for o in overrides if not o.startswith(own)),
+        *(
+            o
+            for o in overrides
+            if not o.startswith(own) and not (resolved and o.startswith("run.placement="))
+        ),
         f"run.dir={run_dir}",
-        f"run.placement={placement}",
+        *resolved,
         "sync.host=127.0.0.1",
         *(f"sync.{name}_port={port}" for name, port in zip(PORTS, ports, strict=True)),
     ]

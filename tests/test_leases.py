@@ -139,3 +139,48 @@ def test_a_dropped_stale_group_frees_capacity_and_its_prompt_comes_back_first():
     assert again.prompts == [0]  # capacity for one group: the dropped prompt, before new ones
     book.close(1)  # prompt 1 trained
     assert book.grant("w", 2, version=3, now=1.0).prompts == [2]
+
+
+def test_a_resumed_colocated_inbox_expires_the_leases_its_rollout_thread_held():
+    from asyncfp8.inbox import Inbox
+    from asyncfp8.sync import Trajectory
+
+    sampling = {"n": 2, "temperature": 1.0, "max_new_tokens": 4}
+    inbox = Inbox(None, LeaseBook(capacity=4, timeout=120), 2, sampling, 0, None)
+    inbox.trained(0, 1)
+    held = inbox.lease("colocated", 2, {})
+    assert held["prompts"] == [0, 1]
+    half = Trajectory(
+        [1], [2], [-0.1], [1], 1.0, "g", prompt_index=0, meta={"lease": held["lease"]}
+    )
+    inbox.deliver([half])  # one sample of prompt 0's group of 2 had arrived
+    state = inbox.state_dict()
+
+    resumed = Inbox(None, LeaseBook(capacity=4, timeout=120), 2, sampling, 0, None)
+    resumed.load_state_dict(state)
+    expired = resumed.expire_all()
+    assert [lease.id for lease in expired] == [held["lease"]]
+    assert resumed.partial == {} and resumed.book.open_groups == 0
+    resumed.trained(0, 1)
+    # Its prompts come back first, and the whole capacity is free again.
+    assert resumed.lease("colocated", 4, {})["prompts"] == [0, 1, 2, 3]
+
+
+def test_a_waiting_rollout_thread_wakes_when_a_step_frees_capacity():
+    import threading
+
+    from asyncfp8.inbox import Inbox
+
+    sampling = {"n": 2, "temperature": 1.0, "max_new_tokens": 4}
+    inbox = Inbox(None, LeaseBook(capacity=2, timeout=120), 2, sampling, 0, None)
+    inbox.trained(0, 1)
+    inbox.lease("colocated", 2, {})  # the book is full
+    step = threading.Timer(0.03, inbox.trained, args=(2, 2))  # a step trains them
+    step.start()
+    started = time.monotonic()
+    answer = inbox.lease_or_wait("colocated", 2, {})
+    waited = time.monotonic() - started
+    step.join()
+    # It waited for the change, not for the answer's whole wait.
+    assert "wait" in answer and 0.02 < waited < answer["wait"] * 0.75
+    assert inbox.lease("colocated", 2, {})["min_version"] == 2

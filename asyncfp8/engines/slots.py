@@ -237,7 +237,10 @@ class SlotDecoder:
                     tensor.copy_(value)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: a colocated learner's rollout thread captures while its main
+        # thread trains on the same device, whose allocations and syncs are legal there
+        # (the default, global, mode would fail them mid-capture).
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = self._step()
         self._graph, self._graph_logits = graph, logits
 

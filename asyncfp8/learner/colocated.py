@@ -154,12 +154,11 @@ class Colocated:
         want = self.cfg.run.groups_per_step
         try:
             while not self._stop.is_set():
-                lease = inbox.lease(WORKER_ID, want, self.stats)
+                started = time.perf_counter()
+                lease = inbox.lease_or_wait(WORKER_ID, want, self.stats)
                 if lease.get("done"):
                     return
                 if "wait" in lease:
-                    started = time.perf_counter()
-                    inbox.wait_for_change(float(lease["wait"]))
                     self.stats["paused_s"] += time.perf_counter() - started
                     continue
                 with self.engine_lock:
@@ -167,7 +166,7 @@ class Colocated:
         except BaseException as err:  # the learner raises it at its next wait (fill)
             self.error = err
             log.exception("the colocated rollout thread failed")
-            inbox.wait_for_change(0)  # wakes a learner waiting for groups
+            inbox.wake()  # a learner waiting for groups sees it now
 
     def _generate(self, inbox: Inbox, lease: dict[str, Any]) -> None:
         if self.engine.version is None or self.engine.version < lease["min_version"]:
@@ -189,8 +188,12 @@ class Colocated:
             self.seq += 1
         inbox.deliver(trajectories)
 
-    def close(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Stops the rollout thread after its current generate call."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
+
+    def close(self) -> None:
+        self.stop()
         self.engine.close()

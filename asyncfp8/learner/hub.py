@@ -236,6 +236,22 @@ class Hub:
 
     def load_state_dict(self, state: dict) -> None:
         self.inbox.load_state_dict(state)
+        if self.colocated is not None:
+            # The leases the stopped process's rollout thread held: nobody will return them.
+            expired = self.inbox.expire_all()
+            if expired:
+                log.info(
+                    "expired %d lease(s) the stopped process was generating: prompts %s go "
+                    "back to the front of the queue",
+                    len(expired),
+                    sorted(p for lease in expired for p in lease.pending),
+                )
+
+    def abort(self) -> None:
+        """The learner failed: its own rollout thread stops too (at most one generate call
+        later), rather than generating until the interpreter exits."""
+        if self.colocated is not None:
+            self.colocated.stop(timeout=60)
 
     def finish(self) -> None:
         """Tells the workers the run is done, and gives them a moment to hear it."""
@@ -296,6 +312,9 @@ class RankHub:
         return None
 
     def load_state_dict(self, state) -> None:
+        pass
+
+    def abort(self) -> None:
         pass
 
     def finish(self) -> None:

@@ -195,6 +195,9 @@ class Learner:
             )
             self.close()
             return 128 + (self.stop.signal or 15)
+        except BaseException:
+            hub.abort()
+            raise
         self.checkpoint()
         self.export()
         hub.finish()
