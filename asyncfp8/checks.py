@@ -60,8 +60,9 @@ def placement_of(run: Any) -> str:
 def auto_placement(cfg: DictConfig, gpus: int) -> tuple[str, str]:
     """What the launcher runs for `run.placement=auto` with `gpus` GPUs to use, and why:
     colocated with one device (a CPU and no GPU, or one GPU), where processes would share
-    it (on the 2-core dev VM colocated and asynchronous trained the most samples per
-    second of every placement: bench/peers.py, docs/results.md); separate where the run
+    it (on the 2-core dev VM colocated and asynchronous tied the fastest separate placement,
+    110.9 against 112.6 trained samples/s within the seeds' spread, holding one copy of
+    the model: bench/peers.py, docs/results.md); separate where the run
     asks for what only separate processes do, and for run.mode=sync without a GPU (there
     the colocated turns measured slower than a learner and two workers)."""
     run = cfg.run

@@ -86,8 +86,8 @@ MAX_AUTO_WORKERS = 2
 
 def worker_count(run: Any) -> int:
     """`run.workers`, or for null one worker per core the learner ranks leave, between 1
-    and MAX_AUTO_WORKERS. On the 2-core dev VM one worker beside the learner trained 132.6
-    samples/s where two (three processes on two cores) trained 112.4 in the same session
+    and MAX_AUTO_WORKERS. On the 2-core dev VM one worker beside the learner trained 112.6
+    samples/s where two (three processes on two cores) trained 105.1, means of two seeds
     (bench/peers.py, docs/results.md): oversubscribed processes slow each other down."""
     if run.workers is not None:
         return int(run.workers)
