@@ -57,27 +57,60 @@ def placement_of(run: Any) -> str:
     return "separate" if placement == "auto" else placement
 
 
+def colocated_blockers(cfg: DictConfig) -> list[tuple[str, str]]:
+    """What `run.placement=colocated` (the learner's own engine, learner/colocated.py)
+    cannot do yet, as (the setting in a few words, the refusal naming it): the launcher's
+    `auto` runs such a run separate, an explicit colocated one is refused."""
+    run = cfg.run
+    speculative = (cfg.engine.get("speculative") or {}).get("mode")
+    blockers = [
+        (
+            run.learner_procs != 1,
+            f"run.learner_procs={run.learner_procs}",
+            f"run.placement=colocated runs one learner rank with its engine for now, got "
+            f"run.learner_procs={run.learner_procs}; use run.placement=separate for several",
+        ),
+        (
+            cfg.engine.name != "torch",
+            f"engine={cfg.engine.name} runs in worker processes",
+            f"run.placement=colocated runs the built-in engine in the learner's process for "
+            f"now, got engine={cfg.engine.name}; use engine=torch or run.placement=separate",
+        ),
+        (
+            bool(run.get("inflight_updates", False)),
+            "run.inflight_updates=true",
+            "run.inflight_updates=true applies versions during a generation, but colocated "
+            "the learner applies each version between its turns: run.inflight_updates=false",
+        ),
+        (
+            speculative not in (None, False, "none"),
+            f"engine.speculative.mode={speculative}",
+            f"engine.speculative.mode={speculative}: the online drafter's state is a worker's "
+            "checkpoint, which a colocated run has no worker to keep; "
+            "engine.speculative.mode=none, or run.placement=separate",
+        ),
+    ]
+    return [(setting, refusal) for blocked, setting, refusal in blockers if blocked]
+
+
 def auto_placement(cfg: DictConfig, gpus: int) -> tuple[str, str]:
     """What the launcher runs for `run.placement=auto` with `gpus` GPUs to use, and why:
     colocated with one device (a CPU and no GPU, or one GPU), where processes would share
     it (on the 2-core dev VM colocated and asynchronous tied the fastest separate placement,
     110.9 against 112.6 trained samples/s within the seeds' spread, holding one copy of
-    the model: bench/peers.py, docs/results.md); separate where the run
-    asks for what only separate processes do, and for run.mode=sync without a GPU (there
-    the colocated turns measured slower than a learner and two workers)."""
+    the model: bench/peers.py, docs/results.md); separate where the run asks for what
+    only separate processes do (`colocated_blockers`, or workers), and for run.mode=sync
+    without a GPU (there the colocated turns measured slower than a learner and two
+    workers)."""
     run = cfg.run
-    speculative = (cfg.engine.get("speculative") or {}).get("mode")
     separate_because = [
         (gpus > 1, f"{gpus} GPUs: the learner and its workers on devices of their own"),
         (
             gpus == 0 and run.mode == "sync",
             "run.mode=sync on a CPU: colocated turns measured slower than separate processes",
         ),
-        (run.learner_procs != 1, f"run.learner_procs={run.learner_procs}"),
         (run.workers is not None, f"run.workers={run.workers} asks for worker processes"),
-        (cfg.engine.name != "torch", f"engine={cfg.engine.name} runs in worker processes"),
-        (bool(run.get("inflight_updates", False)), "run.inflight_updates=true"),
-        (speculative not in (None, False, "none"), f"engine.speculative.mode={speculative}"),
+        *((True, setting) for setting, _ in colocated_blockers(cfg)),
     ]
     for separate, why in separate_because:
         if separate:
@@ -87,38 +120,18 @@ def auto_placement(cfg: DictConfig, gpus: int) -> tuple[str, str]:
 
 
 def check_placement(cfg: DictConfig, role: str) -> None:
-    """What `run.placement=colocated` (the learner's own engine, learner/colocated.py)
-    cannot do yet, refused by name."""
+    """What `run.placement=colocated` cannot do yet (`colocated_blockers`), refused by
+    name."""
     if placement_of(cfg.run) != "colocated":
         return
-    run = cfg.run
     if role == "worker":
         raise ValueError(
             "run.placement=colocated: the learner generates with its own engine, so no "
             "worker process is started; run.placement=separate runs workers"
         )
-    if run.learner_procs != 1:
-        raise ValueError(
-            f"run.placement=colocated runs one learner rank with its engine for now, got "
-            f"run.learner_procs={run.learner_procs}; use run.placement=separate for several"
-        )
-    if cfg.engine.name != "torch":
-        raise ValueError(
-            f"run.placement=colocated runs the built-in engine in the learner's process for "
-            f"now, got engine={cfg.engine.name}; use engine=torch or run.placement=separate"
-        )
-    if run.get("inflight_updates", False):
-        raise ValueError(
-            "run.inflight_updates=true applies versions during a generation, but colocated "
-            "the learner applies each version between its turns: run.inflight_updates=false"
-        )
-    mode = (cfg.engine.get("speculative") or {}).get("mode")
-    if mode not in (None, False, "none"):
-        raise ValueError(
-            f"engine.speculative.mode={mode}: the online drafter's state is a worker's "
-            "checkpoint, which a colocated run has no worker to keep; "
-            "engine.speculative.mode=none, or run.placement=separate"
-        )
+    blockers = colocated_blockers(cfg)
+    if blockers:
+        raise ValueError(blockers[0][1])
 
 
 def check_training(cfg: DictConfig) -> None:

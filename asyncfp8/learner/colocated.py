@@ -58,11 +58,10 @@ class EngineVersions:
         engine: RolloutEngine,
         checker: RefitChecker | None,
         stats: dict,
-        engine_lock: threading.Lock | None = None,
     ):
         self.engine, self.checker, self.stats = engine, checker, stats
         # held by a generate call of the rollout thread: versions go in between two calls
-        self.engine_lock = engine_lock or threading.Lock()
+        self.engine_lock = threading.Lock()
         self.in_flight = threading.Event()
         self.in_flight.set()
         self.rejected = 0  # no messages to reject
@@ -107,8 +106,7 @@ class Colocated:
         self.overlap = cfg.run.mode == "async"
         self.stats = dict.fromkeys(ROLLOUT_STATS, 0.0)
         checker = RefitChecker.for_worker(cfg.sync.get("probe"), engine, policy)
-        self.engine_lock = threading.Lock()
-        self.versions = EngineVersions(engine, checker, self.stats, self.engine_lock)
+        self.versions = EngineVersions(engine, checker, self.stats)
         # Named and numbered as a worker's trajectories are on receipt: this process's
         # incarnation (a resumed learner is another sender) and a sequence number, which
         # the ledger records and the audit counts.
@@ -161,7 +159,7 @@ class Colocated:
                 if "wait" in lease:
                     self.stats["paused_s"] += time.perf_counter() - started
                     continue
-                with self.engine_lock:
+                with self.versions.engine_lock:
                     self._generate(inbox, lease)
         except BaseException as err:  # the learner raises it at its next wait (fill)
             self.error = err
