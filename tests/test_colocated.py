@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from threading import Thread, current_thread
 
 import pytest
 import torch
@@ -18,14 +19,14 @@ from asyncfp8.chaos.cluster import SMALL_RUN
 from asyncfp8.checks import auto_placement, placement_of
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.inbox import Inbox
-from asyncfp8.learner.colocated import Colocated, EngineVersions
+from asyncfp8.learner.colocated import Colocated, EngineVersions, RolloutThreadJobs
 from asyncfp8.leases import LeaseBook
 from asyncfp8.ledger import read_ledger
 from asyncfp8.models import load_model
 from asyncfp8.precision import extra_roles, get_policy, version_weights
 from asyncfp8.precision.manifest import decoder_layers
 from asyncfp8.report import per_step
-from asyncfp8.sync import VersionPublisher, VersionSubscriber
+from asyncfp8.sync import BackgroundPublisher, VersionPublisher, VersionSubscriber
 from asyncfp8.tasks import build_task
 from tests.test_e2e import launch
 from tests.test_run_lifecycle import compose
@@ -194,6 +195,79 @@ def test_a_failed_colocated_rollout_thread_stops_the_learner_naming_why(tiny_mod
     with pytest.raises(RuntimeError, match=r"rollout thread failed.*the engine broke"):
         colocated.fill(inbox, 2)
     colocated.close()  # the thread has ended; close joins it at once
+
+
+def test_rollout_thread_jobs_run_in_order_there_and_inline_once_it_has_ended():
+    jobs = RolloutThreadJobs()
+    woken = []
+    jobs.wake = lambda: woken.append(True)
+    ran = []
+    first, second = (
+        jobs.submit(lambda n: ran.append((n, current_thread().name)), n) for n in (1, 2)
+    )
+    assert woken == [True, True] and not first.done()  # queued until the thread runs them
+    worker = Thread(target=jobs.run_pending, name="rollout")
+    worker.start()
+    worker.join()
+    assert ran == [(1, "rollout"), (2, "rollout")] and first.done() and second.done()
+    worker = Thread(target=jobs.end, args=(None,), name="rollout")
+    worker.start()
+    worker.join()
+    jobs.submit(lambda: ran.append((3, current_thread().name))).result(timeout=1)
+    assert ran[-1] == (3, current_thread().name)  # nobody left to queue it for
+
+
+def test_after_the_rollout_thread_failed_its_jobs_fail_and_new_ones_are_refused():
+    jobs = RolloutThreadJobs()
+    pending = jobs.submit(lambda: None)
+    jobs.end(ValueError("the engine broke"))
+    with pytest.raises(ValueError, match="the engine broke"):
+        pending.result(timeout=1)
+    with pytest.raises(RuntimeError, match=r"rollout thread failed.*the engine broke"):
+        jobs.submit(lambda: None)
+    # A job that raises on the thread stops it (run_pending raises after failing it).
+    jobs = RolloutThreadJobs()
+    broken = jobs.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        jobs.run_pending()
+    assert isinstance(broken.exception(timeout=1), ZeroDivisionError)
+
+
+class RecordingEngine:
+    """Records the thread each version is applied on."""
+
+    def __init__(self):
+        self.version, self.applied = None, []
+
+    def update_weights(self, version, tensors, extra, roles):
+        self.version = version
+        self.applied.append((version, current_thread().name))
+
+    def close(self):
+        pass
+
+
+def test_overlapped_versions_are_applied_on_the_rollout_thread_not_the_learners(tiny_model_dir):
+    cfg = compose(f"model.path={tiny_model_dir}", "run.mode=async", "sync.probe.enabled=false")
+    engine = RecordingEngine()
+    colocated = Colocated(cfg, engine, build_task(cfg.task, tiny_model_dir), get_policy("bf16"))
+    sampling = {"n": 2, "temperature": 1.0, "max_new_tokens": 4}
+    inbox = Inbox(None, LeaseBook(capacity=4, timeout=60), 2, sampling, 0, None)
+    sender = BackgroundPublisher(colocated.versions, background=False, executor=colocated.jobs)
+    colocated.start(inbox)  # no version out yet: the thread waits on the lease book
+    weights = [("w", torch.ones(3))]
+    try:
+        for version in (0, 1):
+            sender.submit(version, weights, lambda snapshot: iter(snapshot), roles={})
+            sender.wait()  # woken by the submit, the thread applies it
+        assert engine.applied == [(0, "asyncfp8-rollout"), (1, "asyncfp8-rollout")]
+        assert sender.last.version == 1
+    finally:
+        colocated.close()
+    # The thread has ended: a last version is applied on the learner's thread.
+    sender.submit(2, weights, lambda snapshot: iter(snapshot), roles={})
+    sender.wait()
+    assert engine.applied[-1] == (2, current_thread().name)
 
 
 def test_a_killed_colocated_run_resumes_and_loses_nothing(tmp_path, tiny_model_dir):

@@ -15,8 +15,11 @@ Two ways to share it, by `run.mode`:
 - `async`, overlapped: a rollout thread leases and generates the next step's groups with
   the version the engine holds while the learner trains the current one, as a worker
   would (`run.max_staleness` bounds how old they may be, and the lease book's capacity
-  how far ahead it runs). A new version is applied between two generate calls (the
-  engine lock), never during one. The torch threads are split between the two.
+  how far ahead it runs). The learner only snapshots a new version's weights; the
+  rollout thread makes it (the refit probe's reference, the policy's quantization),
+  applies and checks it between two generate calls (`RolloutThreadJobs`), so only that
+  thread touches the engine and none of it is on the learner's step. The torch threads
+  are split between the two.
 Today: one learner rank, the built-in torch engine.
 """
 
@@ -26,7 +29,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import torch
@@ -51,7 +56,9 @@ class RefitFailed(RuntimeError):
 class EngineVersions:
     """The colocated version channel: `publish` (as `sync.VersionPublisher.publish`
     takes it, from `sync.BackgroundPublisher`) applies each version to the engine in
-    this process and checks its refit probe."""
+    this process and checks its refit probe. It runs on the thread that generates (the
+    learner's in turns, the rollout thread's when overlapped), so never during a
+    generate call."""
 
     def __init__(
         self,
@@ -60,8 +67,6 @@ class EngineVersions:
         stats: dict,
     ):
         self.engine, self.checker, self.stats = engine, checker, stats
-        # held by a generate call of the rollout thread: versions go in between two calls
-        self.engine_lock = threading.Lock()
         self.in_flight = threading.Event()
         self.in_flight.set()
         self.rejected = 0  # no messages to reject
@@ -78,23 +83,94 @@ class EngineVersions:
         started = time.perf_counter()
         tensors = dict(weights)  # the policy quantizes them as they stream, filling `roles`
         probe, sent = Probe.take(dict(extra or {}), roles)
-        with self.engine_lock:
-            self.engine.update_weights(version, tensors, sent, roles)
-            applied = time.perf_counter()
-            self.stats["update_s"] += applied - started
-            self.stats["updates"] += 1
-            if probe is not None and self.checker is not None:
-                check = self.checker.check(version, probe, sent)
-                self.stats |= check.metrics()
-                self.stats["refit/probe_s"] += self.checker.last_seconds
-                self.stats["refit/probes"] += 1
-                if not check.passed:
-                    self.stats["refit/failures"] += 1
-                    raise RefitFailed(check.describe())
+        self.engine.update_weights(version, tensors, sent, roles)
+        applied = time.perf_counter()
+        self.stats["update_s"] += applied - started
+        self.stats["updates"] += 1
+        if probe is not None and self.checker is not None:
+            check = self.checker.check(version, probe, sent)
+            self.stats |= check.metrics()
+            self.stats["refit/probe_s"] += self.checker.last_seconds
+            self.stats["refit/probes"] += 1
+            if not check.passed:
+                self.stats["refit/failures"] += 1
+                raise RefitFailed(check.describe())
         return PublishStats(version, 0, 0, time.perf_counter() - started)
 
     def close(self) -> None:
         pass
+
+
+class RolloutThreadJobs(Executor):
+    """Work the learner hands its rollout thread (overlapped): each version's publish,
+    which the thread runs before its next lease and generate call (`run_pending`). A
+    version is submitted before the lease book learns its number, so a lease that asks
+    for it finds it here. A job that raises stops the thread (it cannot generate what
+    the learner expects); once the thread has ended, new jobs run on the caller's thread,
+    or are refused naming the thread's error."""
+
+    def __init__(self):
+        #: called after a job is queued: the rollout thread may be waiting on the lease book
+        self.wake: Callable[[], None] = lambda: None
+        self._jobs: deque[tuple[Future, Callable, tuple, dict]] = deque()
+        self._lock = threading.Lock()
+        self._ended = False
+        self._error: BaseException | None = None
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._error is not None:
+                raise RuntimeError(
+                    f"the colocated rollout thread failed: {self._error!r}"
+                ) from self._error
+            queued = not self._ended
+            if queued:
+                self._jobs.append((future, fn, args, kwargs))
+        if queued:
+            self.wake()
+        else:
+            self._run(future, fn, args, kwargs, raise_error=False)
+        return future
+
+    def run_pending(self) -> None:
+        """On the rollout thread: runs the jobs submitted so far, in order."""
+        while job := self._next(end=False):
+            self._run(*job, raise_error=True)
+
+    def end(self, error: BaseException | None) -> None:
+        """On the rollout thread as it ends: runs what is pending (or, after `error`,
+        fails it with that error); from now on `submit` does not queue."""
+        if error is not None:
+            with self._lock:
+                self._ended, self._error = True, error
+                pending, self._jobs = list(self._jobs), deque()
+            for future, *_ in pending:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(error)
+            return
+        while job := self._next(end=True):
+            self._run(*job, raise_error=False)
+
+    def _next(self, end: bool) -> tuple | None:
+        with self._lock:
+            if self._jobs:
+                return self._jobs.popleft()
+            self._ended = self._ended or end  # atomically with finding the queue empty
+            return None
+
+    @staticmethod
+    def _run(future: Future, fn: Callable, args: tuple, kwargs: dict, raise_error: bool) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as err:
+            future.set_exception(err)
+            if raise_error:
+                raise
+            return
+        future.set_result(result)
 
 
 class Colocated:
@@ -115,10 +191,14 @@ class Colocated:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        #: overlapped: the versions to make and apply on the rollout thread (None: in turns,
+        #: the learner's thread publishes them)
+        self.jobs = RolloutThreadJobs() if self.overlap else None
 
     def start(self, inbox: Inbox) -> None:
         """Overlapped: starts the rollout thread (it leases once the first version is out)."""
         if self.overlap:
+            self.jobs.wake = inbox.wake
             self._thread = threading.Thread(
                 target=self._rollouts, args=(inbox,), name="asyncfp8-rollout", daemon=True
             )
@@ -152,6 +232,7 @@ class Colocated:
         want = self.cfg.run.groups_per_step
         try:
             while not self._stop.is_set():
+                self.jobs.run_pending()
                 started = time.perf_counter()
                 lease = inbox.lease_or_wait(WORKER_ID, want, self.stats)
                 if lease.get("done"):
@@ -159,12 +240,14 @@ class Colocated:
                 if "wait" in lease:
                     self.stats["paused_s"] += time.perf_counter() - started
                     continue
-                with self.versions.engine_lock:
-                    self._generate(inbox, lease)
+                self.jobs.run_pending()  # the version this lease asks for, if just submitted
+                self._generate(inbox, lease)
         except BaseException as err:  # the learner raises it at its next wait (fill)
             self.error = err
             log.exception("the colocated rollout thread failed")
             inbox.wake()  # a learner waiting for groups sees it now
+        finally:
+            self.jobs.end(self.error)
 
     def _generate(self, inbox: Inbox, lease: dict[str, Any]) -> None:
         if self.engine.version is None or self.engine.version < lease["min_version"]:

@@ -75,7 +75,10 @@ class Hub:
         }
         if colocated is not None:
             self.versions = colocated.versions
-            self.sender = BackgroundPublisher(self.versions, background=False)
+            # in turns on the learner's thread; overlapped on the rollout thread (`jobs`)
+            self.sender = BackgroundPublisher(
+                self.versions, background=False, executor=colocated.jobs
+            )
             self.inbox = Inbox(None, book, run.group_size, sampling, run.seed, None)
             self.ledger: Ledger | None = None
             self.metrics: MetricsLog | None = None

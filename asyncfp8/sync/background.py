@@ -8,6 +8,9 @@ trains the next step. So version N is made from exactly the weights of step N, a
 extra tensors (KV scales), computed by the caller beforehand, from the same weights.
 The next `submit` waits only if the previous publish is still running, and says how
 long it waited (the learner records it as `sync/publish_wait_s`).
+
+The thread is its own unless an `executor` is given: a colocated learner hands each
+version to its rollout thread, which applies it between two generate calls.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_for_futures
 from typing import Any
 
 import torch
@@ -36,11 +41,20 @@ class PublishFailed(RuntimeError):
 
 
 class BackgroundPublisher:
-    def __init__(self, publisher: VersionPublisher, background: bool = True):
-        self.publisher, self.background = publisher, background
+    """Publishes through `publisher` on a thread of its own (`background`), on
+    `executor`'s thread when one is given, or (neither) on the caller's."""
+
+    def __init__(
+        self,
+        publisher: VersionPublisher,
+        background: bool = True,
+        executor: Executor | None = None,
+    ):
+        self.publisher, self.background, self.executor = publisher, background, executor
         self.last: PublishStats | None = None  # the latest publish that finished
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
+        self._future: Future | None = None
         self._error: BaseException | None = None
         self._failed_version: int | None = None
         self.annotate_s = 0.0  # the latest publish's annotate() time
@@ -73,6 +87,11 @@ class BackgroundPublisher:
             annotate,
             roles,
         )
+        if self.executor is not None:
+            self.publisher.in_flight.clear()
+            # raise_error: the executor's thread must not go on as if the version were out
+            self._future = self.executor.submit(self._run, *job, raise_error=True)
+            return waited
         if not self.background:
             self._run(*job)
             self._raise()
@@ -91,6 +110,9 @@ class BackgroundPublisher:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._future is not None:
+            wait_for_futures([self._future])
+            self._future = None
         self._raise()
         return time.perf_counter() - started
 
@@ -119,7 +141,16 @@ class BackgroundPublisher:
         return snapshot
 
     def _run(
-        self, version, snapshot, quantize, extra, policy, engine_config, annotate, roles
+        self,
+        version,
+        snapshot,
+        quantize,
+        extra,
+        policy,
+        engine_config,
+        annotate,
+        roles,
+        raise_error=False,
     ) -> None:
         try:
             with torch.no_grad():
@@ -138,5 +169,7 @@ class BackgroundPublisher:
         except BaseException as err:  # re-raised on the learner's thread by the next call
             log.exception("publishing version %d failed", version)
             self._error, self._failed_version = err, version
+            if raise_error:
+                raise
         finally:
             self.publisher.in_flight.set()
