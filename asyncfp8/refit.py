@@ -234,6 +234,11 @@ class ReferenceForward:
         # The weights a policy quantizes stay FP32 masters (a version is quantized from
         # them); every other parameter is held in the engine's dtype, as engines hold it.
         self.renamed = _use_reference_linears(self.model, policy)
+        if policy.engine_config().get("lm_head_dtype") == "float32":
+            # As the engine runs it (TorchEngine): the last projection in FP32, weight and
+            # input, its weight the FP32 master the version ships.
+            self.model.lm_head.float()
+            self.model.lm_head.register_forward_pre_hook(lambda _module, args: (args[0].float(),))
         self.model.requires_grad_(False)
         self.params = dict(self.model.named_parameters())
         self.fp8_kv = policy.engine_config().get("kv_cache_dtype") == "fp8"

@@ -63,12 +63,12 @@ def setting(tiny_model_dir):
     )
 
 
-def two_versions(model_dir, setting, spec, fault=None):
+def two_versions(model_dir, setting, spec, fault=None, **params):
     """Versions 0 and 1 through a reference and a torch engine; `fault` damages 1."""
-    policy = get_policy(spec)
+    policy = get_policy(spec, **params)
     policy.bind_model(setting["base"].config)
     reference = ReferenceForward(model_dir, policy)
-    engine = TorchEngine(str(model_dir), spec, device="cpu")
+    engine = TorchEngine(str(model_dir), get_policy(spec, **params), device="cpu")
     for number, model in enumerate([setting["base"], setting["next"]]):
         extra = calibrate_version(model, policy, setting["calibration"])
         probe = reference.probe(masters(model), extra, setting["ids"], setting["lengths"])
@@ -83,9 +83,18 @@ def two_versions(model_dir, setting, spec, fault=None):
     return check
 
 
-@pytest.mark.parametrize("spec", ["bf16", "fp8", "fp8_kv", "int8"])
-def test_an_intact_version_matches_the_reference_exactly(tiny_model_dir, setting, spec):
-    check = two_versions(tiny_model_dir, setting, spec)
+@pytest.mark.parametrize(
+    ("spec", "params"),
+    [
+        ("bf16", {}),
+        ("bf16", {"lm_head_fp32": True}),  # the reference runs the engine's FP32 LM head too
+        ("fp8", {}),
+        ("fp8_kv", {}),
+        ("int8", {}),
+    ],
+)
+def test_an_intact_version_matches_the_reference_exactly(tiny_model_dir, setting, spec, params):
+    check = two_versions(tiny_model_dir, setting, spec, **params)
     # The reference runs the engine's arithmetic (BF16 activations, FP32 GEMM
     # accumulation of the fake-quantized operands, the version's KV scales): measured 0.
     assert check.passed, check.describe()
