@@ -39,7 +39,7 @@ from asyncfp8.learner import CHECKPOINT_DIR, LEARNER_STATE, ZERO_SPREAD_WARN, ZE
 from asyncfp8.metrics import METRICS_FILE, loggers_of, wandb_sync_hint
 from asyncfp8.models import run_model_dir
 from asyncfp8.precision import PrecisionPolicy
-from asyncfp8.process import die_with_parent, worker_count
+from asyncfp8.process import die_with_parent, usable_cores, worker_count
 from asyncfp8.report import LAST_STEPS, plot_runs, summarize
 from asyncfp8.runconfig import restore_on_resume
 from asyncfp8.slurm import SlurmTask, role_of, slurm_task
@@ -285,7 +285,7 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
         "no worker processes)"
         if colocated
         else f"learner ({ranks}) + {len(workers)} worker{'s' if len(workers) > 1 else ''}"
-        + ("" if run.workers is not None else f" (run.workers=null: {os.cpu_count()} cores)")
+        + ("" if run.workers is not None else f" (run.workers=null: {usable_cores()} cores)")
     )
     print(
         f"[launch] {shape} ({cfg.engine.name} engine, {policy.spec}, "

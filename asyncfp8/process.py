@@ -84,6 +84,15 @@ def die_with_parent() -> None:
 MAX_AUTO_WORKERS = 2
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (what `taskset`, a container's
+    cpuset or Slurm grants it), not every core of the machine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
 def worker_count(run: Any) -> int:
     """`run.workers`, or for null one worker per core the learner ranks leave, between 1
     and MAX_AUTO_WORKERS. On the 2-core dev VM one worker beside the learner trained 112.6
@@ -91,15 +100,15 @@ def worker_count(run: Any) -> int:
     (bench/peers.py, docs/results.md): oversubscribed processes slow each other down."""
     if run.workers is not None:
         return int(run.workers)
-    spare = (os.cpu_count() or 1) - int(run.learner_procs)
+    spare = usable_cores() - int(run.learner_procs)
     return min(MAX_AUTO_WORKERS, max(1, spare))
 
 
 def set_threads(requested: int | None, processes: int) -> int:
-    """torch threads for this process: `requested`, or the machine's cores split evenly
+    """torch threads for this process: `requested`, or its usable cores split evenly
     between the `processes` asyncfp8 runs here (oversubscribed threads spin and slow
     every process down)."""
-    threads = requested or max(1, (os.cpu_count() or 1) // processes)
+    threads = requested or max(1, usable_cores() // processes)
     torch.set_num_threads(threads)
     return threads
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from asyncfp8 import process
 from asyncfp8.chaos.cluster import SMALL_RUN
 from asyncfp8.metrics import read_metrics
 from asyncfp8.process import worker_count
@@ -176,9 +177,26 @@ def test_ctrl_c_then_the_printed_resume_command_continues_the_same_run(tmp_path,
 def test_run_workers_null_leaves_each_process_a_core(
     monkeypatch, cores, learner_procs, workers, expected
 ):
-    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(process, "usable_cores", lambda: cores)
     run = compose(f"run.learner_procs={learner_procs}", f"run.workers={workers or 'null'}").run
     assert worker_count(run) == expected
+
+
+def test_threads_and_workers_count_the_cores_the_process_may_use_not_the_machines():
+    # As under taskset, a container's cpuset or Slurm: one core of the machine's.
+    probe = (
+        "import torch; from asyncfp8.process import set_threads, usable_cores; "
+        "print(usable_cores(), set_threads(None, 1), torch.get_num_threads())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "1", "1"]
 
 
 # --- failures reach the user in seconds ----------------------------------------------------------
