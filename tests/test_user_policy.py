@@ -291,3 +291,29 @@ def test_lm_head_fp32_reaches_the_engine_bit_for_bit(tiny_model_dir):
     with torch.no_grad():
         learner.lm_head.weight.add_(1.0)
     assert not torch.equal(tensors["lm_head.weight"], learner.lm_head.weight)
+
+
+def test_the_fp32_control_runs_the_engine_in_fp32_and_passes_its_refit_probe(tiny_model_dir):
+    from fp32_policy import FP32Policy
+
+    from asyncfp8.engines.torch_engine import TorchEngine
+    from asyncfp8.models import load_model
+    from asyncfp8.refit import ReferenceForward, RefitChecker, probe_sequences, tolerance_for
+
+    policy = FP32Policy()
+    engine = TorchEngine(str(tiny_model_dir), FP32Policy(), device="cpu")  # no dtype given
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    learner = load_model(tiny_model_dir, dtype=torch.float32)
+    policy.bind_model(learner.config)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    masters = [(n, p.detach()) for n, p in learner.named_parameters()]
+    weights = dict(version_tensors(learner, policy).weights)
+    assert all(t.dtype == torch.float32 for t in weights.values() if t.is_floating_point())
+    engine.update_weights(1, weights)
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11]])
+    ids, lengths = probe_sequences(ids, torch.ones_like(ids), 1, 8)
+    probe = ReferenceForward(tiny_model_dir, policy).probe(masters, {}, ids, lengths)
+    check = RefitChecker(engine, tolerance_for(policy, "torch")).check(1, probe, {})
+    assert check.passed and check.mean_abs < 1e-5, check.describe()

@@ -91,6 +91,8 @@ class TorchEngine:
 
     device: `auto`, `cpu`, `cuda` or `cuda:N`: where the model is loaded, quantized (the
     Triton quantizers on CUDA), run and sampled.
+    dtype: what the model computes in; None: the policy's `engine_dtype` (BF16 for every
+    built-in policy), the dtype its versions ship their unquantized tensors in.
     finish_check_every: ask the device which sequences have ended every k decode steps
     (each ask is a sync); outputs do not depend on it.
     cache_block: KV caches are sized in multiples of this many positions, so that
@@ -118,7 +120,7 @@ class TorchEngine:
         self,
         model_dir: str | None,
         policy: PrecisionPolicy | str = "bf16",
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | None = None,
         max_batch: int = 64,
         device: str = "auto",
         finish_check_every: int = 8,
@@ -150,7 +152,7 @@ class TorchEngine:
         self.device = resolve_device(device, self.policy.name)
         config = self.policy.engine_config()
         if model is None:
-            model = load_model(model_dir, dtype=dtype)
+            model = load_model(model_dir, dtype=dtype or self.policy.engine_dtype)
             tokenizer = load_tokenizer(model_dir)
         kinds = set(getattr(model.config, "layer_types", None) or LAYER_KINDS)
         if not kinds <= set(LAYER_KINDS):
