@@ -179,7 +179,15 @@ def run_trl(python: Path, job: dict, out: Path, skip: int) -> dict:
     }
 
 
-def run_asyncfp8(overrides: list[str], out: Path, skip: int, samples_per_step: int) -> dict:
+def run_asyncfp8(
+    overrides: list[str],
+    out: Path,
+    skip: int,
+    samples_per_step: int,
+    cores: set[int] | None = None,
+) -> dict:
+    """One launcher run and its steady-state figures; `cores`: the CPUs it may use (its
+    affinity, which every process it starts inherits and counts its threads from)."""
     from asyncfp8.report import per_step, summarize
 
     start = time.perf_counter()
@@ -187,6 +195,7 @@ def run_asyncfp8(overrides: list[str], out: Path, skip: int, samples_per_step: i
         [sys.executable, "-m", "asyncfp8.launch", *overrides, f"run.dir={out}"],
         capture_output=True,
         text=True,
+        preexec_fn=None if cores is None else lambda: os.sched_setaffinity(0, cores),
     )
     wall = time.perf_counter() - start
     if result.returncode != 0:
@@ -263,6 +272,12 @@ def main() -> int:
         "--trl-venv", type=Path, default=ROOT / ".cache" / "peers" / f"trl-{TRL_VERSION}"
     )
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs under this folder")
+    parser.add_argument(
+        "--overrides",
+        nargs="+",
+        default=[],
+        help="more Hydra overrides for every asyncfp8 system (e.g. precision.lm_head_fp32=true)",
+    )
     parser.add_argument("--out", default="bench/results/peers-cpu.json")
     args = parser.parse_args()
     systems = [TRL, *PLACEMENTS]
@@ -290,7 +305,12 @@ def main() -> int:
             if system == TRL:
                 row = run_trl(python, trl_job(cfg, args.steps, seed, threads), out, args.skip)
             else:
-                overrides = [*job_overrides, f"run.seed={seed}", *PLACEMENTS[system]]
+                overrides = [
+                    *job_overrides,
+                    f"run.seed={seed}",
+                    *PLACEMENTS[system],
+                    *args.overrides,
+                ]
                 row = run_asyncfp8(overrides, out, args.skip, samples_per_step)
             row.update(heldout(cfg, row["model_dir"], cfg.eval.prompts, cfg.eval.samples))
             row.update(system=system, seed=seed)
@@ -308,6 +328,7 @@ def main() -> int:
         {
             "benchmark": "peers",
             "job": "the launcher's default job, eval.every=0",
+            "asyncfp8_overrides": args.overrides,
             "steps": args.steps,
             "skip": args.skip,
             "seeds": args.seeds,
