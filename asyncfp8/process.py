@@ -104,11 +104,26 @@ def worker_count(run: Any) -> int:
     return min(MAX_AUTO_WORKERS, max(1, spare))
 
 
+def sharing_processes(processes: int) -> int:
+    """How many of the run's `processes` share this process's cores: all of them when
+    they inherited one CPU affinity (the launcher's children, a taskset), only this one
+    when Slurm bound each of several tasks to cores of its own (srun --cpu-bind: the
+    affinity is a part of the machine)."""
+    tasks = int(os.environ.get("SLURM_NTASKS") or 1)
+    bound = usable_cores() < (os.cpu_count() or 1)
+    return 1 if tasks > 1 and bound else processes
+
+
+def thread_count(requested: int | None, processes: int) -> int:
+    """`requested`, or this process's share of its usable cores (oversubscribed threads
+    spin and slow every process down)."""
+    return requested or max(1, usable_cores() // sharing_processes(processes))
+
+
 def set_threads(requested: int | None, processes: int) -> int:
-    """torch threads for this process: `requested`, or its usable cores split evenly
-    between the `processes` asyncfp8 runs here (oversubscribed threads spin and slow
-    every process down)."""
-    threads = requested or max(1, usable_cores() // processes)
+    """Sets and returns torch's threads for this process, one of `processes` the run
+    has here (`thread_count`)."""
+    threads = thread_count(requested, processes)
     torch.set_num_threads(threads)
     return threads
 

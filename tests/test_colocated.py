@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from threading import Thread, current_thread
+from threading import Event, Thread, current_thread
 
 import pytest
 import torch
@@ -19,14 +19,24 @@ from asyncfp8.chaos.cluster import SMALL_RUN
 from asyncfp8.checks import auto_placement, placement_of
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.inbox import Inbox
-from asyncfp8.learner.colocated import Colocated, EngineVersions, RolloutThreadJobs
+from asyncfp8.learner.colocated import (
+    Colocated,
+    EngineVersions,
+    RefitFailed,
+    RolloutThreadJobs,
+)
 from asyncfp8.leases import LeaseBook
 from asyncfp8.ledger import read_ledger
 from asyncfp8.models import load_model
 from asyncfp8.precision import extra_roles, get_policy, version_weights
 from asyncfp8.precision.manifest import decoder_layers
 from asyncfp8.report import per_step
-from asyncfp8.sync import BackgroundPublisher, VersionPublisher, VersionSubscriber
+from asyncfp8.sync import (
+    BackgroundPublisher,
+    PublishFailed,
+    VersionPublisher,
+    VersionSubscriber,
+)
 from asyncfp8.tasks import build_task
 from tests.test_e2e import launch
 from tests.test_run_lifecycle import compose
@@ -231,6 +241,41 @@ def test_after_the_rollout_thread_failed_its_jobs_fail_and_new_ones_are_refused(
     with pytest.raises(ZeroDivisionError):
         jobs.run_pending()
     assert isinstance(broken.exception(timeout=1), ZeroDivisionError)
+
+
+def test_a_stopped_rollout_thread_cancels_its_pending_version_and_the_learner_goes_on():
+    jobs = RolloutThreadJobs()
+    sender = BackgroundPublisher(FailingVersions(), background=False, executor=jobs)
+    sender.submit(7, [("w", torch.ones(2))], lambda snapshot: iter(snapshot), roles={})
+    jobs.end(None, drain=False)  # stopped: nobody will use version 7
+    assert sender.wait() >= 0  # returns: nothing was published, nothing failed
+
+
+def test_a_version_that_fails_after_the_learners_last_wait_still_fails_its_wait():
+    # The last version of a run: the thread drains it as it ends; the learner's final
+    # wait (Hub.finish) raises what went wrong, as for any other version.
+    jobs = RolloutThreadJobs()
+    sender = BackgroundPublisher(FailingVersions(), background=False, executor=jobs)
+    sender.submit(9, [("w", torch.ones(2))], lambda snapshot: iter(snapshot), roles={})
+    jobs.end(None)
+    with pytest.raises(PublishFailed, match="version 9"):
+        sender.wait()
+    # A version the failed thread never ran fails the wait too, naming the thread's error.
+    jobs = RolloutThreadJobs()
+    sender = BackgroundPublisher(FailingVersions(), background=False, executor=jobs)
+    sender.submit(10, [("w", torch.ones(2))], lambda snapshot: iter(snapshot), roles={})
+    jobs.end(ValueError("the engine broke"))
+    with pytest.raises(PublishFailed, match="version 10") as failed:
+        sender.wait()
+    assert "the engine broke" in repr(failed.value.__cause__)
+
+
+class FailingVersions:
+    in_flight = Event()
+
+    def publish(self, version, weights, extra, **_):
+        list(weights)
+        raise RefitFailed(f"version {version}: the probe failed")
 
 
 class RecordingEngine:

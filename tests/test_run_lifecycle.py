@@ -182,6 +182,28 @@ def test_run_workers_null_leaves_each_process_a_core(
     assert worker_count(run) == expected
 
 
+@pytest.mark.parametrize(
+    ("tasks", "affinity", "expected"),
+    [
+        (None, 8, 2),  # the launcher's 4 processes share the 8 cores they inherited
+        ("1", 8, 2),  # one Slurm task that starts them itself: the same
+        ("16", 8, 8),  # srun bound each of 16 tasks to 8 cores of its own
+        ("16", 128, 8),  # 16 unbound tasks on a node: they share it
+    ],
+)
+def test_each_process_takes_its_share_of_the_cores_it_shares(
+    monkeypatch, tasks, affinity, expected
+):
+    monkeypatch.setattr(process, "usable_cores", lambda: affinity)
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    if tasks is None:
+        monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_NTASKS", tasks)
+    assert process.thread_count(None, 4 if affinity == 8 else 16) == expected
+    assert process.thread_count(3, 16) == 3  # run.threads is taken as given
+
+
 def test_threads_and_workers_count_the_cores_the_process_may_use_not_the_machines():
     # As under taskset, a container's cpuset or Slurm: one core of the machine's.
     probe = (

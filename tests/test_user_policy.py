@@ -317,3 +317,14 @@ def test_the_fp32_control_runs_the_engine_in_fp32_and_passes_its_refit_probe(tin
     probe = ReferenceForward(tiny_model_dir, policy).probe(masters, {}, ids, lengths)
     check = RefitChecker(engine, tolerance_for(policy, "torch")).check(1, probe, {})
     assert check.passed and check.mean_abs < 1e-5, check.describe()
+
+
+def test_lm_head_fp32_is_refused_for_a_model_whose_head_is_its_embeddings(tiny_model_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    get_policy("bf16", lm_head_fp32=True).bind_model(config)  # a head of its own: fine
+    config.tie_word_embeddings = True
+    with pytest.raises(ValueError, match=r"lm_head_fp32=true needs an LM head of its own"):
+        get_policy("bf16", lm_head_fp32=True).bind_model(config)
+    get_policy("bf16").bind_model(config)  # without the setting, a tied model runs as before

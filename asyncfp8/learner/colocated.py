@@ -15,8 +15,8 @@ Two ways to share it, by `run.mode`:
 - `async`, overlapped: a rollout thread leases and generates the next step's groups with
   the version the engine holds while the learner trains the current one, as a worker
   would (`run.max_staleness` bounds how old they may be, and the lease book's capacity
-  how far ahead it runs). The learner only snapshots a new version's weights; the
-  rollout thread makes it (the refit probe's reference, the policy's quantization),
+  how far ahead it runs). The learner gathers, calibrates and snapshots a new version's
+  weights; the rollout thread makes it (the refit probe's reference, the policy's quantization),
   applies and checks it between two generate calls (`RolloutThreadJobs`), so only that
   thread touches the engine and none of it is on the learner's step. The torch threads
   are split between the two.
@@ -138,9 +138,18 @@ class RolloutThreadJobs(Executor):
         while job := self._next(end=False):
             self._run(*job, raise_error=True)
 
-    def end(self, error: BaseException | None) -> None:
+    def end(self, error: BaseException | None, drain: bool = True) -> None:
         """On the rollout thread as it ends: runs what is pending (or, after `error`,
-        fails it with that error); from now on `submit` does not queue."""
+        fails it with that error; with `drain` false, cancels it: a stopped run has no use
+        for a version made now); from now on `submit` does not queue."""
+        if not drain and error is None:
+            with self._lock:
+                self._ended = True
+                pending, self._jobs = list(self._jobs), deque()
+            for future, *_ in pending:
+                future.cancel()
+                future.set_running_or_notify_cancel()  # what releases a wait() on it
+            return
         if error is not None:
             with self._lock:
                 self._ended, self._error = True, error
@@ -247,7 +256,10 @@ class Colocated:
             log.exception("the colocated rollout thread failed")
             inbox.wake()  # a learner waiting for groups sees it now
         finally:
-            self.jobs.end(self.error)
+            # Stopped (preempted, or the learner failed): a pending version is cancelled
+            # rather than made within the grace period. At the end of a run the learner
+            # has waited for its last version already (Hub.finish).
+            self.jobs.end(self.error, drain=not self._stop.is_set())
 
     def _generate(self, inbox: Inbox, lease: dict[str, Any]) -> None:
         if self.engine.version is None or self.engine.version < lease["min_version"]:

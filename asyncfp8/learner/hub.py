@@ -257,7 +257,10 @@ class Hub:
             self.colocated.stop(timeout=60)
 
     def finish(self) -> None:
-        """Tells the workers the run is done, and gives them a moment to hear it."""
+        """Waits for the last version to be out (its failure fails the run, as any
+        version's does), then tells the workers the run is done and gives them a moment
+        to hear it."""
+        self.sender.wait()
         self.inbox.finish(linger=0 if self.colocated is not None else 15)
 
     def close(self) -> None:

@@ -18,6 +18,16 @@ class BF16Policy(PrecisionPolicy):
     def __init__(self, lm_head_fp32: bool = False):
         self.lm_head_fp32 = bool(lm_head_fp32)
 
+    def bind_model(self, config):
+        if self.lm_head_fp32 and getattr(config, "tie_word_embeddings", False):
+            # One tensor for both: an FP32 head would make the input embeddings FP32 too,
+            # feeding FP32 activations into the BF16 layers.
+            raise ValueError(
+                "precision.lm_head_fp32=true needs an LM head of its own; this model ties it "
+                "to its input embeddings (tie_word_embeddings=true): drop the setting"
+            )
+        return super().bind_model(config)
+
     def engine_config(self) -> dict:
         return {
             "dtype": "bfloat16",

@@ -55,6 +55,7 @@ class BackgroundPublisher:
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._future: Future | None = None
+        self._future_version: int | None = None
         self._error: BaseException | None = None
         self._failed_version: int | None = None
         self.annotate_s = 0.0  # the latest publish's annotate() time
@@ -91,6 +92,7 @@ class BackgroundPublisher:
             self.publisher.in_flight.clear()
             # raise_error: the executor's thread must not go on as if the version were out
             self._future = self.executor.submit(self._run, *job, raise_error=True)
+            self._future_version = version
             return waited
         if not self.background:
             self._run(*job)
@@ -111,8 +113,12 @@ class BackgroundPublisher:
             self._thread.join()
             self._thread = None
         if self._future is not None:
-            wait_for_futures([self._future])
-            self._future = None
+            future, self._future = self._future, None
+            wait_for_futures([future])
+            # failed without running (the executor's thread had failed first); a cancelled
+            # one (the thread stopped) was never published, which only a stop does
+            if self._error is None and not future.cancelled() and future.exception():
+                self._error, self._failed_version = future.exception(), self._future_version
         self._raise()
         return time.perf_counter() - started
 
