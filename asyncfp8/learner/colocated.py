@@ -142,24 +142,19 @@ class RolloutThreadJobs(Executor):
         """On the rollout thread as it ends: runs what is pending (or, after `error`,
         fails it with that error; with `drain` false, cancels it: a stopped run has no use
         for a version made now); from now on `submit` does not queue."""
-        if not drain and error is None:
-            with self._lock:
-                self._ended = True
-                pending, self._jobs = list(self._jobs), deque()
-            for future, *_ in pending:
+        if error is None and drain:
+            while job := self._next(end=True):
+                self._run(*job, raise_error=False)
+            return
+        with self._lock:
+            self._ended, self._error = True, error
+            pending, self._jobs = list(self._jobs), deque()
+        for future, *_ in pending:
+            if error is None:
                 future.cancel()
-                future.set_running_or_notify_cancel()  # what releases a wait() on it
-            return
-        if error is not None:
-            with self._lock:
-                self._ended, self._error = True, error
-                pending, self._jobs = list(self._jobs), deque()
-            for future, *_ in pending:
-                if future.set_running_or_notify_cancel():
-                    future.set_exception(error)
-            return
-        while job := self._next(end=True):
-            self._run(*job, raise_error=False)
+            # releases a wait() on a cancelled future; False for it, True for the others
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
 
     def _next(self, end: bool) -> tuple | None:
         with self._lock:
