@@ -18,6 +18,13 @@ evaluation off during training (TRL has none): each system's final weights (BF16
 asyncfp8 exports them) are then scored by the same evaluation, asyncfp8's `HeldOut` (256
 held-out prompts, greedy and 4 samples each at T = 1), as is the start model.
 
+With `--curve K` each system also saves its weights every K steps (asyncfp8: a learner
+checkpoint, exported; TRL: `save_steps`), and each saved point is scored greedily on the
+same held-out prompts after the run, rounded to BF16 as the final weights are: the
+held-out curve, and its mean over the second half of training (`heldout_late_mean`), a
+figure less at the mercy of where step 300 happens to fall than the final weights. The
+saves cost the runs a little time, so speed is best read from runs without it.
+
 Trained samples/s is the steady state: samples of the steps after the first `--skip`
 (process start-up, first compilations) over their seconds. Each row also gives the
 whole run's wall time, the reward over the first and last 20% of steps, and where a step's
@@ -102,7 +109,7 @@ def compose(overrides: list[str]):
         return hydra_compose("config", overrides=overrides)
 
 
-def trl_job(cfg, steps: int, seed: int, threads: int) -> dict:
+def trl_job(cfg, steps: int, seed: int, threads: int, save_every: int = 0) -> dict:
     """What peers_trl.py needs: the model, the prompts in stream order, the reward."""
     from omegaconf import OmegaConf
 
@@ -125,6 +132,7 @@ def trl_job(cfg, steps: int, seed: int, threads: int) -> dict:
         "max_new_tokens": run.max_new_tokens,
         "seed": seed,
         "threads": threads,
+        "save_every": save_every,
     }
 
 
@@ -262,6 +270,62 @@ def heldout(cfg, model_dir: str, prompts: int, samples: int) -> dict:
     }
 
 
+def saved_points(system_dir: Path, trl: bool) -> list[tuple[int, Path]]:
+    """(step, where the weights of that step are) for each point a `--curve` run saved:
+    TRL's `checkpoint-N` folders (a model directory each), the learner's checkpoints
+    (exported to model directories here, beside them)."""
+    if trl:
+        folders = (system_dir / "trainer").glob("checkpoint-*")
+        return sorted((int(f.name.removeprefix("checkpoint-")), f) for f in folders)
+    from asyncfp8.export import export_run
+    from asyncfp8.learner import CHECKPOINT_DIR
+
+    points = []
+    for checkpoint in sorted((system_dir / CHECKPOINT_DIR).glob("step_*")):
+        step = int(checkpoint.name.removeprefix("step_"))
+        if step == 0:
+            continue
+        out = system_dir / "curve" / f"step_{step:08d}"
+        export_run(system_dir, step=step, out=out)
+        points.append((step, out))
+    return points
+
+
+def heldout_curve(cfg, start_dir: str, points: list[tuple[int, Path]], prompts: int) -> list:
+    """[step, greedy pass@1] of each saved point, the weights rounded to BF16 (as the final
+    weights are exported) and evaluated as `heldout` does (greedy only)."""
+    import torch
+
+    from asyncfp8.distributed import Ranks
+    from asyncfp8.evaluation import HeldOut
+    from asyncfp8.models.loading import load_model, load_tokenizer
+    from asyncfp8.tasks import build_task
+
+    tokenizer = load_tokenizer(start_dir)
+    evaluation = HeldOut(
+        build_task(cfg.task, start_dir),
+        tokenizer,
+        prompts=prompts,
+        samples=1,
+        max_new_tokens=cfg.run.max_new_tokens,
+        temperature=0.0,  # greedy only
+        seed=cfg.run.seed,
+        ranks=Ranks(rank=0, world=1, local_rank=0, device=torch.device("cpu")),
+    )
+    curve = []
+    for step, folder in points:
+        model = load_model(str(folder), dtype=torch.bfloat16).float().eval()
+        with torch.no_grad():
+            curve.append([step, evaluation.evaluate(model)["eval/pass1_greedy"]])
+    return curve
+
+
+def late_mean(curve: list, steps: int) -> float | None:
+    """The mean held-out greedy pass@1 of the points in the second half of training."""
+    late = [score for step, score in curve if step > steps / 2]
+    return statistics.fmean(late) if late else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -278,8 +342,17 @@ def main() -> int:
         default=[],
         help="more Hydra overrides for every asyncfp8 system (e.g. precision.lm_head_fp32=true)",
     )
+    parser.add_argument(
+        "--curve",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also save every K steps and score each point on the held-out prompts (0: off)",
+    )
     parser.add_argument("--out", default="bench/results/peers-cpu.json")
     args = parser.parse_args()
+    if args.curve < 0 or (args.curve and args.curve > args.steps):
+        parser.error(f"--curve must be 0 (off) or a step count <= --steps, got {args.curve}")
     systems = [TRL, *PLACEMENTS]
     unknown = set(args.only or []) - set(systems)
     if unknown:
@@ -289,31 +362,47 @@ def main() -> int:
     python = trl_python(args.trl_venv) if TRL in systems else None
     root = args.keep or Path(tempfile.mkdtemp(prefix="peers-"))
     job_overrides = [f"run.steps={args.steps}", "eval.every=0", "run.tensorboard=false"]
+    curve_overrides = []
+    if args.curve:  # every checkpoint kept: the curve's points
+        keep = args.steps // args.curve + 2
+        curve_overrides = [f"run.checkpoint_every={args.curve}", f"run.keep_checkpoints={keep}"]
 
     rows = []
     for seed in args.seeds:
         cfg = compose([*job_overrides, f"run.seed={seed}"])
         samples_per_step = cfg.run.groups_per_step * cfg.run.group_size
-        if seed == args.seeds[0]:
-            from asyncfp8.models.loading import run_model_dir
+        from asyncfp8.models.loading import run_model_dir
 
+        if seed == args.seeds[0]:
             start_model = heldout(cfg, str(run_model_dir(cfg)), cfg.eval.prompts, cfg.eval.samples)
             print(f"start model: held-out greedy pass@1 {start_model['heldout_pass1_greedy']:.3f}")
         for system in systems:
             out = root / f"{re.sub(r'[^A-Za-z0-9.]+', '_', system)}_seed{seed}"
             print(f"{system}, seed {seed}: {args.steps} steps ...", flush=True)
             if system == TRL:
-                row = run_trl(python, trl_job(cfg, args.steps, seed, threads), out, args.skip)
+                job = trl_job(cfg, args.steps, seed, threads, save_every=args.curve)
+                row = run_trl(python, job, out, args.skip)
             else:
                 overrides = [
                     *job_overrides,
                     f"run.seed={seed}",
                     *PLACEMENTS[system],
+                    *curve_overrides,
                     *args.overrides,
                 ]
                 row = run_asyncfp8(overrides, out, args.skip, samples_per_step)
             row.update(heldout(cfg, row["model_dir"], cfg.eval.prompts, cfg.eval.samples))
             row.update(system=system, seed=seed)
+            if args.curve:
+                points = saved_points(out, trl=system == TRL)
+                start = str(run_model_dir(cfg))
+                row["heldout_curve"] = heldout_curve(cfg, start, points, cfg.eval.prompts)
+                row["heldout_late_mean"] = late_mean(row["heldout_curve"], args.steps)
+                print(
+                    "  held-out greedy by step: "
+                    + " ".join(f"{step}:{score:.2f}" for step, score in row["heldout_curve"]),
+                    flush=True,
+                )
             rows.append(row)
             print(
                 f"  {row['trained_samples_per_s']:.1f} trained samples/s, wall {row['wall_s']:.0f} s, "
@@ -331,6 +420,7 @@ def main() -> int:
             "asyncfp8_overrides": args.overrides,
             "steps": args.steps,
             "skip": args.skip,
+            "curve_every": args.curve,
             "seeds": args.seeds,
             "threads": threads,
             "trl_version": TRL_VERSION,
@@ -362,6 +452,10 @@ def summarize_rows(rows: list[dict], systems: list[str]) -> list[dict]:
             mean, half = mean_ci([r[key] for r in mine])
             entry[key] = mean
             entry[f"{key}_ci95"] = half
+        if all(r.get("heldout_late_mean") is not None for r in mine):
+            entry["heldout_late_mean"], entry["heldout_late_mean_ci95"] = mean_ci(
+                [r["heldout_late_mean"] for r in mine]
+            )
         entry["phase_s_median"] = {
             phase: statistics.fmean(r["phase_s_median"][phase] for r in mine)
             for phase in mine[0]["phase_s_median"]
@@ -392,6 +486,17 @@ def print_table(summary: list[dict]) -> None:
             f"{s['heldout_pass1_sampled']:>7.3f}  {phases['step']:.3f}: {phases['generate']:.3f} / "
             f"{train:.3f} / {'-' if rest is None else f'{rest:.3f}'}"
         )
+    if any("heldout_late_mean" in s for s in summary):
+        print(
+            "\nheld-out greedy pass@1, mean over the saved points of the second half of training:"
+        )
+        for s in summary:
+            if "heldout_late_mean" in s:
+                half = s["heldout_late_mean_ci95"]
+                spread = "" if half is None else f" ± {half:.3f}"
+                print(
+                    f"{s['system']:<36} {s['heldout_late_mean']:.3f}{spread} ({s['seeds']} seeds)"
+                )
 
 
 if __name__ == "__main__":

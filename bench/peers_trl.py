@@ -22,6 +22,9 @@ hyperparameters, mapped onto GRPOConfig so that TRL trains what asyncfp8 trains:
 | run.temperature, run.max_new_tokens | temperature, top_p 1, max_completion_length |
 | FP32 on the CPU | use_cpu, bf16 false |
 
+With `save_every` in the job, the model is also saved every that many steps
+(`DIR/trainer/checkpoint-N/`, for bench/peers.py's held-out curve).
+
 Writes `DIR/steps.jsonl` (per optimizer step: wall clock since the trainer started,
 the seconds spent generating and scoring, the mean reward) and `DIR/model/` (the trained
 weights in BF16, as asyncfp8 exports its masters, so both are evaluated from the same
@@ -150,7 +153,10 @@ def main() -> int:
         seed=job["seed"],
         logging_steps=1,
         report_to="none",
-        save_strategy="no",
+        # job["save_every"] > 0: the model alone every that many steps (bench/peers.py --curve)
+        save_strategy="steps" if job.get("save_every") else "no",
+        save_steps=job.get("save_every") or 500,
+        save_only_model=True,
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
