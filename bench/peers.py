@@ -10,7 +10,9 @@ Systems (each a fresh process, one after another, nothing else running):
 - asyncfp8's launcher in each placement: separate (a learner and `run.workers` worker
   processes) asynchronous with 2 workers (three processes on two cores) and with 1, and
   `run.mode=sync` with 2; colocated (one process), asynchronous (a rollout thread
-  generates the next step while the learner trains) and in turns (`run.mode=sync`).
+  generates the next step while the learner trains), the same without the refit probe
+  (`sync.probe.enabled=false`: what checking each version costs), and in turns
+  (`run.mode=sync`).
 
 The job is the launcher's default (`make run`'s: the `small` model, `addition` with worked
 answers, 8 prompts × 8 samples, lr 3e-4, T = 1, 40 new tokens, no KL) with held-out
@@ -70,6 +72,12 @@ PLACEMENTS = {
         "run.workers=2",
     ],
     "asyncfp8 colocated async (overlapped)": ["run.placement=colocated", "run.mode=async"],
+    # what the refit probe costs (TRL has none): the same, each version applied unchecked
+    "asyncfp8 colocated async, no refit probe": [
+        "run.placement=colocated",
+        "run.mode=async",
+        "sync.probe.enabled=false",
+    ],
     "asyncfp8 colocated sync (turns)": ["run.placement=colocated", "run.mode=sync"],
 }
 TRL = f"TRL {TRL_VERSION} GRPOTrainer"
