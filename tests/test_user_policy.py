@@ -132,6 +132,10 @@ def test_registered_names_compositions_and_learner_forward_are_selectable():
         ([EDGES, "precision.keep_first=two"], r"precision.keep_first='two'.*expects int"),
         (["precision=bf16", "precision.lm_head_fp32=maybe"], r"lm_head_fp32='maybe'.*bool"),
         (["precision.name=fp8+int8"], "fp8 and int8 both quantize the weights"),
+        (
+            ["precision._target_=user_policies.DtypesDisagree"],
+            r"engine_config\(\) says dtype 'bfloat16' but engine_dtype is torch.float32",
+        ),
     ],
 )
 def test_bad_policies_are_named_at_start(overrides, message):
@@ -328,3 +332,20 @@ def test_lm_head_fp32_is_refused_for_a_model_whose_head_is_its_embeddings(tiny_m
     with pytest.raises(ValueError, match=r"lm_head_fp32=true needs an LM head of its own"):
         get_policy("bf16", lm_head_fp32=True).bind_model(config)
     get_policy("bf16").bind_model(config)  # without the setting, a tied model runs as before
+
+
+def test_engine_dtype_alone_sets_the_engine_config_and_the_probe_reference(tiny_model_dir):
+    """A policy that says FP32 once (engine_dtype) gets an FP32 engine config (what vLLM
+    and SGLang start with), an FP32 torch engine and an FP32 refit-probe reference."""
+    from asyncfp8.engines.torch_engine import TorchEngine
+    from asyncfp8.refit import ReferenceForward
+
+    policy = build_policy(compose("precision._target_=user_policies.FP32EngineOnly").precision)
+    assert policy.engine_config()["dtype"] == "float32"
+    engine = TorchEngine(str(tiny_model_dir), policy, device="cpu")
+    reference = ReferenceForward(tiny_model_dir, policy)
+    for model in (engine.model, reference.model):
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+    for name in ("bf16", "fp8", "int8", "fp8+fp8_kv"):  # the built-in ones agree with themselves
+        built = build_policy({"name": name})
+        assert built.engine_config()["dtype"] == str(built.engine_dtype).removeprefix("torch.")

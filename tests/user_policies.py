@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.precision.int8 import INT8Policy
 
@@ -39,3 +41,20 @@ class NoRuntimeModule(PrecisionPolicy):
 
     name = "no_runtime_module"
     quantizes_weights = True
+
+
+class FP32EngineOnly(PrecisionPolicy):
+    """FP32 rollouts said once, by `engine_dtype`: the engine config follows it."""
+
+    name = "fp32_engine_only"
+    engine_dtype = torch.float32
+
+
+class DtypesDisagree(PrecisionPolicy):
+    """`engine_dtype` FP32 but an engine config left at BF16: what `build_policy` refuses."""
+
+    name = "dtypes_disagree"
+    engine_dtype = torch.float32
+
+    def engine_config(self) -> dict:
+        return {"dtype": "bfloat16"}

@@ -127,8 +127,9 @@ class PrecisionPolicy:
 
     def engine_config(self) -> dict[str, Any]:
         """What the rollout engine must be started with: `dtype`, `quantization`,
-        `quantization_config` (HF config.json form), `kv_cache_dtype`, ..."""
-        return {"dtype": "bfloat16"}
+        `quantization_config` (HF config.json form), `kv_cache_dtype`, ... Its `dtype` is
+        `engine_dtype`'s name (`build_policy` refuses a policy where they differ)."""
+        return {"dtype": dtype_name(self.engine_dtype)}
 
     def linear_module(
         self,
@@ -436,6 +437,26 @@ def policy_from_target(target: str, params: dict[str, Any]) -> PrecisionPolicy:
     return policy
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """ "bfloat16" for torch.bfloat16: a dtype as engine configs (and vLLM) name it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def check_engine_dtype(policy: PrecisionPolicy) -> None:
+    """A policy's two statements of what an engine computes in must agree: the built-in
+    torch engine and the refit probe's reference use `engine_dtype`, vLLM and SGLang are
+    started with `engine_config()["dtype"]`. A subclass that changed one and not the other
+    would fail its first refit probe, or run another precision than it says."""
+    configured = policy.engine_config().get("dtype")
+    if configured is not None and configured != dtype_name(policy.engine_dtype):
+        raise ValueError(
+            f"precision {policy.spec or policy.name!r}: engine_config() says dtype "
+            f"{configured!r} but engine_dtype is {policy.engine_dtype}; set both to the same "
+            "(the torch engine computes in engine_dtype, vLLM / SGLang start with "
+            "engine_config()['dtype'])"
+        )
+
+
 def build_policy(cfg: Mapping[str, Any], model_dir: Any = None) -> PrecisionPolicy:
     """A policy from its `precision=` config entry: `name` (registered, or composed with
     '+') or `_target_` (a PrecisionPolicy subclass of your own, imported here), plus
@@ -469,6 +490,7 @@ def build_policy(cfg: Mapping[str, Any], model_dir: Any = None) -> PrecisionPoli
         )
     policy.learner_forward = learner_forward
     policy.quantize_from = quantize_from
+    check_engine_dtype(policy)
     if model_dir is not None:
         from transformers import AutoConfig
 
