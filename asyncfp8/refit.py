@@ -153,6 +153,16 @@ def recording_layer_rms(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
             handle.remove()
 
 
+def rows_by_length(lengths: Sequence[int]) -> dict[int, list[int]]:
+    """{length: the rows of that length}, rows shorter than 2 tokens left out: the rows a
+    probe scores in one forward each, unpadded (padding would change the sums' order)."""
+    groups: dict[int, list[int]] = {}
+    for row, length in enumerate(lengths):
+        if length >= 2:
+            groups.setdefault(length, []).append(row)
+    return groups
+
+
 def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """log p(token t+1 | tokens up to t) [B, T-1] fp32 from logits [B, T, V]."""
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
@@ -212,8 +222,8 @@ def _use_reference_linears(model: torch.nn.Module, policy: PrecisionPolicy) -> d
 
 class ReferenceForward:
     """The learner's reference of what an engine running a version computes: a copy of
-    the model in the engine's compute dtype (the policy's `engine_config()["dtype"]`,
-    BF16 by default) whose quantized linear layers are fake-quantized by the policy
+    the model in the engine's compute dtype (the policy's `engine_dtype`, as the torch
+    engine's, BF16 by default) whose quantized linear layers are fake-quantized by the policy
     (weights and inputs) and, for an FP8 KV cache, whose attention reads keys and values
     rounded to e4m3 with the version's scales. It lives on rank 0 and is loaded with the
     masters each version is quantized from.
@@ -229,8 +239,7 @@ class ReferenceForward:
         from asyncfp8.models.loading import load_model
 
         self.policy = policy
-        dtype = getattr(torch, policy.engine_config().get("dtype", "bfloat16"))
-        self.model = load_model(model_dir, dtype=dtype).eval()
+        self.model = load_model(model_dir, dtype=policy.engine_dtype).eval()
         # The weights a policy quantizes stay FP32 masters (a version is quantized from
         # them); every other parameter is held in the engine's dtype, as engines hold it.
         self.renamed = _use_reference_linears(self.model, policy)
@@ -265,8 +274,9 @@ class ReferenceForward:
     def forward(
         self, input_ids: torch.Tensor, lengths: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log p [P, L-1], layer RMS [P, layers, L]); NaN where a row has no token. One
-        row per forward, without padding, as engines score them (see TorchEngine.score)."""
+        """(log p [P, L-1], layer RMS [P, layers, L]); NaN where a row has no token. Rows
+        of one length share a forward, never padded, as engines score them (see
+        TorchEngine.score; the probe's rows are usually all `sync.probe.tokens` long)."""
         rows, width = input_ids.shape
         layers = len(self.model.model.layers)
         # FP32 by name, not torch's default dtype: this runs on the learner's publishing
@@ -274,14 +284,12 @@ class ReferenceForward:
         # torch.set_default_dtype(BF16), a process-wide setting.
         logp = torch.full((rows, width - 1), math.nan, dtype=torch.float32)
         layer_rms = torch.full((rows, layers, width), math.nan, dtype=torch.float32)
-        for row, length in enumerate(lengths.tolist()):
-            if length < 2:
-                continue
-            ids = input_ids[row : row + 1, :length]
+        for length, members in rows_by_length(lengths.tolist()).items():
+            ids = input_ids[members, :length]
             with recording_layer_rms(self.model) as rms:
                 logits = self.model(input_ids=ids).logits
-            logp[row, : length - 1] = next_token_logprobs(logits, ids)[0]
-            layer_rms[row, :, :length] = torch.cat(rms[-layers:])
+            logp[members, : length - 1] = next_token_logprobs(logits, ids)
+            layer_rms[members, :, :length] = torch.stack(rms[-layers:], dim=1)
         return logp, layer_rms
 
     def probe(

@@ -289,3 +289,49 @@ def test_the_reference_and_the_version_do_not_depend_on_torchs_default_dtype(
     for name, tensor in want_weights.items():
         assert got_weights[name].dtype == tensor.dtype, name
         assert torch.equal(got_weights[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def test_rows_of_one_length_share_a_forward_and_keep_their_order(tiny_model_dir, setting):
+    """The reference and the engine score the probe's rows of one length in one unpadded
+    forward: each row's log-probs and layer RMS are what it gets scored alone, in its own
+    place (FP32 here, so that the comparison does not rest on BF16 rounding)."""
+    from asyncfp8.precision import PrecisionPolicy
+    from asyncfp8.refit import rows_by_length
+
+    assert rows_by_length([12, 9, 12, 1, 9, 0]) == {12: [0, 2], 9: [1, 4]}
+
+    class FP32(PrecisionPolicy):
+        name = "fp32_rows"
+        engine_dtype = torch.float32
+
+    policy = FP32()
+    policy.bind_model(setting["base"].config)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 200, (5, 12), generator=g)
+    lengths = torch.tensor([12, 9, 12, 1, 9])
+    reference = ReferenceForward(tiny_model_dir, policy)
+    reference.load(masters(setting["base"]), {})
+    logp, rms = reference.forward(ids, lengths)
+    for row in range(5):
+        alone_logp, alone_rms = reference.forward(ids[row : row + 1], lengths[row : row + 1])
+        torch.testing.assert_close(logp[row], alone_logp[0], atol=1e-5, rtol=0, equal_nan=True)
+        torch.testing.assert_close(rms[row], alone_rms[0], atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert torch.isnan(logp[3]).all() and not torch.isnan(logp[0]).any()
+
+    engine = TorchEngine(str(tiny_model_dir), policy, device="cpu")
+    model = setting["base"]
+    engine.update_weights(
+        0, dict(version_weights(policy, masters(model), {}, decoder_layers(model)))
+    )
+    sequences = [ids[row, :n].tolist() for row, n in enumerate(lengths.tolist()) if n >= 2]
+    together = engine.score(sequences)
+    for index, sequence in enumerate(sequences):
+        alone = engine.score([sequence])
+        torch.testing.assert_close(together.logprobs[index], alone.logprobs[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            together.layer_rms[index], alone.layer_rms[0], atol=1e-5, rtol=1e-5
+        )
+    kept = [row for row, n in enumerate(lengths.tolist()) if n >= 2]
+    for index, row in enumerate(kept):  # and the engine agrees with the reference
+        n = int(lengths[row])
+        torch.testing.assert_close(together.logprobs[index], logp[row, : n - 1], atol=1e-4, rtol=0)

@@ -26,7 +26,7 @@ from asyncfp8.precision.manifest import (
     kv_scale_specs,
 )
 from asyncfp8.precision.modules import QuantizedLinear, apply_policy
-from asyncfp8.refit import next_token_logprobs, recording_layer_rms
+from asyncfp8.refit import next_token_logprobs, recording_layer_rms, rows_by_length
 from asyncfp8.speculative import DrafterTrainer, SpeculationController
 from asyncfp8.speculative.drafter import Drafter
 from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
@@ -373,17 +373,17 @@ class TorchEngine:
         """Teacher-forced log-probs (temperature 1) and each decoder layer's output RMS of
         `sequences`, through the engine's own prefill path: its quantized modules and, for
         an e4m3 cache, keys and values written to and read back from that cache with the
-        scales the engine holds. One sequence per forward, without padding: in BF16 a
-        padded row's attention sums in another order, which moves log-probs by more than
-        the probe's tolerance (measured: 0.007 on the tiny model)."""
+        scales the engine holds. Sequences of one length share a forward, never padded: in
+        BF16 a padded row's attention sums in another order, which moves log-probs by more
+        than the probe's tolerance (measured: 0.007 on the tiny model)."""
         for index, sequence in enumerate(sequences):
             if len(sequence) < 2:
                 raise ValueError(f"probe sequence {index} has {len(sequence)} tokens; need >= 2")
-        logprobs, layer_rms = [], []
-        for sequence in sequences:
-            width = len(sequence)
-            ids = torch.tensor([list(sequence)], device=self.device)
-            prefill = Prefill(self.model, 1, width, self._kv_cache_scales())
+        logprobs: list[torch.Tensor | None] = [None] * len(sequences)
+        layer_rms: list[torch.Tensor | None] = [None] * len(sequences)
+        for width, members in rows_by_length([len(s) for s in sequences]).items():
+            ids = torch.tensor([list(sequences[i]) for i in members], device=self.device)
+            prefill = Prefill(self.model, len(members), width, self._kv_cache_scales())
             positions = torch.arange(width, device=self.device)[None]
             causal = torch.ones(1, 1, width, width, dtype=torch.bool, device=self.device).tril()
             prefill.cache.write_at(torch.arange(width, device=self.device), visible=width)
@@ -391,8 +391,10 @@ class TorchEngine:
                 _, logits = forward_static(
                     self.model, prefill.cache, prefill.kinds, ids, causal, positions, width
                 )
-            logprobs.append(next_token_logprobs(logits, ids)[0].cpu())
-            layer_rms.append(torch.cat(rms).cpu())  # [layers, width]
+            rows_logprobs = next_token_logprobs(logits, ids).cpu()
+            rows_rms = torch.stack(rms, dim=1).cpu()  # [rows, layers, width]
+            for j, index in enumerate(members):
+                logprobs[index], layer_rms[index] = rows_logprobs[j], rows_rms[j]
         return Scores(logprobs=logprobs, layer_rms=layer_rms)
 
     def held_kv_scales(self) -> dict[str, float]:
