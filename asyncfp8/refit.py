@@ -175,8 +175,8 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
     (`grouped_attention`: how it lays out query heads over KV heads decides the order
     SDPA sums in) under an explicit causal mask. transformers' SDPA path rounds
     otherwise: 1 BF16 ulp in 1 of 150 probes, measured, which an e4m3 cache can turn into
-    |Δ log p| 0.004. Probe rows are single unpadded sequences, so the mask is causal only
-    and transformers' `attention_mask` is not needed."""
+    |Δ log p| 0.004. Probe rows are unpadded (a forward runs rows of one length), so the
+    mask is causal only and transformers' `attention_mask` is not needed."""
     from asyncfp8.engines.decode import grouped_attention
 
     scales = getattr(module, "probe_kv_scales", None)

@@ -349,3 +349,9 @@ def test_engine_dtype_alone_sets_the_engine_config_and_the_probe_reference(tiny_
     for name in ("bf16", "fp8", "int8", "fp8+fp8_kv"):  # the built-in ones agree with themselves
         built = build_policy({"name": name})
         assert built.engine_config()["dtype"] == str(built.engine_dtype).removeprefix("torch.")
+    from asyncfp8.precision.int8 import INT8Policy
+
+    class INT8OnFP32(INT8Policy):  # a built-in format's subclass: engine_dtype alone suffices
+        engine_dtype = torch.float32
+
+    assert INT8OnFP32().engine_config()["dtype"] == "float32"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .policy import PrecisionPolicy, register_policy
+from .policy import PrecisionPolicy, dtype_name, register_policy
 
 
 @register_policy("bf16")
@@ -30,7 +30,7 @@ class BF16Policy(PrecisionPolicy):
 
     def engine_config(self) -> dict:
         return {
-            "dtype": "bfloat16",
+            "dtype": dtype_name(self.engine_dtype),
             "lm_head_dtype": "float32" if self.lm_head_fp32 else "bfloat16",
         }
 

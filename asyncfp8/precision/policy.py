@@ -448,7 +448,10 @@ def check_engine_dtype(policy: PrecisionPolicy) -> None:
     started with `engine_config()["dtype"]`. A subclass that changed one and not the other
     would fail its first refit probe, or run another precision than it says."""
     configured = policy.engine_config().get("dtype")
-    if configured is not None and configured != dtype_name(policy.engine_dtype):
+    if configured is None:
+        return
+    # vLLM's aliases ("float", "half") name torch dtypes too
+    if getattr(torch, str(configured), None) != policy.engine_dtype:
         raise ValueError(
             f"precision {policy.spec or policy.name!r}: engine_config() says dtype "
             f"{configured!r} but engine_dtype is {policy.engine_dtype}; set both to the same "
@@ -490,9 +493,9 @@ def build_policy(cfg: Mapping[str, Any], model_dir: Any = None) -> PrecisionPoli
         )
     policy.learner_forward = learner_forward
     policy.quantize_from = quantize_from
-    check_engine_dtype(policy)
     if model_dir is not None:
         from transformers import AutoConfig
 
         policy.bind_model(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    check_engine_dtype(policy)  # after the bind: an engine_config may read the model
     return policy

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..policy import PrecisionPolicy, register_policy
+from ..policy import PrecisionPolicy, dtype_name, register_policy
 from ..storage import ScaleLayout, Storage
 from .linear import FP8BlockLinear
 from .quant import (
@@ -80,7 +80,7 @@ class FP8Policy(PrecisionPolicy):
 
     def engine_config(self) -> dict:
         return {
-            "dtype": "bfloat16",
+            "dtype": dtype_name(self.engine_dtype),
             "quantization": "fp8",
             "quantization_config": self.checkpoint_config(),
         }

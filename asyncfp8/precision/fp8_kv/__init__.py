@@ -19,7 +19,7 @@ import torch
 
 from ..fp8.quant import FP8_MAX
 from ..manifest import Role, TensorRole
-from ..policy import PrecisionPolicy, register_policy
+from ..policy import PrecisionPolicy, dtype_name, register_policy
 from ..storage import Storage
 
 CAPTURE_IMPLEMENTATION = "asyncfp8_kv_capture"
@@ -122,7 +122,7 @@ class FP8KVPolicy(PrecisionPolicy):
         return Storage(kv_dtype=torch.float8_e4m3fn)
 
     def engine_config(self) -> dict:
-        return {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}
+        return {"dtype": dtype_name(self.engine_dtype), "kv_cache_dtype": "fp8"}
 
     def extra_roles(self) -> dict[str, TensorRole]:
         return kv_scale_roles(self.require_model().num_hidden_layers)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..policy import PrecisionPolicy, register_policy
+from ..policy import PrecisionPolicy, dtype_name, register_policy
 from ..storage import ScaleLayout, Storage
 from .linear import Int8Linear
 from .quant import (
@@ -108,7 +108,7 @@ class INT8Policy(PrecisionPolicy):
 
     def engine_config(self) -> dict:
         return {
-            "dtype": "bfloat16",
+            "dtype": dtype_name(self.engine_dtype),
             "quantization": "compressed-tensors",
             "quantization_config": self.checkpoint_config(),
         }
