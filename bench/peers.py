@@ -244,29 +244,38 @@ def run_asyncfp8(
     }
 
 
+def heldout_evaluation(cfg, model_dir: str, prompts: int, samples: int, temperature: float):
+    """The job's held-out evaluation (asyncfp8.evaluation.HeldOut, one CPU rank), its
+    task and tokenizer from `model_dir`; temperature 0: greedy only."""
+    import torch
+
+    from asyncfp8.distributed import Ranks
+    from asyncfp8.evaluation import HeldOut
+    from asyncfp8.models.loading import load_tokenizer
+    from asyncfp8.tasks import build_task
+
+    return HeldOut(
+        build_task(cfg.task, model_dir),
+        load_tokenizer(model_dir),
+        prompts=prompts,
+        samples=samples,
+        max_new_tokens=cfg.run.max_new_tokens,
+        temperature=temperature,
+        seed=cfg.run.seed,
+        ranks=Ranks(rank=0, world=1, local_rank=0, device=torch.device("cpu")),
+    )
+
+
 def heldout(cfg, model_dir: str, prompts: int, samples: int) -> dict:
     """pass@1 of the weights in `model_dir` on the job's held-out prompts, as the learner
     evaluates (asyncfp8.evaluation.HeldOut), in FP32."""
     import torch
 
-    from asyncfp8.distributed import Ranks
-    from asyncfp8.evaluation import HeldOut
-    from asyncfp8.models.loading import load_model, load_tokenizer
+    from asyncfp8.models.loading import load_model
     from asyncfp8.stats import binomial_se
-    from asyncfp8.tasks import build_task
 
     model = load_model(model_dir, dtype=torch.float32).eval()
-    tokenizer = load_tokenizer(model_dir)
-    evaluation = HeldOut(
-        build_task(cfg.task, model_dir),
-        tokenizer,
-        prompts=prompts,
-        samples=samples,
-        max_new_tokens=cfg.run.max_new_tokens,
-        temperature=cfg.run.temperature,
-        seed=cfg.run.seed,
-        ranks=Ranks(rank=0, world=1, local_rank=0, device=torch.device("cpu")),
-    )
+    evaluation = heldout_evaluation(cfg, model_dir, prompts, samples, cfg.run.temperature)
     with torch.no_grad():
         scores = evaluation.evaluate(model)
     greedy, count = scores["eval/pass1_greedy"], scores["eval/prompts"]
@@ -304,22 +313,9 @@ def heldout_curve(cfg, start_dir: str, points: list[tuple[int, Path]], prompts: 
     weights are exported) and evaluated as `heldout` does (greedy only)."""
     import torch
 
-    from asyncfp8.distributed import Ranks
-    from asyncfp8.evaluation import HeldOut
-    from asyncfp8.models.loading import load_model, load_tokenizer
-    from asyncfp8.tasks import build_task
+    from asyncfp8.models.loading import load_model
 
-    tokenizer = load_tokenizer(start_dir)
-    evaluation = HeldOut(
-        build_task(cfg.task, start_dir),
-        tokenizer,
-        prompts=prompts,
-        samples=1,
-        max_new_tokens=cfg.run.max_new_tokens,
-        temperature=0.0,  # greedy only
-        seed=cfg.run.seed,
-        ranks=Ranks(rank=0, world=1, local_rank=0, device=torch.device("cpu")),
-    )
+    evaluation = heldout_evaluation(cfg, start_dir, prompts, samples=1, temperature=0.0)
     curve = []
     for step, folder in points:
         model = load_model(str(folder), dtype=torch.bfloat16).float().eval()
@@ -375,14 +371,15 @@ def main() -> int:
         keep = args.steps // args.curve + 2
         curve_overrides = [f"run.checkpoint_every={args.curve}", f"run.keep_checkpoints={keep}"]
 
+    from asyncfp8.models.loading import run_model_dir
+
     rows = []
     for seed in args.seeds:
         cfg = compose([*job_overrides, f"run.seed={seed}"])
         samples_per_step = cfg.run.groups_per_step * cfg.run.group_size
-        from asyncfp8.models.loading import run_model_dir
-
+        start_dir = str(run_model_dir(cfg))
         if seed == args.seeds[0]:
-            start_model = heldout(cfg, str(run_model_dir(cfg)), cfg.eval.prompts, cfg.eval.samples)
+            start_model = heldout(cfg, start_dir, cfg.eval.prompts, cfg.eval.samples)
             print(f"start model: held-out greedy pass@1 {start_model['heldout_pass1_greedy']:.3f}")
         for system in systems:
             out = root / f"{re.sub(r'[^A-Za-z0-9.]+', '_', system)}_seed{seed}"
@@ -403,8 +400,7 @@ def main() -> int:
             row.update(system=system, seed=seed)
             if args.curve:
                 points = saved_points(out, trl=system == TRL)
-                start = str(run_model_dir(cfg))
-                row["heldout_curve"] = heldout_curve(cfg, start, points, cfg.eval.prompts)
+                row["heldout_curve"] = heldout_curve(cfg, start_dir, points, cfg.eval.prompts)
                 row["heldout_late_mean"] = late_mean(row["heldout_curve"], args.steps)
                 print(
                     "  held-out greedy by step: "
