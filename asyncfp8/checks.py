@@ -63,12 +63,13 @@ def colocated_blockers(cfg: DictConfig) -> list[tuple[str, str]]:
     `auto` runs such a run separate, an explicit colocated one is refused."""
     run = cfg.run
     speculative = (cfg.engine.get("speculative") or {}).get("mode")
+    device = str(cfg.engine.get("device", "auto"))
     blockers = [
         (
-            run.learner_procs != 1,
-            f"run.learner_procs={run.learner_procs}",
-            f"run.placement=colocated runs one learner rank with its engine for now, got "
-            f"run.learner_procs={run.learner_procs}; use run.placement=separate for several",
+            run.learner_procs > 1 and device.startswith("cuda:"),
+            f"engine.device={device} with run.learner_procs={run.learner_procs}",
+            f"engine.device={device} would put every colocated rank's engine on one GPU; "
+            f"each rank's engine runs on its rank's device with engine.device=auto",
         ),
         (
             cfg.engine.name != "torch",
@@ -99,7 +100,8 @@ def auto_placement(cfg: DictConfig, gpus: int) -> tuple[str, str]:
     it (on the 2-core dev VM colocated and asynchronous tied the fastest separate placement,
     110.9 against 112.6 trained samples/s within the seeds' spread, holding one copy of
     the model: bench/peers.py, docs/results.md); separate where the run asks for what
-    only separate processes do (`colocated_blockers`, or workers), and for run.mode=sync
+    only separate processes do (`colocated_blockers`, or workers), for several learner
+    ranks (colocated ranks run, but are not measured faster), and for run.mode=sync
     without a GPU (there the colocated turns measured slower than a learner and two
     workers)."""
     run = cfg.run
@@ -110,6 +112,11 @@ def auto_placement(cfg: DictConfig, gpus: int) -> tuple[str, str]:
             "run.mode=sync on a CPU: colocated turns measured slower than separate processes",
         ),
         (run.workers is not None, f"run.workers={run.workers} asks for worker processes"),
+        (
+            run.learner_procs > 1,
+            f"run.learner_procs={run.learner_procs}: colocated ranks are not measured faster "
+            "than separate processes",
+        ),
         *((True, setting) for setting, _ in colocated_blockers(cfg)),
     ]
     for separate, why in separate_because:

@@ -7,7 +7,8 @@ Every rank holds a shard of the model (`fully_shard` per decoder layer and on th
 FSDP2), runs every forward and backward (collectives), and steps its shard of the
 optimizer. NCCL between GPUs (one per rank), gloo on CPUs. Rank 0 alone owns the
 learner's sockets; what the others need of a step they get from it here (`scatter`,
-`broadcast`). A version is gathered whole to rank 0's CPU (`full_state_dict`); a
+`broadcast`). A version is gathered whole to rank 0's CPU (`full_state_dict`; in a
+colocated run to every rank, whose own engine takes it); a
 checkpoint is written and read by every rank through `torch.distributed.checkpoint`,
 so a run resumes at another world size. A process started without torchrun is a group
 of one.
@@ -232,6 +233,15 @@ def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, tensor.tolist(), strict=True))
 
 
+def new_group() -> Any:
+    """A second gloo group over every rank (collective: every rank makes it, in the same
+    order), for a thread whose collectives run beside the training loop's (a colocated
+    run's rollout threads); None without a process group of several ranks."""
+    if world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo")
+
+
 def broadcast(obj: Any = None) -> Any:
     """Rank 0's `obj`, on every rank."""
     box = [obj]
@@ -240,29 +250,33 @@ def broadcast(obj: Any = None) -> Any:
     return box[0]
 
 
-def scatter(per_rank: list[Any] | None) -> Any:
-    """Rank r gets `per_rank[r]` of rank 0's list (others pass None)."""
+def scatter(per_rank: list[Any] | None, group: Any = None) -> Any:
+    """Rank r gets `per_rank[r]` of rank 0's list (others pass None), over `group`
+    (default: the learner's)."""
     if world_size() == 1:
         return per_rank[0]
     box: list[Any] = [None]
-    dist.scatter_object_list(box, per_rank if dist.get_rank() == 0 else None, src=0)
+    dist.scatter_object_list(box, per_rank if dist.get_rank() == 0 else None, src=0, group=group)
     return box[0]
 
 
-def gather(obj: Any) -> list[Any] | None:
-    """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
+def gather(obj: Any, group: Any = None) -> list[Any] | None:
+    """Every rank's `obj`, in rank order, on rank 0 (None elsewhere), over `group`."""
     if world_size() == 1:
         return [obj]
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
+    dist.gather_object(obj, out, dst=0, group=group)
     return out
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model, gathered to rank 0's CPU (an empty dict on the other ranks).
-    Collective. Tied weights appear under each of their names."""
+def full_state_dict(model: nn.Module, every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model, gathered to rank 0's CPU (an empty dict on the other ranks), or
+    with `every_rank` to every rank, on its device (a colocated run: each rank's engine
+    takes the version from it). Collective. Tied weights appear under each of their
+    names."""
+    offload = not every_rank or world_size() == 1
     return get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload)
     )
 
 

@@ -46,7 +46,11 @@ def lease_sampling(lease: Mapping[str, Any]) -> SamplingParams:
 def roll_out(engine: RolloutEngine, task: Task, lease: Mapping[str, Any]) -> list[Trajectory]:
     """The lease's samples from `engine`, scored, as trajectories of the lease."""
     prompts = [task.prompt(index) for index in lease["prompts"]]
-    samples = engine.generate([p.text for p in prompts], lease_sampling(lease))
+    # A part of a lease split over a colocated run's ranks (`split_lease`) samples from
+    # the whole lease's streams (the torch engine, the one colocated runs, takes it).
+    first = lease.get("first_request", 0)
+    extra = {"first_request": first} if first else {}
+    samples = engine.generate([p.text for p in prompts], lease_sampling(lease), **extra)
     trajectories = []
     for sample in samples:
         prompt = prompts[sample.prompt_index]
@@ -64,3 +68,18 @@ def roll_out(engine: RolloutEngine, task: Task, lease: Mapping[str, Any]) -> lis
             )
         )
     return trajectories
+
+
+def split_lease(lease: Mapping[str, Any], parts: int) -> list[dict[str, Any]]:
+    """The lease's prompts in `parts` consecutive runs as even as can be (a colocated run's
+    ranks each generate one; a part may have none), each keeping the lease's number,
+    version and seed, and the streams its samples have in the whole lease
+    (`first_request`): the parts together make the lease's trajectories, in its order."""
+    prompts, n = list(lease["prompts"]), lease["sampling"]["n"]
+    size, extra = divmod(len(prompts), parts)
+    out, start = [], 0
+    for part in range(parts):
+        end = start + size + (part < extra)
+        out.append(dict(lease) | {"prompts": prompts[start:end], "first_request": start * n})
+        start = end
+    return out

@@ -79,6 +79,12 @@ PLACEMENTS = {
         "sync.probe.enabled=false",
     ],
     "asyncfp8 colocated sync (turns)": ["run.placement=colocated", "run.mode=sync"],
+    # two learner ranks (torchrun, gloo), each with its own engine and rollout thread
+    "asyncfp8 colocated async, 2 ranks": [
+        "run.placement=colocated",
+        "run.mode=async",
+        "run.learner_procs=2",
+    ],
 }
 TRL = f"TRL {TRL_VERSION} GRPOTrainer"
 

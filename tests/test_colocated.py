@@ -4,11 +4,13 @@ same books as the separate placement (leases, ledger, audit), the same samples f
 same seed, the version's tensors as a worker would have received them, the overlap kept
 within the staleness bound, a failed rollout thread reported, and a killed run resumes."""
 
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from threading import Event, Thread, current_thread
 
 import pytest
@@ -31,6 +33,7 @@ from asyncfp8.models import load_model
 from asyncfp8.precision import extra_roles, get_policy, version_weights
 from asyncfp8.precision.manifest import decoder_layers
 from asyncfp8.report import per_step
+from asyncfp8.rollout import roll_out, split_lease
 from asyncfp8.sync import (
     BackgroundPublisher,
     PublishFailed,
@@ -41,6 +44,7 @@ from asyncfp8.tasks import build_task
 from tests.test_e2e import launch
 from tests.test_run_lifecycle import compose
 
+REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "tcp://127.0.0.1:*"
 # One lease of the step's 4 groups at a time, as the colocated engine leases them.
 SYNC = ("run.mode=sync", "run.steps=4", "run.workers=1", "run.lease_groups=4", "eval.every=0")
@@ -157,7 +161,7 @@ def test_colocated_async_generates_the_next_step_while_the_learner_trains(tmp_pa
         (["run.mode=sync"], 0, "separate", "run.mode=sync on a CPU"),
         (["run.mode=sync"], 1, "colocated", "one device (one GPU)"),
         (["run.workers=2"], 0, "separate", "run.workers=2 asks for worker processes"),
-        (["run.learner_procs=2"], 0, "separate", "run.learner_procs=2"),
+        (["run.learner_procs=2"], 0, "separate", "run.learner_procs=2: colocated ranks"),
         (["engine=vllm"], 0, "separate", "engine=vllm runs in worker processes"),
         (["engine.slots=4", "run.inflight_updates=true"], 0, "separate", "inflight_updates"),
     ],
@@ -363,7 +367,11 @@ def test_a_killed_colocated_run_resumes_and_loses_nothing(tmp_path, tiny_model_d
 @pytest.mark.parametrize(
     ("overrides", "message", "code"),
     [
-        (["run.learner_procs=2"], r"one learner rank with its engine for now.*learner_procs=2", 2),
+        (
+            ["run.learner_procs=2", "engine.device=cuda:0"],
+            r"engine.device=cuda:0 would put every colocated rank's engine on one GPU",
+            2,
+        ),
         (["engine=vllm"], r"built-in engine in the learner's process.*engine=vllm", 2),
         (
             ["engine.slots=4", "run.inflight_updates=true"],
@@ -397,3 +405,142 @@ def test_what_colocated_cannot_do_is_refused_at_start_naming_the_setting(
     )
     assert done.returncode == code, done.stdout + done.stderr
     assert re.search(message, done.stdout + done.stderr), done.stdout + done.stderr
+
+
+# -- several learner ranks, each with its own engine (torchrun, gloo) ------------------------
+
+
+def test_a_lease_split_over_ranks_makes_the_whole_leases_tokens(tiny_model_dir):
+    engine = TorchEngine(str(tiny_model_dir), "bf16")
+    task = build_task(compose(f"model.path={tiny_model_dir}").task, tiny_model_dir)
+    lease = {
+        "lease": 7,
+        "prompts": [3, 4, 5, 6, 7],
+        "min_version": 0,
+        "sampling": {"n": 3, "temperature": 1.0, "max_new_tokens": 6, "seed": 11},
+    }
+    engine.version = 0
+    whole = roll_out(engine, task, lease)
+    parts = split_lease(lease, 3)
+    assert [p["prompts"] for p in parts] == [[3, 4], [5, 6], [7]]
+    assert [p["first_request"] for p in parts] == [0, 6, 12]
+    assert split_lease(lease, 7)[5:] == [lease | {"prompts": [], "first_request": 15}] * 2
+    joined = [t for part in parts for t in roll_out(engine, task, part)]
+    assert [(t.prompt_index, t.token_ids, t.logprobs) for t in joined] == [
+        (t.prompt_index, t.token_ids, t.logprobs) for t in whole
+    ]
+    # Not the same streams for every part: the samples differ between prompts' copies.
+    assert len({tuple(t.token_ids) for t in whole}) > 3
+
+
+def test_two_colocated_ranks_in_turns_train_on_what_two_ranks_and_a_worker_train_on(
+    tmp_path, tiny_model_dir
+):
+    # FP8 rollouts, a two-rank learner in both: each rank's engine generates its part of
+    # every lease with the version as it applied it, and the steps equal the separate
+    # placement's to the bit (the behaviour log-probs of rank 1's samples included).
+    common = (*SYNC, "run.learner_procs=2", "precision=fp8")
+    separate, _ = launch(tmp_path / "separate", tiny_model_dir, *common)
+    colocated, out = launch(
+        tmp_path / "colocated", tiny_model_dir, *common, "run.placement=colocated"
+    )
+    assert "learner (2 ranks) generating with its own engine" in out
+    a, b = per_step(separate), per_step(colocated)
+    assert [r["total/samples"] for r in b] == [16, 32, 48, 64]
+    for key in ("reward/mean", "optim/grad_norm", "mismatch/kl_k3"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert trained_samples(separate) == trained_samples(colocated)
+    log = (colocated / "learner.log").read_text()
+    # 4 steps of 4 groups of 4, two prompts a rank: rank 1 made half the samples, and
+    # checked each of the 5 versions' refit probe.
+    assert "learner rank 1's engine generated 32 samples" in log
+    assert re.search(r"applied 5 versions, 5 refit probes checked, 0 failed", log), log[-2000:]
+    result = audit(colocated, group_size=4, max_staleness=0)
+    assert result.lost == 0 and not result.duplicate_samples and result.stale_samples == 0
+
+
+def test_two_colocated_ranks_overlapped_lose_nothing(tmp_path, tiny_model_dir):
+    run_dir, _ = launch(
+        tmp_path,
+        tiny_model_dir,
+        "run.placement=colocated",
+        "run.mode=async",
+        "run.learner_procs=2",
+        "run.steps=8",
+        "eval.every=4",
+        "eval.prompts=8",
+    )
+    done = per_step(run_dir)
+    assert [r["step"] for r in done] == list(range(1, 9))
+    assert max(r["staleness/max"] for r in done) == 1
+    assert sum(r["staleness/mean"] for r in done[1:]) > 0
+    result = audit(run_dir, group_size=4, max_staleness=1)
+    assert result.lost == 0 and not result.duplicate_samples and not result.duplicate_prompts
+    log = (run_dir / "learner.log").read_text()
+    made = re.search(r"learner rank 1's engine generated (\d+) samples", log)
+    assert made and int(made.group(1)) >= 8 * 16 // 2, log[-2000:]
+    assert re.search(r"refit probes checked, 0 failed", log)
+
+
+def test_a_killed_two_rank_colocated_run_resumes_and_loses_nothing(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "asyncfp8.launch",
+        f"model.path={tiny_model_dir}",
+        f"run.dir={run_dir}",
+        *SMALL_RUN,
+        "run.placement=colocated",
+        "run.learner_procs=2",
+        "run.steps=24",
+        "run.checkpoint_every=3",
+        "eval.every=0",
+    ]
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and len(per_step(run_dir)) < 8:
+            time.sleep(0.05)
+        assert len(per_step(run_dir)) >= 8, (run_dir / "learner.log").read_text()[-3000:]
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)  # the launcher, torchrun and both ranks
+        launcher.wait()
+    resumed = subprocess.run(
+        [*command, "run.resume=true"], capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    done = per_step(run_dir)
+    assert [r["step"] for r in done] == list(range(1, 25))
+    result = audit(run_dir, group_size=4, max_staleness=1)
+    assert result.lost == 0 and not result.duplicate_samples and not result.duplicate_prompts
+    assert len(result.senders) == 2  # the killed process and the resumed one
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_failed_rank_engine_stops_the_colocated_rollouts_naming_the_rank(mode, tiny_model_dir):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            str(REPO / "tests" / "colocated_ranks_check.py"),
+            str(tiny_model_dir),
+            mode,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=os.environ | {"PYTHONPATH": str(REPO)},
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "rank 0: no failure" not in out
+    assert re.search(
+        r"rank 0: .*learner rank 1's engine failed: ValueError\('the engine broke'\)", out
+    )
+    assert "rank 1: stopped (thread alive: False), error ValueError('the engine broke')" in out

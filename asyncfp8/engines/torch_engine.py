@@ -487,12 +487,18 @@ class TorchEngine:
         return self._generate(jobs, list(budgets), sampling, indices)
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> list[Sample]:
+    def generate(
+        self, prompts: Sequence[str], sampling: SamplingParams, first_request: int = 0
+    ) -> list[Sample]:
+        """`sampling.n` samples per prompt; sample j of prompt i is request
+        `first_request + i * n + j`, whose stream it samples from: a lease split over a
+        colocated run's ranks (learner/colocated.py) makes the whole lease's tokens."""
         encoded = [self.tokenizer(p)["input_ids"] for p in prompts]
         jobs = [(i, ids) for i, ids in enumerate(encoded) for _ in range(sampling.n)]
         if not jobs:
             return []
-        return self._generate(jobs, [sampling.max_new_tokens] * len(jobs), sampling)
+        indices = range(first_request, first_request + len(jobs)) if first_request else None
+        return self._generate(jobs, [sampling.max_new_tokens] * len(jobs), sampling, indices)
 
     def _generate(
         self, jobs, budgets: list[int], sampling: SamplingParams, indices: list[int] | None = None

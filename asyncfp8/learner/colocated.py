@@ -20,7 +20,8 @@ Two ways to share it, by `run.mode`:
   applies and checks it between two generate calls (`RolloutThreadJobs`), so only that
   thread touches the engine and none of it is on the learner's step. The torch threads
   are split between the two.
-Today: one learner rank, the built-in torch engine.
+Under torchrun every rank has its own engine, and rank 0 splits each lease over them
+(`Colocated`). Today: the built-in torch engine.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from asyncfp8 import distributed
 from asyncfp8.engines import RolloutEngine
 from asyncfp8.inbox import Inbox
 from asyncfp8.refit import Probe, RefitChecker
-from asyncfp8.rollout import ROLLOUT_STATS, roll_out
+from asyncfp8.rollout import ROLLOUT_STATS, roll_out, split_lease
 from asyncfp8.sync.version_pubsub import PublishStats
 from asyncfp8.tasks import Task
 
@@ -113,7 +115,7 @@ class RolloutThreadJobs(Executor):
         #: called after a job is queued: the rollout thread may be waiting on the lease book
         self.wake: Callable[[], None] = lambda: None
         self._jobs: deque[tuple[Future, Callable, tuple, dict]] = deque()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._ended = False
         self._error: BaseException | None = None
 
@@ -127,6 +129,7 @@ class RolloutThreadJobs(Executor):
             queued = not self._ended
             if queued:
                 self._jobs.append((future, fn, args, kwargs))
+                self._lock.notify_all()
         if queued:
             self.wake()
         else:
@@ -137,6 +140,22 @@ class RolloutThreadJobs(Executor):
         """On the rollout thread: runs the jobs submitted so far, in order."""
         while job := self._next(end=False):
             self._run(*job, raise_error=True)
+
+    def run_until(self, reached: Callable[[], bool], timeout: float) -> None:
+        """On the rollout thread: runs jobs in order, one at a time, until `reached()`
+        (before each), waiting up to `timeout` seconds for the next to be submitted (a
+        follower rank's rollout thread, told by rank 0 which version to generate with,
+        before its own learner thread has handed that version over)."""
+        deadline = time.monotonic() + timeout
+        while not reached():
+            with self._lock:
+                while not self._jobs:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"no version job came within {timeout:.0f} s")
+                    self._lock.wait(left)
+            if job := self._next(end=False):
+                self._run(*job, raise_error=True)
 
     def end(self, error: BaseException | None, drain: bool = True) -> None:
         """On the rollout thread as it ends: runs what is pending (or, after `error`,
@@ -177,12 +196,42 @@ class RolloutThreadJobs(Executor):
         future.set_result(result)
 
 
-class Colocated:
-    """The learner's own engine (rank 0): its rollout turns (`run.mode=sync`) or its
-    rollout thread (`run.mode=async`), see the module's docstring."""
+class RolloutFailed(RuntimeError):
+    """The colocated rollouts cannot go on: rank 0's rollout thread, or a rank's engine,
+    failed (the message names which and why)."""
 
-    def __init__(self, cfg: DictConfig, engine: RolloutEngine, task: Task, policy):
+
+# What rank 0 tells the other ranks' engines (several ranks colocated): generate a part of
+# a lease with a version, the rollouts are over, or they stopped (preempted or failed).
+LEASE, DONE, STOPPED = "lease", "done", "stopped"
+
+
+class Colocated:
+    """A learner rank's own engine: its rollout turns (`run.mode=sync`) or its rollout
+    thread (`run.mode=async`), see the module's docstring.
+
+    With several ranks (torchrun) every rank has an engine. Rank 0 alone holds the books:
+    it leases a step's groups, splits each lease over the ranks (`split_lease`: each part
+    keeps its samples' streams, so the parts make the tokens one engine would), sends
+    every rank its part with the version to generate it with, generates its own and
+    gathers theirs, then delivers them all. The other ranks follow (`follow`). In turns
+    this runs on the learner's group between steps; overlapped, on the rollout threads'
+    own `group`, beside training. Every rank applies each version to its engine from the
+    weights gathered to it; a rank told to generate with a version it has not applied
+    yet waits for its learner thread to hand it over."""
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        engine: RolloutEngine,
+        task: Task,
+        policy,
+        rank: int = 0,
+        world: int = 1,
+        group: Any = None,
+    ):
         self.cfg, self.engine, self.task = cfg, engine, task
+        self.rank, self.world, self.group = rank, world, group
         self.overlap = cfg.run.mode == "async"
         self.stats = dict.fromkeys(ROLLOUT_STATS, 0.0)
         checker = RefitChecker.for_worker(cfg.sync.get("probe"), engine, policy)
@@ -199,14 +248,20 @@ class Colocated:
         #: the learner's thread publishes them)
         self.jobs = RolloutThreadJobs() if self.overlap else None
 
-    def start(self, inbox: Inbox) -> None:
-        """Overlapped: starts the rollout thread (it leases once the first version is out)."""
-        if self.overlap:
+    def start(self, inbox: Inbox | None) -> None:
+        """Overlapped: starts the rollout thread (rank 0's leases once the first version
+        is out; the other ranks' follow rank 0's)."""
+        if not self.overlap:
+            return
+        if inbox is not None:
             self.jobs.wake = inbox.wake
-            self._thread = threading.Thread(
-                target=self._rollouts, args=(inbox,), name="asyncfp8-rollout", daemon=True
-            )
-            self._thread.start()
+            target, args = self._rollouts, (inbox,)
+        else:
+            target, args = self._follow_rollouts, ()
+        self._thread = threading.Thread(
+            target=target, args=args, name="asyncfp8-rollout", daemon=True
+        )
+        self._thread.start()
 
     def fill(self, inbox: Inbox, groups: int) -> None:
         """In turns: generates until the inbox holds `groups` complete groups, one lease of
@@ -216,7 +271,7 @@ class Colocated:
         it; this raises what stopped that thread, if anything did."""
         if self.overlap:
             if self.error is not None:
-                raise RuntimeError(f"the colocated rollout thread failed: {self.error!r}") from (
+                raise RolloutFailed(f"the colocated rollout thread failed: {self.error!r}") from (
                     self.error
                 )
             return
@@ -230,10 +285,11 @@ class Colocated:
             self._generate(inbox, lease)
 
     def _rollouts(self, inbox: Inbox) -> None:
-        """The rollout thread: lease a step's groups, generate, deliver; as a worker does,
-        it waits while the lease book is full (the learner is a step behind) and stops
-        when the run is over."""
+        """Rank 0's rollout thread: lease a step's groups, generate, deliver; as a worker
+        does, it waits while the lease book is full (the learner is a step behind) and
+        stops when the run is over."""
         want = self.cfg.run.groups_per_step
+        end = DONE
         try:
             while not self._stop.is_set():
                 self.jobs.run_pending()
@@ -246,15 +302,26 @@ class Colocated:
                     continue
                 self.jobs.run_pending()  # the version this lease asks for, if just submitted
                 self._generate(inbox, lease)
+            end = STOPPED
         except BaseException as err:  # the learner raises it at its next wait (fill)
-            self.error = err
+            self.error, end = err, STOPPED
             log.exception("the colocated rollout thread failed")
             inbox.wake()  # a learner waiting for groups sees it now
         finally:
+            self._tell_the_others(end)
             # Stopped (preempted, or the learner failed): a pending version is cancelled
             # rather than made within the grace period. At the end of a run the learner
             # has waited for its last version already (Hub.finish).
             self.jobs.end(self.error, drain=not self._stop.is_set())
+
+    def _tell_the_others(self, end: str) -> None:
+        """Rank 0's rollout thread ends: the other ranks' threads end too."""
+        if self.world == 1:
+            return
+        try:
+            distributed.scatter([(end,)] * self.world, self.group)
+        except Exception:  # a rank already gone (its own failure ends the run)
+            log.exception("could not tell the other ranks' rollout threads to end")
 
     def _generate(self, inbox: Inbox, lease: dict[str, Any]) -> None:
         if self.engine.version is None or self.engine.version < lease["min_version"]:
@@ -263,7 +330,10 @@ class Colocated:
                 f"holds {self.engine.version}"
             )
         started = time.perf_counter()
-        trajectories = roll_out(self.engine, self.task, lease)
+        if self.world == 1:
+            trajectories = roll_out(self.engine, self.task, lease)
+        else:
+            trajectories = self._generate_on_every_rank(lease)
         self.stats["generate_s"] += time.perf_counter() - started
         self.stats["samples"] += len(trajectories)
         self.stats["tokens"] += sum(len(t.token_ids) for t in trajectories)
@@ -276,11 +346,100 @@ class Colocated:
             self.seq += 1
         inbox.deliver(trajectories)
 
+    def _generate_on_every_rank(self, lease: dict[str, Any]) -> list:
+        """Rank 0: the lease split over the ranks, each part generated by its rank's engine
+        with the version rank 0's holds; the trajectories in the lease's order."""
+        parts = split_lease(lease, self.world)
+        distributed.scatter([(LEASE, part, self.engine.version) for part in parts], self.group)
+        mine: list = []
+        failure = None
+        try:
+            mine = roll_out(self.engine, self.task, parts[0])
+        except Exception as err:  # the others still answer this round
+            failure = f"learner rank 0's engine failed: {err!r}"
+            log.exception("learner rank 0's engine failed")
+        answers = distributed.gather(None, self.group)
+        trajectories = list(mine)
+        for rank, answer in enumerate(answers[1:], start=1):
+            status, payload = answer
+            if status != "ok":
+                failure = failure or f"learner rank {rank}'s engine failed: {payload}"
+            else:
+                trajectories.extend(payload)
+        if failure is not None:
+            raise RolloutFailed(failure)
+        return trajectories
+
+    def follow(self, message: tuple) -> bool:
+        """A rank other than 0: carries out one of rank 0's messages (generates its part
+        of a lease and answers with the trajectories, or with what failed); False when
+        the rollouts are over."""
+        if message[0] != LEASE:
+            return False
+        _, part, version = message
+        try:
+            self._hold(version)
+            started = time.perf_counter()
+            trajectories = roll_out(self.engine, self.task, part) if part["prompts"] else []
+            self.stats["generate_s"] += time.perf_counter() - started
+            self.stats["samples"] += len(trajectories)
+            self.stats["tokens"] += sum(len(t.token_ids) for t in trajectories)
+            answer: tuple = ("ok", trajectories)
+        except Exception as err:  # rank 0 stops the run, naming it
+            log.exception("this rank's colocated engine failed")
+            self.error = err
+            answer = ("error", repr(err))
+        distributed.gather(answer, self.group)
+        return True
+
+    def _hold(self, version: int) -> None:
+        """This rank's engine on `version`, the one rank 0 generates with: in turns its
+        learner thread applied it already; overlapped, the version jobs up to it are run
+        (waiting for the learner thread to submit it, within run.dist_timeout)."""
+        if self.jobs is not None:
+
+            def reached() -> bool:
+                return self.engine.version is not None and self.engine.version >= version
+
+            self.jobs.run_until(reached, self.cfg.run.dist_timeout)
+        if self.engine.version != version:
+            raise RuntimeError(
+                f"rank 0 generates with version {version}, this rank's engine holds "
+                f"{self.engine.version}"
+            )
+
+    def _follow_rollouts(self) -> None:
+        """A rank other than 0, overlapped: its rollout thread follows rank 0's."""
+        end = STOPPED
+        try:
+            while True:
+                message = distributed.scatter(None, self.group)
+                if not self.follow(message):
+                    end = message[0]
+                    return
+        except BaseException as err:
+            self.error = err
+            log.exception("the colocated rollout thread failed")
+        finally:
+            self.jobs.end(self.error, drain=end == DONE)
+
+    def summary(self) -> str:
+        """What this rank's engine did (the other ranks log it at the end)."""
+        stats = self.stats
+        return (
+            f"learner rank {self.rank}'s engine generated {stats['samples']:.0f} samples "
+            f"({stats['tokens']:.0f} tokens) in {stats['generate_s']:.1f} s; applied "
+            f"{stats['updates']:.0f} versions, {stats['refit/probes']:.0f} refit probes "
+            f"checked, {stats['refit/failures']:.0f} failed"
+        )
+
     def stop(self, timeout: float | None = None) -> None:
-        """Stops the rollout thread after its current generate call."""
+        """Stops the rollout thread after its current generate call. On the other ranks it
+        ends when rank 0's tells it to, which rank 0 does as it stops: this waits for that
+        (at most `timeout`, or a minute)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(timeout if timeout is not None or self.rank == 0 else 60)
 
     def close(self) -> None:
         self.stop()

@@ -6,8 +6,9 @@ book, the ledger of what each step trained on, the metrics log, and the protocol
 hands every rank its share of a step (or STOP when the run stops). Colocated
 (`colocated.py`), it has no sockets: versions go to the learner's own engine, and the
 engine's rollout turns fill the inbox. `RankHub` is its
-counterpart on the other ranks: it receives its share and does nothing else, so the
-learner's loop reads the same on every rank.
+counterpart on the other ranks: it receives its share (colocated, and its engine's part
+of each lease) and does nothing else, so the learner's loop reads the same on every
+rank.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from asyncfp8.process import StopFlag, curve, endpoints
 from asyncfp8.runconfig import save_config
 from asyncfp8.sync import BackgroundPublisher, HandshakeWatch, Limits, VersionPublisher
 
-from .colocated import Colocated
+from .colocated import LEASE, Colocated, RolloutFailed
 from .step import Share, StepSums, all_rewards_equal
 from .step_metrics import StepMetrics
 
@@ -150,7 +151,7 @@ class Hub:
         except Preempted:
             distributed.scatter([(STOP, self.stop.signal or 15)] * self.world)
             raise
-        except SystemExit:
+        except (SystemExit, RolloutFailed):
             distributed.scatter([(STOP, None)] * self.world)
             raise
         share = distributed.scatter(plan(groups))
@@ -276,18 +277,23 @@ class Hub:
 
 
 class RankHub:
-    """The other ranks' hub: their share of each step from rank 0, and nothing else."""
+    """The other ranks' hub: their share of each step from rank 0, and nothing else; in a
+    colocated run also their engine's part of each lease (`Colocated.follow`)."""
 
-    sender = None
-
-    def __init__(self, stop: StopFlag):
-        self.stop = stop
+    def __init__(self, stop: StopFlag, colocated: Colocated | None = None):
+        self.stop, self.colocated = stop, colocated
+        self.sender: BackgroundPublisher | None = None
+        if colocated is not None:  # each version to this rank's own engine, as on rank 0
+            self.sender = BackgroundPublisher(
+                colocated.versions, background=False, executor=colocated.jobs
+            )
 
     def open_logs(self, run_dir: Path, resumed_step: int | None) -> None:
         pass
 
     def start(self) -> None:
-        pass
+        if self.colocated is not None:
+            self.colocated.start(None)
 
     def say(self, message: str, *args: Any) -> None:
         pass
@@ -298,6 +304,10 @@ class RankHub:
     def next_share(self, step: int, version: int, plan) -> tuple[Share, None, float]:
         waited = time.perf_counter()
         share = distributed.scatter(None)
+        # Colocated in turns: rank 0's rollout turn comes first, its leases split over us.
+        while isinstance(share, tuple) and share[0] == LEASE:
+            self.colocated.follow(share)
+            share = distributed.scatter(None)
         if isinstance(share, tuple) and share[0] == STOP:
             if share[1] is None:
                 raise SystemExit(1)  # rank 0 failed and said why in its log
@@ -321,10 +331,19 @@ class RankHub:
         pass
 
     def abort(self) -> None:
-        pass
+        if self.colocated is not None:
+            self.colocated.stop(timeout=60)
 
     def finish(self) -> None:
-        pass
+        """Colocated: the rollout thread has ended (rank 0's said the run is done) and
+        this rank's last version is applied."""
+        if self.colocated is not None:
+            self.colocated.stop()
+            if self.colocated.error is not None:
+                raise RolloutFailed(f"this rank's engine failed: {self.colocated.error!r}")
+            self.sender.wait()
+            log.info(self.colocated.summary())
 
     def close(self) -> None:
-        pass
+        if self.colocated is not None:
+            self.colocated.close()

@@ -9,8 +9,8 @@ The loop (`Learner.run`) is the algorithm; each part has its own module:
   calibrated, the refit probe, the background sender);
 - `checkpoints.py`: checkpoints, resume and export;
 - `step_metrics.py`: what rank 0 logs per step;
-- `colocated.py`: `run.placement=colocated`, the learner's own engine taking turns with
-  training (the hub asks it for each step's groups).
+- `colocated.py`: `run.placement=colocated`, each rank's own engine taking turns with
+  training or generating beside it (the hub asks it for each step's groups).
 """
 
 from __future__ import annotations
@@ -58,11 +58,6 @@ class Learner:
         self.ranks = distributed.start(run.device, run.dist_timeout)
         check_split(run.groups_per_step * run.group_size, optim.mini_batches, self.ranks.world)
         self.colocated_placement = placement_of(run) == "colocated"
-        if self.colocated_placement and self.ranks.world != 1:
-            raise ValueError(
-                f"run.placement=colocated runs one learner rank with its engine for now; "
-                f"this learner has {self.ranks.world} (torchrun): run.placement=separate"
-            )
         # Colocated and async, a rollout thread generates beside the training one: the
         # cores are split between the two as between two processes.
         workers = int(run.mode == "async") if self.colocated_placement else worker_count(run)
@@ -100,6 +95,7 @@ class Learner:
             reference=self.reference,
             world=self.ranks.world,
         )
+        colocated = self._colocated_engine()
         self.hub = (
             Hub(
                 cfg,
@@ -107,10 +103,10 @@ class Learner:
                 self.ranks.world,
                 self.stop,
                 StepMetrics(self.correction, tokenizer.pad_token_id),
-                self._colocated_engine(),
+                colocated,
             )
             if self.ranks.main
-            else RankHub(self.stop)
+            else RankHub(self.stop, colocated)
         )
         self.publisher = Publisher(
             self.model,
@@ -123,6 +119,7 @@ class Learner:
             self._prompt_batch(),
             self.hub.sender,
             self._probe_reference(),
+            every_rank=self.colocated_placement,
         )
         self.checkpointer = Checkpointer(
             self.dir, self.model, self.optimizer, self.scheduler, self.ranks, run.keep_checkpoints
@@ -298,17 +295,28 @@ class Learner:
         return [(extra[n["k"]].float().to(device), extra[n["v"]].float().to(device)) for n in names]
 
     def _colocated_engine(self) -> Colocated | None:
-        """With run.placement=colocated, the learner's own rollout engine (rank 0)."""
+        """With run.placement=colocated, this rank's own rollout engine, on its device
+        (under torchrun each rank has one; overlapped, their rollout threads talk over a
+        group of their own)."""
         if not self.colocated_placement:
             return None
-        engine = build_engine(self.cfg.engine, str(self.model_dir), self.policy)
-        return Colocated(self.cfg, engine, self.task, self.policy)
+        settings = dict(self.cfg.engine)
+        if self.ranks.device.type == "cuda" and settings.get("device", "auto") in ("auto", "cuda"):
+            settings["device"] = str(self.ranks.device)  # this rank's GPU, not the first
+        engine = build_engine(settings, str(self.model_dir), self.policy)
+        group = distributed.new_group() if self.cfg.run.mode == "async" else None
+        return Colocated(
+            self.cfg, engine, self.task, self.policy, self.ranks.rank, self.ranks.world, group
+        )
 
     def _probe_reference(self) -> ReferenceForward | None:
-        """The refit probe's reference (asyncfp8/refit.py), on rank 0: what an engine
-        running each version must compute on a few sequences, shipped with the version."""
+        """The refit probe's reference (asyncfp8/refit.py), on rank 0 (colocated, on every
+        rank, each checking its own engine): what an engine running each version must
+        compute on a few sequences, shipped with the version."""
         probe = self.cfg.sync.get("probe")
-        if not self.ranks.main or probe is None or not probe.enabled:
+        if probe is None or not probe.enabled:
+            return None
+        if not (self.ranks.main or self.colocated_placement):
             return None
         return ReferenceForward(self.model_dir, self.policy)
 

@@ -4,7 +4,8 @@ Every rank takes part in the gather and the calibration (collectives); rank 0 re
 the number on disk before any byte leaves (a learner killed mid-send must not have its
 number reused by the one that resumes) and submits the snapshot to the background
 sender (`asyncfp8.sync.BackgroundPublisher`), which quantizes it by the precision policy,
-encodes and sends it while the next step trains. With the refit probe on, the sender's
+encodes and sends it while the next step trains (colocated, every rank gathers the whole
+model and submits it to its own engine's, which applies it without encoding). With the refit probe on, the sender's
 thread also computes the probe's reference log-probs from the same snapshot
 (`asyncfp8.refit`).
 """
@@ -45,10 +46,13 @@ class Publisher:
         first_calibration: dict[str, torch.Tensor],
         sender: BackgroundPublisher | None,
         probe_reference: ReferenceForward | None,
+        every_rank: bool = False,
     ):
         self.model, self.policy, self.sync, self.ranks = model, policy, sync, ranks
         self.run_dir, self.dtype, self.pad_token_id = run_dir, dtype, pad_token_id
         self.sender, self.probe_reference = sender, probe_reference
+        #: colocated: every rank gathers the whole model (its own engine takes it)
+        self.every_rank = every_rank
         #: the rows the next version's KV scales (and its refit probe) come from
         self.calibration_batch = first_calibration
         self.version: int | None = None  # the latest version published
@@ -66,7 +70,7 @@ class Publisher:
 
     def publish(self) -> dict[str, float]:
         """The current weights out as the next version (collective); rank 0 gets the
-        sync metrics, the other ranks {}."""
+        sync metrics, the other ranks {} (colocated: their own engine's)."""
         self.version = 0 if self.version is None else self.version + 1
         started = time.perf_counter()
         if self.ranks.main:
@@ -74,7 +78,8 @@ class Publisher:
             latest.with_suffix(".tmp").write_text(str(self.version))
             os.replace(latest.with_suffix(".tmp"), latest)
         with torch.no_grad():
-            full = distributed.full_state_dict(self.model)  # on rank 0's CPU, in FP32
+            # on rank 0's CPU, in FP32 (colocated: on every rank)
+            full = distributed.full_state_dict(self.model, self.every_rank)
             with without_logits(self.model):
                 extra = calibrate_version(self.model, self.policy, self.calibration_batch)
         self.latest_extra = extra
