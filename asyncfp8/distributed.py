@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from asyncfp8.process import die_with_parent
@@ -233,13 +234,14 @@ def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, tensor.tolist(), strict=True))
 
 
-def new_group() -> Any:
+def new_group(timeout_s: float) -> Any:
     """A second gloo group over every rank (collective: every rank makes it, in the same
     order), for a thread whose collectives run beside the training loop's (a colocated
-    run's rollout threads); None without a process group of several ranks."""
+    run's rollout threads), giving up after `timeout_s` as the learner's do; None
+    without a process group of several ranks."""
     if world_size() == 1:
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def broadcast(obj: Any = None) -> Any:
@@ -271,12 +273,16 @@ def gather(obj: Any, group: Any = None) -> list[Any] | None:
 
 def full_state_dict(model: nn.Module, every_rank: bool = False) -> dict[str, torch.Tensor]:
     """The whole model, gathered to rank 0's CPU (an empty dict on the other ranks), or
-    with `every_rank` to every rank, on its device (a colocated run: each rank's engine
-    takes the version from it). Collective. Tied weights appear under each of their
-    names."""
-    offload = not every_rank or world_size() == 1
+    with `every_rank` to every rank's CPU (a colocated run: each rank's engine takes the
+    version from it; gathered one tensor at a time, so a GPU holds one whole tensor at
+    most beside its shards). Collective. Tied weights appear under each of their names."""
+    if every_rank and world_size() > 1:
+        return {
+            name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+            for name, t in model.state_dict().items()
+        }
     return get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload)
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
 
 

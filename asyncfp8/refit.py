@@ -225,8 +225,9 @@ class ReferenceForward:
     the model in the engine's compute dtype (the policy's `engine_dtype`, as the torch
     engine's, BF16 by default) whose quantized linear layers are fake-quantized by the policy
     (weights and inputs) and, for an FP8 KV cache, whose attention reads keys and values
-    rounded to e4m3 with the version's scales. It lives on rank 0 and is loaded with the
-    masters each version is quantized from.
+    rounded to e4m3 with the version's scales. It lives on rank 0 (colocated, on every
+    rank, for that rank's engine) and is loaded with the masters each version is
+    quantized from.
 
     Why the engine's dtype and not FP32: this tiny model's logits reach -50, where BF16
     resolves 0.25, so an FP32 reference sits up to 6.6 (mean 0.09) from a correct BF16

@@ -33,7 +33,7 @@ def main(model_dir: str, mode: str) -> None:
     ranks = distributed.start("cpu", 60)
     cfg = compose(f"model.path={model_dir}", f"run.mode={mode}", "sync.probe.enabled=false")
     task = build_task(cfg.task, model_dir)
-    group = distributed.new_group() if mode == "async" else None
+    group = distributed.new_group(60) if mode == "async" else None
     if ranks.main:
         engine = TorchEngine(model_dir, "bf16")
         engine.version = 1  # the weights it loaded, as version 1

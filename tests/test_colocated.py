@@ -231,6 +231,24 @@ def test_rollout_thread_jobs_run_in_order_there_and_inline_once_it_has_ended():
     assert ran[-1] == (3, current_thread().name)  # nobody left to queue it for
 
 
+def test_run_until_runs_jobs_in_order_up_to_the_target_waiting_for_the_next():
+    jobs = RolloutThreadJobs()
+    held = []
+    for version in (1, 2):
+        jobs.submit(held.append, version)
+    jobs.run_until(lambda: bool(held) and held[-1] >= 1, timeout=5)
+    assert held == [1]  # not past the target: version 2 stays queued
+    later = Thread(target=lambda: (time.sleep(0.2), jobs.submit(held.append, 3)))
+    later.start()
+    jobs.run_until(lambda: held[-1] >= 3, timeout=30)  # 2 now, then 3 once submitted
+    later.join()
+    assert held == [1, 2, 3]
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="no version job came within"):
+        jobs.run_until(lambda: held[-1] >= 4, timeout=0.3)
+    assert 0.3 <= time.monotonic() - started < 5
+
+
 def test_after_the_rollout_thread_failed_its_jobs_fail_and_new_ones_are_refused():
     jobs = RolloutThreadJobs()
     pending = jobs.submit(lambda: None)
@@ -479,10 +497,14 @@ def test_two_colocated_ranks_overlapped_lose_nothing(tmp_path, tiny_model_dir):
     log = (run_dir / "learner.log").read_text()
     made = re.search(r"learner rank 1's engine generated (\d+) samples", log)
     assert made and int(made.group(1)) >= 8 * 16 // 2, log[-2000:]
-    assert re.search(r"refit probes checked, 0 failed", log)
+    # rank 1 applied and checked at least the versions the 8 steps trained on
+    checked = re.search(r"applied (\d+) versions, (\d+) refit probes checked, 0 failed", log)
+    assert checked and int(checked.group(1)) >= 8 and int(checked.group(2)) >= 8, log[-2000:]
 
 
-def test_a_killed_two_rank_colocated_run_resumes_and_loses_nothing(tmp_path, tiny_model_dir):
+def test_a_stopped_two_rank_colocated_run_resumes_and_loses_nothing(tmp_path, tiny_model_dir):
+    # Ctrl-C: rank 0's rollout thread stops and tells rank 1's, both ranks checkpoint and
+    # exit; the resumed run trains every step once and loses no sample.
     run_dir = tmp_path / "run"
     command = [
         sys.executable,
@@ -493,30 +515,35 @@ def test_a_killed_two_rank_colocated_run_resumes_and_loses_nothing(tmp_path, tin
         *SMALL_RUN,
         "run.placement=colocated",
         "run.learner_procs=2",
-        "run.steps=24",
+        "run.steps=400",
         "run.checkpoint_every=3",
         "eval.every=0",
     ]
-    launcher = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and len(per_step(run_dir)) < 8:
+            assert first.poll() is None, first.stdout.read()[-3000:]
             time.sleep(0.05)
-        assert len(per_step(run_dir)) >= 8, (run_dir / "learner.log").read_text()[-3000:]
+        first.send_signal(signal.SIGINT)
+        out, _ = first.communicate(timeout=120)
     finally:
-        os.killpg(launcher.pid, signal.SIGKILL)  # the launcher, torchrun and both ranks
-        launcher.wait()
+        first.kill()
+    assert first.returncode == 130, out[-3000:]
+    stopped_at = len(per_step(run_dir))
+    assert "stopped by signal" in (run_dir / "learner.log").read_text()
     resumed = subprocess.run(
-        [*command, "run.resume=true"], capture_output=True, text=True, timeout=300
+        [*command, "run.resume=true", "run.steps=" + str(stopped_at + 6)],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     done = per_step(run_dir)
-    assert [r["step"] for r in done] == list(range(1, 25))
+    assert [r["step"] for r in done] == list(range(1, stopped_at + 7))
     result = audit(run_dir, group_size=4, max_staleness=1)
     assert result.lost == 0 and not result.duplicate_samples and not result.duplicate_prompts
-    assert len(result.senders) == 2  # the killed process and the resumed one
+    assert len(result.senders) == 2  # the stopped process and the resumed one
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

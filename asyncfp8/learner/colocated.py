@@ -107,7 +107,8 @@ class RolloutThreadJobs(Executor):
     """Work the learner hands its rollout thread (overlapped): each version's publish,
     which the thread runs before its next lease and generate call (`run_pending`). A
     version is submitted before the lease book learns its number, so a lease that asks
-    for it finds it here. A job that raises stops the thread (it cannot generate what
+    for it finds it here. With several colocated ranks, another rank's thread runs its
+    jobs up to the version rank 0 names (`run_until`). A job that raises stops the thread (it cannot generate what
     the learner expects); once the thread has ended, new jobs run on the caller's thread,
     or are refused naming the thread's error."""
 
@@ -291,6 +292,7 @@ class Colocated:
         want = self.cfg.run.groups_per_step
         end = DONE
         try:
+            self._on_the_engines_device()
             while not self._stop.is_set():
                 self.jobs.run_pending()
                 started = time.perf_counter()
@@ -308,11 +310,19 @@ class Colocated:
             log.exception("the colocated rollout thread failed")
             inbox.wake()  # a learner waiting for groups sees it now
         finally:
-            self._tell_the_others(end)
             # Stopped (preempted, or the learner failed): a pending version is cancelled
             # rather than made within the grace period. At the end of a run the learner
-            # has waited for its last version already (Hub.finish).
+            # has waited for its last version already (Hub.finish). Settled before the
+            # other ranks are told, which waits on them.
             self.jobs.end(self.error, drain=not self._stop.is_set())
+            self._tell_the_others(end)
+
+    def _on_the_engines_device(self) -> None:
+        """A new thread starts on CUDA device 0: the rollout thread works on its engine's
+        (each rank's own GPU), where its kernels launch and its CUDA graphs capture."""
+        device = getattr(self.engine, "device", None)
+        if isinstance(device, torch.device) and device.type == "cuda":
+            torch.cuda.set_device(device)
 
     def _tell_the_others(self, end: str) -> None:
         """Rank 0's rollout thread ends: the other ranks' threads end too."""
@@ -412,6 +422,7 @@ class Colocated:
         """A rank other than 0, overlapped: its rollout thread follows rank 0's."""
         end = STOPPED
         try:
+            self._on_the_engines_device()
             while True:
                 message = distributed.scatter(None, self.group)
                 if not self.follow(message):
@@ -434,12 +445,13 @@ class Colocated:
         )
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stops the rollout thread after its current generate call. On the other ranks it
-        ends when rank 0's tells it to, which rank 0 does as it stops: this waits for that
-        (at most `timeout`, or a minute)."""
+        """Stops the rollout thread after its current generate call, waiting for it at
+        most `timeout` seconds (None: until it has). On the other ranks it ends when rank
+        0's tells it to, which rank 0 does as its own ends (at the end of a run, after
+        its last checkpoint and export; a rank 0 that dies takes the group down)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout if timeout is not None or self.rank == 0 else 60)
+            self._thread.join(timeout)
 
     def close(self) -> None:
         self.stop()

@@ -13,6 +13,7 @@ rank.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -151,8 +152,9 @@ class Hub:
         except Preempted:
             distributed.scatter([(STOP, self.stop.signal or 15)] * self.world)
             raise
-        except (SystemExit, RolloutFailed):
-            distributed.scatter([(STOP, None)] * self.world)
+        except (SystemExit, Exception):  # a failed rollout, or anything: the others stop too
+            with contextlib.suppress(Exception):  # unless the group itself is what failed
+                distributed.scatter([(STOP, None)] * self.world)
             raise
         share = distributed.scatter(plan(groups))
         return share, groups, time.perf_counter() - waited
@@ -335,8 +337,8 @@ class RankHub:
             self.colocated.stop(timeout=60)
 
     def finish(self) -> None:
-        """Colocated: the rollout thread has ended (rank 0's said the run is done) and
-        this rank's last version is applied."""
+        """Colocated: waits for the rollout thread to end (rank 0's says the run is done
+        after its last checkpoint and export) and for this rank's versions to settle."""
         if self.colocated is not None:
             self.colocated.stop()
             if self.colocated.error is not None:

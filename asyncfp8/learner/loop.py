@@ -58,10 +58,13 @@ class Learner:
         self.ranks = distributed.start(run.device, run.dist_timeout)
         check_split(run.groups_per_step * run.group_size, optim.mini_batches, self.ranks.world)
         self.colocated_placement = placement_of(run) == "colocated"
-        # Colocated and async, a rollout thread generates beside the training one: the
-        # cores are split between the two as between two processes.
-        workers = int(run.mode == "async") if self.colocated_placement else worker_count(run)
-        set_threads(run.threads, workers + self.ranks.world)
+        # Colocated and async, on every rank a rollout thread generates beside the training
+        # one: the cores are split between all of them as between processes.
+        if self.colocated_placement:
+            busy = (1 + int(run.mode == "async")) * self.ranks.world
+        else:
+            busy = worker_count(run) + self.ranks.world
+        set_threads(run.threads, busy)
         for seed in (torch.manual_seed, random.seed, np.random.seed):
             seed(run.seed)
         self.dir = Path(run.dir)
@@ -301,10 +304,17 @@ class Learner:
         if not self.colocated_placement:
             return None
         settings = dict(self.cfg.engine)
-        if self.ranks.device.type == "cuda" and settings.get("device", "auto") in ("auto", "cuda"):
-            settings["device"] = str(self.ranks.device)  # this rank's GPU, not the first
+        device = str(settings.get("device", "auto"))
+        if self.ranks.world > 1 and device.startswith("cuda:"):
+            raise ValueError(
+                f"engine.device={device} would put all {self.ranks.world} colocated ranks' "
+                "engines on one GPU; with engine.device=auto each rank's runs on its own"
+            )
+        if device in ("auto", "cuda") and torch.cuda.is_available():
+            settings["device"] = f"cuda:{self.ranks.local_rank}"  # this rank's GPU
         engine = build_engine(settings, str(self.model_dir), self.policy)
-        group = distributed.new_group() if self.cfg.run.mode == "async" else None
+        run = self.cfg.run
+        group = distributed.new_group(run.dist_timeout) if run.mode == "async" else None
         return Colocated(
             self.cfg, engine, self.task, self.policy, self.ranks.rank, self.ranks.world, group
         )
