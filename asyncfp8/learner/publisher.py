@@ -5,9 +5,9 @@ the number on disk before any byte leaves (a learner killed mid-send must not ha
 number reused by the one that resumes) and submits the snapshot to the background
 sender (`asyncfp8.sync.BackgroundPublisher`), which quantizes it by the precision policy,
 encodes and sends it while the next step trains (colocated, every rank gathers the whole
-model and submits it to its own engine's, which applies it without encoding). With the refit probe on, the sender's
-thread also computes the probe's reference log-probs from the same snapshot
-(`asyncfp8.refit`).
+model and submits it to its own engine's, which applies it without encoding). With the
+refit probe on, the sender's thread also computes the probe's reference log-probs from
+the same snapshot (`asyncfp8.refit`).
 """
 
 from __future__ import annotations
