@@ -353,6 +353,13 @@ def main() -> int:
         help="more Hydra overrides for every asyncfp8 system (e.g. precision.lm_head_fp32=true)",
     )
     parser.add_argument(
+        "--job",
+        nargs="+",
+        default=[],
+        help="Hydra overrides of the job itself, for every system, TRL's included (its "
+        "optim.* are mapped onto GRPOConfig, e.g. optim.schedule=cosine)",
+    )
+    parser.add_argument(
         "--curve",
         type=int,
         default=0,
@@ -371,7 +378,12 @@ def main() -> int:
     threads = os.cpu_count() or 1
     python = trl_python(args.trl_venv) if TRL in systems else None
     root = args.keep or Path(tempfile.mkdtemp(prefix="peers-"))
-    job_overrides = [f"run.steps={args.steps}", "eval.every=0", "run.tensorboard=false"]
+    job_overrides = [
+        f"run.steps={args.steps}",
+        "eval.every=0",
+        "run.tensorboard=false",
+        *args.job,
+    ]
     curve_overrides = []
     if args.curve:  # every checkpoint kept: the curve's points
         keep = args.steps // args.curve + 2
@@ -428,6 +440,7 @@ def main() -> int:
             "benchmark": "peers",
             "job": "the launcher's default job, eval.every=0",
             "asyncfp8_overrides": args.overrides,
+            "job_overrides": args.job,
             "steps": args.steps,
             "skip": args.skip,
             "curve_every": args.curve,

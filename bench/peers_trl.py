@@ -17,7 +17,8 @@ hyperparameters, mapped onto GRPOConfig so that TRL trains what asyncfp8 trains:
 | optim.aggregation token_mean | loss_type "dapo" (tokens of the whole batch) |
 | optim.advantage_scale std | scale_rewards "group" |
 | optim.kl_coef 0 | beta 0 (no reference model) |
-| AdamW(lr, betas, eps, weight_decay), optim.warmup_steps then constant, grad_clip | the same, lr_scheduler_type constant_with_warmup, max_grad_norm |
+| AdamW(lr, betas, eps, weight_decay), optim.warmup_steps, grad_clip | the same, warmup_steps, max_grad_norm |
+| optim.schedule constant / cosine (to 0.1 × lr at the last step) | lr_scheduler_type constant_with_warmup / cosine_with_min_lr (min_lr_rate 0.1) |
 | the prompt stream in order | shuffle_dataset false |
 | run.temperature, run.max_new_tokens | temperature, top_p 1, max_completion_length |
 | FP32 on the CPU | use_cpu, bf16 false |
@@ -123,6 +124,13 @@ def main() -> int:
         [{"prompt": p["text"], "answer": p["answer"]} for p in job["prompts"]]
     )
     optim = job["optim"]
+    schedules = {
+        "constant": ("constant_with_warmup", {}),
+        "cosine": ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
+    }
+    if optim["schedule"] not in schedules:
+        raise SystemExit(f"peers_trl: no GRPOConfig mapping for optim.schedule={optim['schedule']}")
+    scheduler, scheduler_kwargs = schedules[optim["schedule"]]
     config = GRPOConfig(
         output_dir=str(args.out / "trainer"),
         max_steps=job["steps"],
@@ -137,7 +145,8 @@ def main() -> int:
         adam_epsilon=optim["eps"],
         weight_decay=optim["weight_decay"],
         max_grad_norm=optim["grad_clip"],
-        lr_scheduler_type="constant_with_warmup",
+        lr_scheduler_type=scheduler,
+        lr_scheduler_kwargs=scheduler_kwargs,
         warmup_steps=optim["warmup_steps"],
         epsilon=optim["clip_low"],
         epsilon_high=optim["clip_high"],
