@@ -25,6 +25,7 @@ from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_che
 from asyncfp8.sync.version_pubsub import is_local
 from asyncfp8.tasks import Task, build_task
 
+COLOCATED_ENGINES = ("torch", "vllm")  # the engines that run in the learner's process
 TENSORBOARD_INSTALL = 'pip install -c constraints.txt -e ".[tensorboard]"'
 
 
@@ -72,10 +73,18 @@ def colocated_blockers(cfg: DictConfig) -> list[tuple[str, str]]:
             f"each rank's engine runs on its rank's device with engine.device=auto",
         ),
         (
-            cfg.engine.name != "torch",
+            cfg.engine.name not in COLOCATED_ENGINES,
             f"engine={cfg.engine.name} runs in worker processes",
-            f"run.placement=colocated runs the built-in engine in the learner's process for "
-            f"now, got engine={cfg.engine.name}; use engine=torch or run.placement=separate",
+            f"run.placement=colocated runs engine=torch or engine=vllm in the learner's "
+            f"process, got engine={cfg.engine.name}; use one of those or run.placement=separate",
+        ),
+        (
+            cfg.engine.name == "vllm" and run.learner_procs > 1,
+            f"engine=vllm with run.learner_procs={run.learner_procs}",
+            f"engine=vllm with run.learner_procs={run.learner_procs}: vLLM in a learner "
+            "rank's process would build its parallel groups on the learner ranks' own "
+            "torch.distributed world (torchrun's); colocated ranks each run engine=torch, "
+            "or one learner rank (run.learner_procs=1) runs vLLM, or run.placement=separate",
         ),
         (
             bool(run.get("inflight_updates", False)),
@@ -101,15 +110,20 @@ def auto_placement(cfg: DictConfig, gpus: int) -> tuple[str, str]:
     110.9 against 112.6 trained samples/s within the seeds' spread, holding one copy of
     the model: bench/peers.py, docs/results.md); separate where the run asks for what
     only separate processes do (`colocated_blockers`, or workers), for several learner
-    ranks (colocated ranks run, but are not measured faster), and for run.mode=sync
-    without a GPU (there the colocated turns measured slower than a learner and two
-    workers)."""
+    ranks (colocated ranks run, but are not measured faster), and for run.mode=sync or
+    engine=vllm without a GPU (there the colocated turns, and vLLM in the learner's
+    process, measured slower than separate processes)."""
     run = cfg.run
     separate_because = [
         (gpus > 1, f"{gpus} GPUs: the learner and its workers on devices of their own"),
         (
             gpus == 0 and run.mode == "sync",
             "run.mode=sync on a CPU: colocated turns measured slower than separate processes",
+        ),
+        (
+            gpus == 0 and cfg.engine.name == "vllm",
+            "engine=vllm on a CPU: colocated measured slower than one vLLM worker process "
+            "(156 against 173 trained samples/s, one run each)",
         ),
         (run.workers is not None, f"run.workers={run.workers} asks for worker processes"),
         (
@@ -139,6 +153,36 @@ def check_placement(cfg: DictConfig, role: str) -> None:
     blockers = colocated_blockers(cfg)
     if blockers:
         raise ValueError(blockers[0][1])
+
+
+def release_engine_memory(run: Any, on_gpu: bool, placement: str | None = None) -> bool:
+    """`run.release_engine_memory` resolved for a run in `placement` (default: the run's,
+    as `placement_of` reads it) whose engine is on a GPU or not: colocated in turns, the
+    engine frees its KV cache (vLLM: sleeps) while the learner trains, and takes it back
+    before its next turn. auto: only on a GPU, where the learner's activations and
+    optimizer reuse the memory (on a CPU there is no device memory to share). True where
+    no memory is ever idle is refused, naming why."""
+    setting = run.get("release_engine_memory", "auto")  # absent from runs saved before it
+    if setting not in ("auto", True, False):
+        raise ValueError(f"run.release_engine_memory must be auto, true or false, got {setting!r}")
+    placement = placement or placement_of(run)
+    if setting == "auto":
+        return placement == "colocated" and run.mode == "sync" and on_gpu
+    if setting is False:
+        return False
+    if placement != "colocated":
+        raise ValueError(
+            "run.release_engine_memory=true frees the engine's memory while the learner "
+            "trains in the same process: it needs run.placement=colocated (separate, each "
+            "worker's engine has a process, and its memory, to itself)"
+        )
+    if run.mode != "sync":
+        raise ValueError(
+            "run.release_engine_memory=true: with run.mode=async the colocated engine "
+            "generates while the learner trains, so its memory is never idle; run.mode=sync "
+            "(turns) or run.release_engine_memory=false"
+        )
+    return True
 
 
 def check_training(cfg: DictConfig) -> None:
@@ -222,6 +266,10 @@ def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
         check_split(run.groups_per_step * run.group_size, cfg.optim.mini_batches, run.learner_procs)
     check_placement(cfg, role)
     colocated = placement_of(run) == "colocated"
+    # The launcher checks an auto placement as the colocated one it may become; the learner
+    # checks the placement the launcher resolved.
+    undecided = role == "launcher" and run.get("placement") == "auto"
+    release_engine_memory(run, on_gpu=False, placement="colocated" if undecided else None)
     if (
         role == "launcher"
         and not colocated

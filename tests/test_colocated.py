@@ -15,10 +15,11 @@ from threading import Event, Thread, current_thread
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from asyncfp8.chaos.audit import audit
 from asyncfp8.chaos.cluster import SMALL_RUN
-from asyncfp8.checks import auto_placement, placement_of
+from asyncfp8.checks import auto_placement, placement_of, release_engine_memory
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.inbox import Inbox
 from asyncfp8.learner.colocated import (
@@ -26,6 +27,7 @@ from asyncfp8.learner.colocated import (
     EngineVersions,
     RefitFailed,
     RolloutThreadJobs,
+    kept_random_state,
 )
 from asyncfp8.leases import LeaseBook
 from asyncfp8.ledger import read_ledger
@@ -76,6 +78,114 @@ def test_colocated_trains_on_the_samples_the_separate_placement_trains_on(tmp_pa
         result = audit(run_dir, group_size=4, max_staleness=0)
         assert result.lost == 0 and not result.duplicate_samples and result.stale_samples == 0
     assert {s.split("/")[0] for s in audit(colocated, 4, 0).senders} == {"colocated"}
+
+
+def test_turns_that_release_the_engines_memory_train_on_the_same_samples(tmp_path, tiny_model_dir):
+    # run.release_engine_memory=true: after each turn the engine drops its KV cache while
+    # the learner trains, and builds it again for the next turn; nothing it generates moves.
+    kept, _ = launch(tmp_path / "kept", tiny_model_dir, *SYNC, "run.placement=colocated")
+    released, _ = launch(
+        tmp_path / "released",
+        tiny_model_dir,
+        *SYNC,
+        "run.placement=colocated",
+        "run.release_engine_memory=true",
+    )
+    assert "its memory released while the learner trains" in (released / "learner.log").read_text()
+    a, b = per_step(kept), per_step(released)
+    for key in ("reward/mean", "optim/grad_norm", "mismatch/kl_k3", "total/samples"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert trained_samples(kept) == trained_samples(released)
+    # One release per turn (the metrics of step k count the turns before it), each of a
+    # cache of the tiny model's size; none where the memory was kept.
+    assert [r["worker/colocated/memory/releases"] for r in b] == [1, 2, 3, 4]
+    assert all(r["worker/colocated/memory/released_gib"] > 0 for r in b)
+    assert all(r["worker/colocated/memory/releases"] == 0 for r in a)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_colocated_vllm_trains_on_the_samples_a_vllm_worker_makes(
+    tmp_path, tiny_model_dir, vllm_module
+):
+    # vLLM in the learner's process, versions applied in memory (layerwise reload), the
+    # refit probe checked: in turns, the same samples and steps as a vLLM worker process.
+    args = (*SYNC, "engine=vllm")
+    separate, _ = launch(tmp_path / "separate", tiny_model_dir, *args, timeout=500)
+    colocated, out = launch(
+        tmp_path / "colocated", tiny_model_dir, *args, "run.placement=colocated", timeout=500
+    )
+    assert "run.placement=colocated; no worker processes" in out
+    a, b = per_step(separate), per_step(colocated)
+    for key in ("reward/mean", "optim/grad_norm", "mismatch/kl_k3", "total/samples"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert trained_samples(separate) == trained_samples(colocated)
+    assert all(r["worker/colocated/refit/probes"] >= r["step"] for r in b)
+    # Overlapped: a rollout thread drives vLLM while the learner trains; nothing lost.
+    overlapped, _ = launch(
+        tmp_path / "overlapped",
+        tiny_model_dir,
+        "engine=vllm",
+        "run.placement=colocated",
+        "run.mode=async",
+        "run.steps=6",
+        "eval.every=0",
+        timeout=500,
+    )
+    done = per_step(overlapped)
+    assert [r["step"] for r in done] == list(range(1, 7))
+    assert max(r["staleness/max"] for r in done) == 1
+    result = audit(overlapped, group_size=4, max_staleness=1)
+    assert result.lost == 0 and not result.duplicate_samples and not result.duplicate_prompts
+
+
+@pytest.mark.parametrize(
+    ("setting", "placement", "mode", "on_gpu", "released"),
+    [
+        ("auto", "colocated", "sync", True, True),  # turns on a GPU: the learner reuses it
+        ("auto", "colocated", "sync", False, False),  # a CPU has no device memory to share
+        ("auto", "colocated", "async", True, False),  # overlapped: never idle
+        ("auto", "separate", "sync", True, False),
+        (True, "colocated", "sync", False, True),
+        (False, "colocated", "sync", True, False),
+    ],
+)
+def test_release_engine_memory_resolves_auto_for_turns_on_a_gpu(
+    setting, placement, mode, on_gpu, released
+):
+    run = OmegaConf.create({"release_engine_memory": setting, "placement": placement, "mode": mode})
+    assert release_engine_memory(run, on_gpu) is released
+
+
+@pytest.mark.parametrize(
+    ("placement", "mode", "setting", "message"),
+    [
+        ("colocated", "async", True, r"run.mode=async the colocated engine generates while"),
+        ("separate", "sync", True, r"needs run.placement=colocated"),
+        ("colocated", "sync", "yes", r"must be auto, true or false, got 'yes'"),
+    ],
+)
+def test_releasing_memory_that_is_never_idle_is_refused_naming_why(
+    placement, mode, setting, message
+):
+    run = OmegaConf.create({"release_engine_memory": setting, "placement": placement, "mode": mode})
+    with pytest.raises(ValueError, match=message):
+        release_engine_memory(run, on_gpu=True)
+
+
+def test_an_engine_started_in_the_learners_process_leaves_its_random_state_alone():
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    with kept_random_state():  # as vLLM does with engine.seed at start
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)
+        torch.rand(5)
+    assert torch.equal(torch.rand(3), expected[0])
+    assert (random.random(), np.random.rand()) == expected[1:]
 
 
 def test_a_colocated_fp8_version_is_what_a_worker_would_have_received(tiny_model_dir):
@@ -162,7 +272,9 @@ def test_colocated_async_generates_the_next_step_while_the_learner_trains(tmp_pa
         (["run.mode=sync"], 1, "colocated", "one device (one GPU)"),
         (["run.workers=2"], 0, "separate", "run.workers=2 asks for worker processes"),
         (["run.learner_procs=2"], 0, "separate", "run.learner_procs=2: colocated ranks"),
-        (["engine=vllm"], 0, "separate", "engine=vllm runs in worker processes"),
+        (["engine=vllm"], 0, "separate", "engine=vllm on a CPU: colocated measured slower"),
+        (["engine=vllm"], 1, "colocated", "one device (one GPU)"),
+        (["engine=sglang"], 1, "separate", "engine=sglang runs in worker processes"),
         (["engine.slots=4", "run.inflight_updates=true"], 0, "separate", "inflight_updates"),
     ],
 )
@@ -390,7 +502,17 @@ def test_a_killed_colocated_run_resumes_and_loses_nothing(tmp_path, tiny_model_d
             r"engine.device=cuda:0 would put every colocated rank's engine on one GPU",
             2,
         ),
-        (["engine=vllm"], r"built-in engine in the learner's process.*engine=vllm", 2),
+        (["engine=sglang"], r"engine=torch or engine=vllm in the learner's.*engine=sglang", 2),
+        (
+            ["engine=vllm", "run.learner_procs=2"],
+            r"engine=vllm with run.learner_procs=2: vLLM in a learner rank's process",
+            2,
+        ),
+        (
+            ["run.mode=async", "run.release_engine_memory=true"],
+            r"run.mode=async the colocated engine generates while the learner trains",
+            2,
+        ),
         (
             ["engine.slots=4", "run.inflight_updates=true"],
             r"run.inflight_updates=true applies versions during",

