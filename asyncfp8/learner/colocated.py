@@ -63,16 +63,19 @@ COLOCATED_VLLM_MEMORY = 0.3
 
 @contextlib.contextmanager
 def kept_random_state():
-    """The process's random generators (Python's, NumPy's, torch's CPU one) as they were
-    before: an engine started in the learner's process may seed them (vLLM seeds all
-    three with engine.seed), and the learner's draws follow run.seed."""
+    """The process's random generators (Python's, NumPy's, torch's CPU and CUDA ones) as
+    they were before: an engine started in the learner's process may seed them (vLLM
+    seeds them all with engine.seed), and the learner's draws follow run.seed."""
     states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
         yield
     finally:
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.random.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 class RefitFailed(RuntimeError):
