@@ -6,18 +6,19 @@ step."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from asyncfp8.engines import EngineUnsupported
+from asyncfp8.engines import EngineUnsupported, torch_engine
 from asyncfp8.engines.base import SamplingParams
 from asyncfp8.engines.slots import SlotDecoder
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.models import load_model, load_tokenizer
-from asyncfp8.precision import get_policy, version_tensors
+from asyncfp8.precision import get_policy, kernel_support, version_tensors
 from asyncfp8.precision.fp8 import FP8_MAX, FP8BlockLinear, quantize_blockwise_reference
 from asyncfp8.precision.fp8 import quantize_activations_fp8 as module_quantize
 from asyncfp8.precision.kernel_support import KernelUnavailable
@@ -382,6 +383,57 @@ def test_device_auto_is_the_gpu_when_there_is_one_else_the_cpu(tiny_model_dir):
     assert [s.token_ids for s in samples] == [s.token_ids for s in again]
 
 
+def test_everything_the_engine_launches_runs_with_its_device_current(tiny_model_dir, monkeypatch):
+    """Triton kernels launch, and CUDA graphs capture and replay, on the thread's current
+    CUDA device, not on their tensors'. So the engine makes its own device current around
+    all it runs (quantizing, the start probe, generation, scoring, updates): an engine on
+    cuda:1 driven from a thread on cuda:0 launches on cuda:1. Seen here by recording,
+    at every module's forward, at the quantization and at an update, which device was
+    made current."""
+    policy = get_policy("fp8+fp8_kv")
+    version = version_tensors(perturbed(tiny_model_dir), policy, calibration(tiny_model_dir))
+    current: list[torch.device] = []
+    seen: list[torch.device | None] = []
+
+    @contextlib.contextmanager
+    def recording(device):
+        current.append(device)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    def record(*_):
+        seen.append(current[-1] if current else None)
+
+    def recorded(function):
+        def run(*args, **kwargs):
+            record()
+            return function(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(kernel_support, "launching_on", recording)
+    monkeypatch.setattr(torch_engine, "launching_on", recording)
+    monkeypatch.setattr(torch_engine, "apply_policy", recorded(torch_engine.apply_policy))
+    monkeypatch.setattr(torch_engine, "check_received", recorded(torch_engine.check_received))
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        engine = TorchEngine(str(tiny_model_dir), policy, device="cpu")
+        counts = [len(seen)]
+        engine.update_weights(1, dict(version.weights), version.extra)
+        counts.append(len(seen))
+        engine.generate(PROMPTS[:2], SamplingParams(n=2, max_new_tokens=4, seed=1))
+        counts.append(len(seen))
+        engine.score([engine.tokenizer(PROMPTS[0])["input_ids"] + [5, 6]])
+        counts.append(len(seen))
+    finally:
+        hook.remove()
+    # each call was seen (quantization and the probe, the update, generate, score)
+    assert 0 < counts[0] < counts[1] < counts[2] < counts[3]
+    assert set(seen) == {engine.device}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_a_gpu_that_is_not_there_is_refused_at_start_saying_what_runs(tiny_model_dir):
     with pytest.raises(EngineUnsupported) as raised:
@@ -538,6 +590,21 @@ def test_gpu_generation_at_batch_1_and_64_is_seeded(precision, tiny_model_dir):
         assert len(first) == n and all(len(s.token_ids) == len(s.logprobs) > 0 for s in first)
         assert [s.token_ids for s in first] == [s.token_ids for s in again]
         assert all(math.isfinite(p) and p <= 0 for s in first for p in s.logprobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_gpu_an_engine_on_the_second_gpu_runs_from_a_thread_on_the_first(precision, tiny_model_dir):
+    # Its Triton kernels, graph capture and replays on cuda:1, though cuda:0 is current.
+    torch.cuda.set_device(0)
+    sampling = SamplingParams(n=4, max_new_tokens=16, seed=3)
+    tokens = []
+    for device in ("cuda:0", "cuda:1"):
+        engine = engine_with_version(tiny_model_dir, precision, device=device)
+        tokens.append([s.token_ids for s in engine.generate(PROMPTS[:2], sampling)])
+        assert torch.cuda.current_device() == 0
+    assert tokens[0] == tokens[1]
 
 
 def test_the_engine_model_called_without_a_decoder_is_a_causal_lm(tiny_model_dir):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -317,6 +318,35 @@ def test_background_publish_sends_exactly_the_weights_given_to_submit(context):
     finally:
         subscriber.close()
         publisher.close()
+
+
+class KeptVersions:
+    """A publisher that keeps what each version's weights held when it read them."""
+
+    def __init__(self):
+        self.in_flight = threading.Event()
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
+
+    def publish(self, version, weights, extra, **_):
+        self.kept[version] = {name: tensor.clone() for name, tensor in weights}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_weights_are_copied_whole_before_the_publish_thread_reads_them():
+    """A GPU tensor reaches its pinned buffer by an asynchronous copy, so the snapshot
+    waits for its GPU before the publish thread reads the buffer (a check of the CPU
+    buffers themselves never waited). Kernels queued ahead of the copy make it late."""
+    versions = KeptVersions()
+    background = BackgroundPublisher(versions)
+    busy = torch.randn(8192, 8192, device="cuda")
+    for number in range(3):
+        weights = {"w": torch.full((8192, 8192), float(number + 1), device="cuda")}
+        for _ in range(20):  # ~20 ms each, queued before the copy
+            busy = (busy @ busy).tanh_()
+        background.submit(number, weights.items(), lambda named: iter(named))
+        background.wait()
+        assert bool(versions.kept[number]["w"].eq(number + 1).all()), f"version {number}"
 
 
 def test_a_failed_background_publish_is_raised_on_the_callers_thread(context):

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..precision.kernel_support import on_its_device
 from .decode import LAYER_KINDS, Prefill, forward_static
 from .kv_cache import StaticKVCache
 from .stepping import RecordedSpan
@@ -89,6 +90,7 @@ class SlotDecoder:
         self._graph_logits: torch.Tensor | None = None
 
     @torch.no_grad()
+    @on_its_device
     def fill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Starts sequence `prompts[i]` in row `slots[i]` (identical prompts prefilled
         once): returns the logits of each one's first new token [len(slots), V]. With
@@ -182,6 +184,7 @@ class SlotDecoder:
         return logits
 
     @torch.no_grad()
+    @on_its_device
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Appends token i [slots] to row i (idle rows: anything, recorded nowhere);
         returns the logits of every row's next token [slots, V] (with a graph, the
@@ -245,6 +248,7 @@ class SlotDecoder:
         self._graph, self._graph_logits = graph, logits
 
     @torch.no_grad()
+    @on_its_device
     def verify(self, tokens: torch.Tensor) -> torch.Tensor:
         """A speculative verify step: appends the T tokens of row i (tokens [slots, T]: the
         last sampled token, then the drafts) at its next T positions, each attending to
@@ -274,6 +278,7 @@ class SlotDecoder:
         self._verified = (where, width)
         return logits
 
+    @on_its_device
     def commit(self, kept: torch.Tensor, kept_host: Sequence[int]) -> None:
         """After `verify`: row i keeps its first kept[i] positions (the last token and the
         drafts accepted before it), the rest become holes that the next step overwrites.

@@ -16,7 +16,12 @@ import torch
 from asyncfp8.models.loading import load_model, load_tokenizer
 from asyncfp8.precision import PrecisionPolicy, get_policy
 from asyncfp8.precision.fp8_kv import kv_scale_names
-from asyncfp8.precision.kernel_support import KernelUnavailable, describe_device
+from asyncfp8.precision.kernel_support import (
+    KernelUnavailable,
+    describe_device,
+    launching_on,
+    on_its_device,
+)
 from asyncfp8.precision.manifest import (
     Role,
     TensorRole,
@@ -166,7 +171,8 @@ class TorchEngine:
             self.policy.bind_model(self.model.config)
         layer_of = decoder_layers(self.model)  # read before quantized modules replace linears
         try:
-            apply_policy(self.model, self.policy)
+            with launching_on(self.device):  # the Triton quantizers, on the engine's GPU
+                apply_policy(self.model, self.policy)
         except NotImplementedError as err:
             raise EngineUnsupported(f"engine torch: {err}") from None
         if config.get("lm_head_dtype") == "float32":
@@ -280,6 +286,7 @@ class TorchEngine:
         that speculated and the controller's choices; empty without a drafter."""
         return {} if self.speculation is None else self.speculation.metrics()
 
+    @on_its_device
     def _probe(self) -> None:
         """One token through the model: a kernel this device cannot run for this
         precision fails here, at start, rather than at the first generation."""
@@ -314,6 +321,7 @@ class TorchEngine:
             specs |= kv_scale_specs(self.policy.extra_roles())
         return specs
 
+    @on_its_device
     def update_weights(
         self,
         version: int,
@@ -369,6 +377,7 @@ class TorchEngine:
     # -- the refit probe -----------------------------------------------------------------------
 
     @torch.no_grad()
+    @on_its_device
     def score(self, sequences: Sequence[Sequence[int]]) -> Scores:
         """Teacher-forced log-probs (temperature 1) and each decoder layer's output RMS of
         `sequences`, through the engine's own prefill path: its quantized modules and, for
@@ -513,6 +522,7 @@ class TorchEngine:
         indices = range(first_request, first_request + len(jobs)) if first_request else None
         return self._generate(jobs, [sampling.max_new_tokens] * len(jobs), sampling, indices)
 
+    @on_its_device
     def _generate(
         self, jobs, budgets: list[int], sampling: SamplingParams, indices: list[int] | None = None
     ) -> list[Sample]:

@@ -10,6 +10,8 @@ triton is imported; the tests run the kernels that way in a subprocess). The var
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 
 import torch
@@ -41,6 +43,25 @@ def triton_enabled(tensor: torch.Tensor) -> bool:
     """Whether a weight quantizer takes its Triton kernel: on CUDA only (under the
     interpreter, the tests call the kernels themselves)."""
     return tensor.is_cuda and triton_runs_on(tensor)
+
+
+def launching_on(device: torch.device) -> contextlib.AbstractContextManager:
+    """Makes a CUDA `device` the thread's current device for the block (a CPU: nothing).
+    Triton kernels launch, and CUDA graphs capture and replay, on the current device, not
+    on their tensors': an engine on cuda:1 driven by a thread whose current device is
+    cuda:0 (a worker's main thread, a colocated learner's) would launch there otherwise."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def on_its_device(method):
+    """A method of an object with a `device` that runs under `launching_on(self.device)`."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with launching_on(self.device):
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 def describe_device(tensor: torch.Tensor) -> str:

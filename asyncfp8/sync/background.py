@@ -133,6 +133,7 @@ class BackgroundPublisher:
         """The weights copied into buffers kept across versions (pinned when they come
         from a GPU, so the copy is a DMA and the next step may start at once)."""
         snapshot = []
+        copying_from: set[torch.device] = set()  # GPUs whose copies may still be running
         with torch.no_grad():
             for name, tensor in weights:
                 buffer = self._buffers.get(name)
@@ -141,9 +142,12 @@ class BackgroundPublisher:
                     buffer = torch.empty(tensor.shape, dtype=wanted, pin_memory=tensor.is_cuda)
                     self._buffers[name] = buffer
                 buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+                if tensor.is_cuda:
+                    copying_from.add(tensor.device)
                 snapshot.append((name, buffer))
-        if any(tensor.is_cuda for _, tensor in snapshot):
-            torch.cuda.synchronize()
+        # The buffers are on the CPU: it is their sources that say a copy may be in flight.
+        for device in copying_from:
+            torch.cuda.synchronize(device)
         return snapshot
 
     def _run(
