@@ -1,11 +1,16 @@
 """Metrics computed on every batch, whatever the correction (docs/correction.md lists
-each with its meaning). All are means over real tokens or sequences, as Python floats."""
+each with its meaning). Means over real tokens or sequences, and extremes, as Python
+floats."""
 
 from __future__ import annotations
 
 import torch
 
 from .base import CorrectionBatch, MethodResult
+
+# A token whose |log ρ| exceeds this is one the two policies no longer agree on at all
+# (ρ outside [0.0067, 148]): rounding moves a log-prob by ~1e-2, a broken update by tens.
+FAR_LOG_RATIO = 5.0
 
 
 def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -27,6 +32,26 @@ def mismatch_metrics(batch: CorrectionBatch) -> dict[str, float]:
         "mismatch/log_ratio_abs_max": delta.abs().masked_fill(~mask, 0).max().item()
         if mask.any()
         else 0.0,
+    } | log_ratio_extremes(batch)
+
+
+def log_ratio_extremes(batch: CorrectionBatch) -> dict[str, float]:
+    """The token log-ratios before the ±20 clamp: a token the engine sampled at log p
+    −0.00 that the learner now gives −37 must read −37 (the clamp would show −20, which
+    also a far milder break gives), and the share of tokens past ±FAR_LOG_RATIO."""
+    raw = batch.raw_log_ratio if batch.raw_log_ratio is not None else batch.log_ratio
+    mask = batch.mask
+    if not mask.any():
+        return {
+            "mismatch/log_ratio_min": 0.0,
+            "mismatch/log_ratio_max": 0.0,
+            "mismatch/frac_abs_log_ratio_gt5": 0.0,
+        }
+    real = raw[mask].double()
+    return {
+        "mismatch/log_ratio_min": real.min().item(),
+        "mismatch/log_ratio_max": real.max().item(),
+        "mismatch/frac_abs_log_ratio_gt5": (real.abs() > FAR_LOG_RATIO).double().mean().item(),
     }
 
 
