@@ -9,7 +9,8 @@ precision (its name, or the `_target_` of a user plugin), the correction's name,
 form one group, unless `--labels` (one per run) groups them otherwise. Per group it prints
 the number of runs and their seeds; the final held-out pass@1, greedy and sampled, and the
 held-out pass@1 before training, as the mean over seeds ± the half-width of its 95%
-confidence interval (Student t with n-1 degrees of freedom; one run: "n=1, no CI"); the
+confidence interval (Student t with n-1 degrees of freedom; one run: "n=1, no CI"); how
+many runs collapsed (asyncfp8/collapse.py) with the 95% Wilson interval of the rate; the
 evaluation's size (prompts a run) and the binomial standard error of one run's final
 greedy pass@1 (the evaluation's own noise); and the mismatch KL (k3, a run's mean over
 steps) with its precision-only part where a run measured it on enough steps. Runs whose
@@ -37,9 +38,10 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from asyncfp8.collapse import run_collapse
 from asyncfp8.metrics import METRICS_FILE, read_metrics
 from asyncfp8.runconfig import CONFIG_FILE, RESUME_KEYS, SAFE_ON_RESUME
-from asyncfp8.stats import binomial_se, mean_ci
+from asyncfp8.stats import binomial_se, mean_ci, wilson_interval
 
 TAIL = 0.2  # "final" numbers are means over the last 20% of steps
 LAST_STEPS = 20  # the stream reward set beside the final held-out pass@1
@@ -92,6 +94,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
             "and trained nothing: the task is too hard or too easy for this model, or the "
             "reward is constant"
         )
+    collapse = run_collapse(records, evaluated)
     if fresh and not fresh_enough:
         warnings.append(
             f"the precision-only KL rests on {len(fresh)} steps with current-version tokens "
@@ -130,6 +133,11 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         # final greedy pass@1: the evaluation's own noise, whatever the seed
         "eval_prompts": evaluated[-1].get("eval/prompts") if evaluated else None,
         "eval_pass1_greedy_end_se": _end_se(evaluated),
+        "collapsed": collapse.collapsed,
+        "collapse_signal": collapse.signal,
+        "collapse_step": collapse.step,
+        "collapse_reason": collapse.reason,
+        "fell_and_recovered": collapse.fell_and_recovered,
         "warnings": warnings,
     }
 
@@ -490,6 +498,7 @@ def group_summary(
         **_stat("kl_k3", _values(rows, "kl_k3_mean")),
         **_stat("fresh_kl_k3", fresh),
         "fresh_kl_runs": len(fresh),
+        **_collapses(rows, seeds),
         "warnings": [],
     }
     known_prompts = [p for p in prompts if p]
@@ -529,6 +538,34 @@ def group_summary(
     return entry
 
 
+def _collapses(rows: list[dict], seeds: list[int]) -> dict[str, Any]:
+    """How many of a group's runs collapsed, the Wilson interval of the rate, and which."""
+    collapsed = [(seed, s) for seed, s in zip(seeds, rows, strict=True) if s["collapsed"]]
+    return {
+        "collapses": len(collapsed),
+        "collapse_rate_ci95": list(wilson_interval(len(collapsed), len(rows))),
+        "collapsed_runs": [
+            {"seed": seed, "step": s["collapse_step"], "signal": s["collapse_signal"]}
+            for seed, s in collapsed
+        ],
+        "fell_and_recovered": sum(bool(s["fell_and_recovered"]) for s in rows),
+    }
+
+
+def _collapse_line(g: dict[str, Any]) -> str:
+    low, high = g["collapse_rate_ci95"]
+    which = ", ".join(
+        f"seed {c['seed']} at step {c['step']} ({c['signal']})" for c in g["collapsed_runs"]
+    )
+    dips = g["fell_and_recovered"]
+    return (
+        f"  {'collapsed':<17} {g['collapses']} of {g['n']} (rate 95% CI {low:.2f}-{high:.2f}, "
+        f"Wilson)"
+        + (f": {which}" if which else "")
+        + (f"; {dips} more fell below half their best held-out and recovered" if dips else "")
+    )
+
+
 def _pm(mean: float | None, half: float | None, spec: str) -> str:
     if mean is None:
         return "-"
@@ -557,6 +594,7 @@ def format_groups(entries: list[dict[str, Any]]) -> str:
                 f"{_pm(g[f'final_{kind}_mean'], g[f'final_{kind}_ci95'], '.3f'):<19} "
                 f"{_pm(g[f'start_{kind}_mean'], g[f'start_{kind}_ci95'], '.3f')}"
             )
+        lines.append(_collapse_line(g))
         prompts = sorted({p for p in g["eval_prompts"] if p})
         if prompts and g["final_greedy_binomial_se"] is not None:
             size = str(prompts[0]) if len(prompts) == 1 else f"{prompts[0]} to {prompts[-1]}"

@@ -4,6 +4,8 @@
 with n - 1 degrees of freedom (seeds are few, so the normal 1.96 would be too narrow:
 with 5 seeds the factor is 2.776). `binomial_se(p, n)`: the standard error of one run's
 pass@1 measured on n prompts, the noise of the evaluation itself.
+`wilson_interval(k, n)`: the 95% interval of a rate of k events in n runs (collapses in
+a group's seeds), which unlike k/n ± 1.96 SE stays inside [0, 1] and is not empty at 0.
 
 No scipy: it is not a dependency, and for whole degrees of freedom the t distribution's
 CDF has a closed form (Abramowitz & Stegun 26.7.3-4), inverted here by bisection.
@@ -96,3 +98,22 @@ def binomial_se(p: float, prompts: int) -> float:
     """Standard error of a pass rate p measured on `prompts` independent 0/1 outcomes:
     sqrt(p (1 - p) / prompts)."""
     return math.sqrt(p * (1 - p) / prompts)
+
+
+def wilson_interval(events: int, trials: int, level: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial rate, `events` of `trials`: the p for which
+    |events/trials - p| <= z sqrt(p (1 - p) / trials), z the normal `level` quantile
+    (Wilson 1927; Newcombe 1998, method 3). With 0 of 5 it is (0, 0.434): five clean
+    seeds do not show a rate below 43%."""
+    if trials < 1 or not 0 <= events <= trials or int(events) != events:
+        raise ValueError(f"wilson_interval: need 0 <= events <= trials >= 1, got {events}/{trials}")
+    z = NormalDist().inv_cdf((1 + level) / 2)
+    rate = events / trials
+    centre = (rate + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(rate * (1 - rate) / trials + z * z / (4 * trials * trials))
+    half /= 1 + z * z / trials
+    # at 0 (n) events the lower (upper) end is exactly 0 (1); the formula's rounding
+    # leaves a hair either side of it
+    low = 0.0 if events == 0 else max(0.0, centre - half)
+    high = 1.0 if events == trials else min(1.0, centre + half)
+    return low, high

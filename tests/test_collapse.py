@@ -1,0 +1,151 @@
+"""Collapse, defined and counted (issue 45): the two rules of asyncfp8/collapse.py on
+curves built here, the Wilson interval against published values and an independent
+root-finding, and the report's count per group over synthetic run directories."""
+
+import json
+import math
+from statistics import NormalDist
+
+import pytest
+from omegaconf import OmegaConf
+
+from asyncfp8.collapse import collapse_of, heldout_collapse, reward_collapse
+from asyncfp8.metrics import MetricsLog
+from asyncfp8.report import main
+from asyncfp8.stats import wilson_interval
+
+
+def test_held_out_below_half_its_best_at_the_end_is_a_collapse():
+    # int8 + token_tis seed 3 of the parity study: 0.895 -> 0.000 at step 100
+    curve = [(0, 0.30), (50, 0.895), (100, 0.0), (150, 0.0)]
+    found = heldout_collapse(curve)
+    assert (found.collapsed, found.signal, found.step) == (True, "held-out", 100)
+    assert "0.895 at step 50" in found.reason
+
+
+def test_a_dip_that_recovers_is_not_a_collapse_but_is_said():
+    # the bf16 parity run: 0.863 -> 0.309 at step 100, back to 0.781 by step 200
+    found = heldout_collapse([(0, 0.2), (50, 0.863), (100, 0.309), (150, 0.6), (200, 0.781)])
+    assert not found.collapsed and found.fell_and_recovered
+
+
+def test_a_run_that_never_learned_or_barely_fell_did_not_collapse():
+    assert not heldout_collapse([(0, 0.05), (50, 0.09), (100, 0.0)]).collapsed  # best < 0.1
+    assert not heldout_collapse([(0, 0.5), (50, 0.8), (100, 0.41)]).collapsed  # 0.41 >= 0.4
+    assert not heldout_collapse([]).collapsed
+
+
+def test_the_stream_reward_dead_for_20_steps_after_learning_is_a_collapse():
+    learned, dead = [0.5] * 25, [0.0] * 19 + [0.04]
+    rewards = list(enumerate(learned + dead + [0.3] * 5, 1))
+    found = reward_collapse(rewards)
+    assert (found.collapsed, found.signal, found.step) == (True, "reward", 26)
+    # 19 dead steps are not 20
+    assert not reward_collapse(list(enumerate(learned + dead[:19] + [0.5] * 30, 1))).collapsed
+    # a task too hard from the start: never learned, so never collapsed
+    assert not reward_collapse(list(enumerate([0.01] * 100, 1))).collapsed
+
+
+def test_both_rules_the_first_by_step_names_it():
+    rewards = list(enumerate([0.6] * 30 + [0.0] * 40, 1))  # dead from step 31
+    heldout = [(0, 0.2), (25, 0.9), (50, 0.0), (70, 0.0)]
+    found = collapse_of(rewards, heldout)
+    assert (found.collapsed, found.signal, found.step) == (True, "reward", 31)
+    assert collapse_of(rewards[:30], heldout).signal == "held-out"
+    assert not collapse_of(rewards[:30], heldout[:2]).collapsed
+
+
+@pytest.mark.parametrize(
+    "events, trials, low, high",
+    # Newcombe (1998), Statistics in Medicine 17:857, Table II, method 3 (Wilson, no
+    # continuity correction)
+    [
+        (81, 263, 0.2553, 0.3662),
+        (15, 148, 0.0624, 0.1605),
+        (0, 20, 0.0, 0.1611),
+        (1, 29, 0.0061, 0.1718),
+    ],
+)
+def test_wilson_matches_newcombes_table(events, trials, low, high):
+    assert wilson_interval(events, trials) == pytest.approx((low, high), abs=5e-5)
+
+
+def score_bound(events, trials, lower):
+    """An independent Wilson bound: bisection on |k/n - p| = z sqrt(p(1-p)/n)."""
+    z, rate = NormalDist().inv_cdf(0.975), events / trials
+    a, b = (0.0, rate) if lower else (rate, 1.0)
+
+    def outside(p):  # True where p lies beyond the bound, on the searched side
+        return abs(rate - p) > z * math.sqrt(p * (1 - p) / trials)
+
+    if not outside(a if lower else b):
+        return a if lower else b
+    for _ in range(200):
+        middle = (a + b) / 2
+        if outside(middle) == lower:
+            a = middle
+        else:
+            b = middle
+    return (a + b) / 2
+
+
+@pytest.mark.parametrize("trials", [1, 3, 5, 10, 37])
+def test_wilson_matches_root_finding_and_stays_in_0_1(trials):
+    for events in range(trials + 1):
+        low, high = wilson_interval(events, trials)
+        assert 0.0 <= low <= events / trials <= high <= 1.0
+        assert low == pytest.approx(score_bound(events, trials, True), abs=1e-9)
+        assert high == pytest.approx(score_bound(events, trials, False), abs=1e-9)
+    with pytest.raises(ValueError, match="events <= trials"):
+        wilson_interval(trials + 1, trials)
+
+
+def compose(*overrides):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    with initialize_config_module(version_base="1.3", config_module="asyncfp8.conf"):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+def synthetic_run(path, seed, heldout, rewards):
+    """A finished run: config.yaml, and metrics.jsonl with `rewards` per step and
+    `heldout` {step: greedy pass@1} (step 0: before training)."""
+    path.mkdir(parents=True)
+    OmegaConf.save(compose(f"run.seed={seed}", f"run.dir={path}"), path / "config.yaml")
+    log = MetricsLog(path, tensorboard=False)
+    evaluation = {"eval/pass1_sampled": 0.1, "eval/prompts": 128}
+    log.write(0, {"version": 0, "eval/pass1_greedy": heldout[0]} | evaluation)
+    for step, reward in enumerate(rewards, 1):
+        record = {"reward/mean": reward, "mismatch/kl_k3": 1e-3, "time/elapsed_s": step}
+        record |= {"total/samples": 64 * step, "sync/version": step}
+        if step in heldout:
+            record |= {"eval/pass1_greedy": heldout[step]} | evaluation
+        log.write(step, record)
+    log.close()
+    return str(path)
+
+
+def test_the_report_counts_collapses_per_group_with_a_wilson_interval(tmp_path, capsys):
+    learned = [0.5] * 40
+    runs = [
+        synthetic_run(tmp_path / "s0", 0, {0: 0.2, 20: 0.8, 40: 0.85}, learned),
+        synthetic_run(tmp_path / "s1", 1, {0: 0.2, 20: 0.9, 40: 0.0}, learned[:21] + [0.0] * 19),
+        synthetic_run(tmp_path / "s2", 2, {0: 0.2, 20: 0.3, 40: 0.8}, learned),
+        synthetic_run(tmp_path / "s3", 3, {0: 0.2, 10: 0.8, 20: 0.2, 40: 0.7}, learned),
+    ]
+    table = tmp_path / "compare.json"
+    main([*runs, "--out", str(tmp_path / "compare.png"), "--json", str(table)])
+    printed = capsys.readouterr().out
+    (group,) = json.loads(table.read_text())["groups"]
+    assert group["collapses"] == 1
+    assert group["collapse_rate_ci95"] == pytest.approx(wilson_interval(1, 4))
+    # seed 1: held-out at step 40; its reward dead for 19 steps only (not yet the rule)
+    assert group["collapsed_runs"] == [{"seed": 1, "step": 40, "signal": "held-out"}]
+    assert group["fell_and_recovered"] == 1  # seed 3's dip to 0.2
+    low, high = wilson_interval(1, 4)
+    assert f"collapsed         1 of 4 (rate 95% CI {low:.2f}-{high:.2f}, Wilson)" in printed
+    assert "seed 1 at step 40 (held-out)" in printed
+    assert "1 more fell below half their best held-out and recovered" in printed
+    summaries = {s["run"]: s for s in json.loads(table.read_text())["runs"]}
+    assert summaries[runs[1]]["collapsed"] and not summaries[runs[0]]["collapsed"]
