@@ -7,6 +7,12 @@ time it reaches `failpoint("publish.between_chunks")`, or the 7th time it reache
 `failpoint("learner.mid_step")`. Killing at random times rarely lands inside a version
 that is half sent, which is the case that matters; a fail point lands there every time.
 An unset variable costs one dict lookup per fail point.
+
+`learner.poison_update=N` does not kill: the learner's N-th optimizer step moves every
+parameter POISON_FACTOR times as far as AdamW asked (learner/step.py), the one fatal
+step the guard (learner/guard.py) must undo. It acts on the learner only: any other
+process refuses it at start (`check_process`), and the launcher hands it to the learner
+alone.
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ ENV = "ASYNCFP8_FAILPOINTS"
 # Before dying, let what was handed to ZeroMQ leave the process (it sends from its own
 # thread): the point is a peer that received part of something.
 GRACE_S = 0.5
+POISON_UPDATE = "learner.poison_update"
+POISON_FACTOR = 1000.0
+# Fail points that act on the learner's training rather than kill a process.
+LEARNER_ONLY = frozenset({POISON_UPDATE})
 log = logging.getLogger("asyncfp8.failpoints")
 
 
@@ -50,6 +60,38 @@ def write_line(file, line: str, name: str) -> None:
         failpoint(name)
         line = line[half:]
     file.write(line)
+
+
+def reached(name: str) -> bool:
+    """Counts a pass by fail point `name`: True on its N-th (for points that act rather
+    than kill, such as POISON_UPDATE)."""
+    if name not in _armed:
+        return False
+    _hits[name] += 1
+    if _hits[name] == _armed[name]:
+        log.warning("fail point %s reached (hit %d)", name, _hits[name])
+        return True
+    return False
+
+
+def check_process(process: str) -> None:
+    """A ValueError when this `process` ("worker", "launcher", ...) is not the learner
+    and a fail point that only the learner acts on is armed in it."""
+    misplaced = sorted(LEARNER_ONLY & _armed.keys())
+    if process != "learner" and misplaced:
+        raise ValueError(
+            f"{ENV}: {', '.join(misplaced)} acts on the learner's optimizer steps and is "
+            f"refused in a {process} process; arm it in the learner's environment only "
+            "(the launcher hands it to the learner and not to its workers)"
+        )
+
+
+def worker_environment() -> dict[str, str] | None:
+    """What a launcher sets in its workers' environment: the armed fail points less the
+    learner-only ones (None when none is armed: they inherit the launcher's)."""
+    if not LEARNER_ONLY & _armed.keys():
+        return None
+    return {ENV: ",".join(f"{name}={n}" for name, n in _armed.items() if name not in LEARNER_ONLY)}
 
 
 def failpoint(name: str) -> None:

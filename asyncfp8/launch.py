@@ -35,6 +35,7 @@ from tqdm import tqdm
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
 from asyncfp8.checks import auto_placement, check_config, placement_of
 from asyncfp8.export import MODEL_DIR
+from asyncfp8.failpoints import worker_environment
 from asyncfp8.learner import CHECKPOINT_DIR, LEARNER_STATE, ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
 from asyncfp8.metrics import METRICS_FILE, loggers_of, wandb_sync_hint
 from asyncfp8.models import run_model_dir
@@ -276,7 +277,13 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
     learner = Process("learner", "asyncfp8.learner", common, run_dir, ranks=run.learner_procs)
     colocated = placement == "colocated"
     workers = [
-        Process(f"worker-{i}", "asyncfp8.worker", [*common, f"run.worker_id={i}"], run_dir)
+        Process(
+            f"worker-{i}",
+            "asyncfp8.worker",
+            [*common, f"run.worker_id={i}"],
+            run_dir,
+            env=worker_environment(),  # learner-only fail points are not theirs
+        )
         for i in range(0 if colocated else worker_count(run))
     ]
     ranks = f"{run.learner_procs} rank{'s' if run.learner_procs > 1 else ''}"

@@ -32,6 +32,7 @@ from asyncfp8.chaos.refit_faults import RefitFault
 from asyncfp8.checks import check_config
 from asyncfp8.engines import EngineUnsupported, build_engine
 from asyncfp8.engines.base import InflightUpdates, KVCacheReset, SpeculativeDrafts
+from asyncfp8.failpoints import check_process
 from asyncfp8.models import run_model_dir
 from asyncfp8.precision.policy import plain
 from asyncfp8.process import (
@@ -385,6 +386,7 @@ def main(cfg: DictConfig) -> None:
         if cfg.run.resume and (Path(cfg.run.dir) / CONFIG_FILE).is_file():
             # Started with a resuming learner on this host (the launcher): the saved run.
             cfg, _ = restore_on_resume(cfg, list(HydraConfig.get().overrides.task))
+        check_process("worker")
         worker = Worker(cfg)
     except (ValueError, FileNotFoundError, EngineUnsupported) as err:
         print(f"worker: {err}", file=sys.stderr)

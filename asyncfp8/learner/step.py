@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from asyncfp8 import distributed
 from asyncfp8.batches import batch_tensors, plan_step
 from asyncfp8.correction.registry import Correction
-from asyncfp8.failpoints import failpoint
+from asyncfp8.failpoints import POISON_FACTOR, POISON_UPDATE, failpoint, reached
 from asyncfp8.inbox import Group
 from asyncfp8.logprobs import completion_logprobs
 from asyncfp8.losses import (
@@ -163,7 +163,7 @@ class TrainStep:
                 grad_norm = grad_norm.full_tensor()
             if not torch.isfinite(grad_norm):
                 raise FloatingPointError(f"step {step}: gradient norm is {grad_norm.item()}")
-            self.optimizer.step()
+            self._optimizer_step()
             for key, value in sums.items():
                 totals[key] += value
             for key in ("policy", "total"):
@@ -173,6 +173,18 @@ class TrainStep:
         self.scheduler.step()
         failpoint("learner.mid_step")  # weights changed; nothing recorded or published yet
         return StepSums(distributed.gather(seen), dict(totals), time.perf_counter() - started)
+
+    def _optimizer_step(self) -> None:
+        """AdamW's step; at fail point POISON_UPDATE's N-th, an update POISON_FACTOR times
+        as large (the fatal step the guard is tested on)."""
+        if not reached(POISON_UPDATE):
+            self.optimizer.step()
+            return
+        with torch.no_grad():
+            before = [p.detach().clone() for p in self.model.parameters()]
+            self.optimizer.step()
+            for p, old in zip(self.model.parameters(), before, strict=True):
+                p.copy_(old + POISON_FACTOR * (p - old))
 
     def _micro_batch(
         self, micro: dict, proximal: torch.Tensor | None, version: int, sums: dict
