@@ -18,6 +18,7 @@ from asyncfp8.batches import check_split
 from asyncfp8.correction import Correction, build_correction
 from asyncfp8.engines import supports as engine_supports
 from asyncfp8.engines.base import check_slots
+from asyncfp8.guard import GuardSettings
 from asyncfp8.metrics import loggers_of
 from asyncfp8.precision import PrecisionPolicy, build_policy
 from asyncfp8.process import check_counts, curve, endpoints
@@ -262,6 +263,8 @@ def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
             f"run.group_size must be >= 2 (GRPO compares samples of a prompt), got {run.group_size}"
         )
     check_training(cfg)
+    if cfg.get("guard") is not None:  # a config composed without the group (by hand)
+        GuardSettings.from_config(cfg.guard)
     if role == "launcher":  # the learner checks its split at the world size it started with
         check_split(run.groups_per_step * run.group_size, cfg.optim.mini_batches, run.learner_procs)
     check_placement(cfg, role)

@@ -197,6 +197,8 @@ class Progress:
                 and sum(self.zero_spread) / ZERO_SPREAD_WINDOW > ZERO_SPREAD_WARN
             ):
                 extra["warn"] = "most groups without reward spread"
+            if r.get("guard/rollbacks"):  # steps the guard undid (asyncfp8/learner/rollback.py)
+                extra["rollbacks"] = int(r["guard/rollbacks"])
             if r.get("refit/probe_mean_abs_dlogp") is not None:  # asyncfp8/refit.py
                 extra["probe"] = f"{r['refit/probe_mean_abs_dlogp']:.1e}"
                 if r.get("refit/failures"):
@@ -353,6 +355,8 @@ def report_end(run_dir: Path, started: float) -> int:
         print(f"[launch] the trained model (Hugging Face, BF16): {run_dir / MODEL_DIR}")
     if sync := wandb_sync_hint(run_dir):
         print(f"[launch] W&B run saved offline; upload it with: {sync}")
+    if summary.get("guard_rollbacks") is not None:
+        print(f"[launch] guard: {summary['guard_rollbacks']} rollback(s) of a fatal step")
     for warning in summary.get("warnings", []):
         print(f"[launch] warning: {warning}")
     return 0

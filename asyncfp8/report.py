@@ -133,6 +133,8 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         # final greedy pass@1: the evaluation's own noise, whatever the seed
         "eval_prompts": evaluated[-1].get("eval/prompts") if evaluated else None,
         "eval_pass1_greedy_end_se": _end_se(evaluated),
+        # steps the guard rolled back, resumes included (None: a run without the guard)
+        "guard_rollbacks": _rollbacks(records),
         "collapsed": collapse.collapsed,
         "collapse_signal": collapse.signal,
         "collapse_step": collapse.step,
@@ -140,6 +142,11 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "fell_and_recovered": collapse.fell_and_recovered,
         "warnings": warnings,
     }
+
+
+def _rollbacks(records: list[dict]) -> int | None:
+    guarded = [r["guard/rolled_back"] for r in records if "guard/rolled_back" in r]
+    return int(sum(guarded)) if guarded else None
 
 
 def _first(records: list[dict], key: str) -> float:

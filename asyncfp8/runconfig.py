@@ -46,13 +46,15 @@ SAFE_ON_RESUME = (
     "engine.device",
     "eval.every",
     "sync.",
+    # The guard's bounds: what a run stopped by it resumes with when they are raised.
+    "guard.",
 )
 # Not settings of the experiment at all: how to resume.
 RESUME_KEYS = ("run.resume", "run.dir", "run.force_resume")
 # Groups with one option each: a key the saved run lacks (added by a newer asyncfp8) takes
 # today's default; groups with several options (precision=, correction=, ...) are taken
 # from the saved run whole.
-SINGLE_OPTION_GROUPS = ("run", "sync", "optim", "eval")
+SINGLE_OPTION_GROUPS = ("run", "sync", "optim", "eval", "guard")
 
 
 def _keys(overrides: list[str]) -> list[str]:

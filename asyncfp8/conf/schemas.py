@@ -1,4 +1,4 @@
-"""The types of every setting of `run`, `optim`, `sync`, `eval` and `engine`, as schemas
+"""The types of every setting of `run`, `optim`, `sync`, `eval`, `guard` and `engine`, as schemas
 in Hydra's ConfigStore (`schema/<group>`, `schema/engine/<name>`), which the YAML files
 of those groups extend: a typo or a value of the wrong type fails when the config is
 composed, naming the key (`sync.chunk_mb=big`: "Value 'big' ... could not be converted
@@ -229,7 +229,26 @@ class SGLangEngineConfig:
     mem_fraction_static: float = MISSING
 
 
-SCHEMAS = {"run": RunConfig, "optim": OptimConfig, "sync": SyncConfig, "eval": EvalConfig}
+@dataclass
+class GuardConfig:
+    """`guard.*` (asyncfp8/guard.py checks the ranges, naming the key)."""
+
+    enabled: bool = MISSING
+    max_rollbacks: int = MISSING
+    log_ratio_bound: float = MISSING
+    far_tokens: int = MISSING
+    far_fraction: float = MISSING
+    reward_good: float = MISSING
+    window: int = MISSING
+
+
+SCHEMAS = {
+    "run": RunConfig,
+    "optim": OptimConfig,
+    "sync": SyncConfig,
+    "eval": EvalConfig,
+    "guard": GuardConfig,
+}
 ENGINE_SCHEMAS = {
     "torch": TorchEngineConfig,
     "vllm": VLLMEngineConfig,

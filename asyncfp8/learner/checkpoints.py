@@ -96,6 +96,11 @@ class Checkpointer:
             shutil.rmtree(leftover, ignore_errors=True)
         return final
 
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        saved = sorted(self.folder.glob(f"step_*/{LEARNER_STATE}"))
+        return saved[-1].parent if saved else None
+
     def restore(self) -> Restored:
         """Every rank reads the newest checkpoint (run.dir must be on storage they all
         see); the version continues after any number a killed learner reserved since."""

@@ -9,6 +9,7 @@ The loop (`Learner.run`) is the algorithm; each part has its own module:
   calibrated, the refit probe, the background sender);
 - `checkpoints.py`: checkpoints, resume and export;
 - `step_metrics.py`: what rank 0 logs per step;
+- `rollback.py`: the guard that undoes a fatal step (its rules: asyncfp8/guard.py);
 - `colocated.py`: `run.placement=colocated`, each rank's own engine taking turns with
   training or generating beside it (the hub asks it for each step's groups).
 """
@@ -35,6 +36,7 @@ from asyncfp8.checks import (
 )
 from asyncfp8.engines import build_engine
 from asyncfp8.evaluation import HeldOut
+from asyncfp8.guard import GuardSettings
 from asyncfp8.inbox import Group
 from asyncfp8.logprobs import install_logprob_head
 from asyncfp8.models import load_model, load_tokenizer, run_model_dir
@@ -46,10 +48,14 @@ from .checkpoints import Checkpointer
 from .colocated import COLOCATED_VLLM_MEMORY, Colocated, kept_random_state
 from .hub import Hub, Preempted, RankHub
 from .publisher import FIRST_CALIBRATION_PROMPTS, Publisher
+from .rollback import StepGuard
 from .step import Share, StepSums, TrainStep, lr_lambda, plan_shares
 from .step_metrics import StepMetrics
 
 log = logging.getLogger("asyncfp8.learner")
+# The exit status of a run the guard stopped (its rollbacks exhausted): not a crash (1),
+# not a bad setting (2), not a signal (128 + n).
+GUARD_STOPPED = 3
 
 
 class Learner:
@@ -102,7 +108,10 @@ class Learner:
             self.ranks.device,
             reference=self.reference,
             world=self.ranks.world,
+            guard=self._guard(),
         )
+        self.rolled_back = False  # the latest step undid the one before it
+        self.checkpointed_step: int | None = None
         self.colocated = colocated = self._colocated_engine()
         self.hub = (
             Hub(
@@ -179,11 +188,15 @@ class Learner:
             while self.step < run.steps:
                 share, groups, waited = hub.next_share(self.step, self.version, self.shares)
                 metrics = self.train(share, groups)
+                # a rollback's weights go out at once: workers stop sampling the broken ones
                 due = self.step % self.cfg.sync.every == 0 or self.step == run.steps
+                due = due or self.rolled_back
                 published = self.publisher.publish() if due else {}
                 metrics |= published | self._evaluation()
                 hub.record(self.step, metrics, len(groups or ()), published, self._times(waited))
-                if self.step % run.checkpoint_every == 0 and self.step < run.steps:
+                if self.rolled_back and self.train_step.guard.exhausted:
+                    return self._stop_by_guard()
+                if self._checkpoint_due():
                     self.checkpoint()
                 # .get: a run saved before run.export_every existed resumes without it
                 export_every = run.get("export_every", 0)
@@ -206,7 +219,9 @@ class Learner:
         self.checkpoint()
         self.export()
         hub.finish()
-        hub.say("finished %d steps; last version %d", self.step, self.version)
+        hub.say(
+            "finished %d steps; last version %d; %s", self.step, self.version, self._guard_line()
+        )
         self.close()
         return 0
 
@@ -218,6 +233,7 @@ class Learner:
         """One step on this rank's share (every rank calls it; rank 0 also passes the
         step's groups and gets the step's metrics back)."""
         sums: StepSums = self.train_step(share, self.step, self.version)
+        self.rolled_back = sums.rolled_back
         self.publisher.calibrate_on(share.calibration)
         self.step += 1
         lr = self.scheduler.get_last_lr()[0]
@@ -260,7 +276,73 @@ class Learner:
 
     def checkpoint(self) -> Path:
         elapsed = self.elapsed_before + time.perf_counter() - self.started
+        self.checkpointed_step = self.step
         return self.checkpointer.save(self.step, self.version, self.hub.state_dict(), elapsed)
+
+    # -- the guard ---------------------------------------------------------------------------
+
+    def _guard(self) -> StepGuard | None:
+        guard = self.cfg.get("guard")
+        if guard is None or not guard.enabled:
+            return None
+        return StepGuard(GuardSettings.from_config(guard), self.model, self.optimizer)
+
+    def _checkpoint_due(self) -> bool:
+        """Every `run.checkpoint_every` steps; and after a rollback when a checkpoint was
+        written after the last good step (with the weights the guard has just undone): a
+        resume must not read that one."""
+        run = self.cfg.run
+        if self.step % run.checkpoint_every == 0 and self.step < run.steps:
+            return True
+        if not self.rolled_back:
+            return False
+        good, saved = self.train_step.guard.last_good.step, self.checkpointed_step
+        return saved is not None and good is not None and saved > good
+
+    def _stop_by_guard(self) -> int:
+        """`guard.max_rollbacks` in a row: the weights are the last good ones again (or,
+        with none yet, the ones this process started from); a checkpoint of them, the
+        workers told, and a message naming the signal, the setting and the checkpoint."""
+        guard = self.train_step.guard
+        verdict, good = guard.last_verdict, guard.last_good.step
+        if good is not None:
+            folder = self.checkpoint()
+            state = f"the weights after step {good} (the last good one) saved in {folder}"
+        else:
+            folder = self.checkpointer.latest()
+            state = (
+                "no good state in memory (no batch passed since this process started); the "
+                f"newest checkpoint is {folder}"
+            )
+        log.error(
+            "guard: %d rollbacks in a row (guard.max_rollbacks=%d); the last at step %d on "
+            "signal %s (%s; bounded by %s). The run stops with %s. Continue with "
+            "run.resume=true run.dir=%s (raise %s or guard.max_rollbacks, or "
+            "guard.enabled=false, to let such batches train)",
+            guard.in_row,
+            guard.settings.max_rollbacks,
+            self.step,
+            verdict.signal,
+            verdict.detail,
+            verdict.setting,
+            state,
+            self.dir,
+            verdict.setting,
+        )
+        self.hub.finish()
+        self.close()
+        return GUARD_STOPPED
+
+    def _guard_line(self) -> str:
+        guard = self.train_step.guard
+        if guard is None:
+            return "guard off"
+        if not guard.rollbacks:
+            return "guard: 0 rollbacks"
+        return (
+            f"guard: {guard.rollbacks} rollback(s), the last on {guard.last_verdict.signal} "
+            f"({guard.last_verdict.detail})"
+        )
 
     def export(self) -> Path:
         return self.checkpointer.export(self.step, self.model_dir)

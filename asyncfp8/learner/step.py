@@ -9,7 +9,9 @@ micro-batches (`asyncfp8.batches`), plus the calibration rows of the next versio
 optimizer steps it recomputes the sampled tokens' log-probabilities micro-batch by
 micro-batch (gradients accumulated), lets the correction weigh them against the rollout
 engine's, takes the clipped policy loss (plus the KL-to-reference and entropy terms when
-set) and steps AdamW. The loss of a mini-batch is a mean over all of it, across
+set) and steps AdamW. With the guard (`guard.enabled`, learner/rollback.py), the first
+mini-batch's forward also measures whether the previous step broke the policy; if so the
+step restores the last good weights and trains nothing. The loss of a mini-batch is a mean over all of it, across
 micro-batches and ranks. Every rank calls it; with one process the collectives it
 uses are local (a HashStore process group, no sockets).
 """
@@ -28,6 +30,8 @@ from omegaconf import DictConfig
 
 from asyncfp8 import distributed
 from asyncfp8.batches import batch_tensors, plan_step
+from asyncfp8.correction.base import LOG_RATIO_CLAMP
+from asyncfp8.correction.metrics import FAR_LOG_RATIO
 from asyncfp8.correction.registry import Correction
 from asyncfp8.failpoints import POISON_FACTOR, POISON_UPDATE, failpoint, reached
 from asyncfp8.inbox import Group
@@ -40,6 +44,8 @@ from asyncfp8.losses import (
     policy_loss_terms,
 )
 from asyncfp8.sync import Trajectory
+
+from .rollback import StepGuard
 
 Row = tuple[int, Trajectory, float]  # (sample index in the batch, trajectory, advantage)
 
@@ -61,6 +67,8 @@ class StepSums:
     seen: list[dict[int, torch.Tensor]] | None
     totals: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    rolled_back: bool = False  # the guard undid the previous step; this one trained nothing
+    guard: dict[str, float] = field(default_factory=dict)  # guard/* metrics of this step
 
 
 def lr_lambda(optim: DictConfig, steps: int):
@@ -124,12 +132,13 @@ class TrainStep:
         device: torch.device,
         reference: torch.nn.Module | None = None,
         world: int = 1,
+        guard: StepGuard | None = None,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.correction, self.optim = correction, optim
         self.loss = PolicyLoss.from_config(optim, correction_mode)  # checked here
         self.temperature, self.pad_token_id, self.device = temperature, pad_token_id, device
-        self.reference, self.world = reference, world
+        self.reference, self.world, self.guard = reference, world, guard
 
     def __call__(self, share: Share, step: int, version: int) -> StepSums:
         optim = self.optim
@@ -143,20 +152,28 @@ class TrainStep:
                 proximal = [[self.logprobs(self.model, b)[0] for b in mini] for mini in batches]
         seen: dict[int, torch.Tensor] = {}  # per sample: the log-probs the correction saw
         totals: dict[str, float] = defaultdict(float)
+        rolled_back = False
         for epoch, (m, mini) in itertools.product(range(optim.ppo_epochs), enumerate(batches)):
             self.optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = defaultdict(float)
+            judged = self.guard is not None and epoch == 0 and m == 0
             for j, micro in enumerate(mini):
                 with distributed.memory_advice("a train step", self.memory(micro)):
                     learner_logp = self._micro_batch(
-                        micro, proximal[m][j] if proximal else None, version, sums
+                        micro, proximal[m][j] if proximal else None, version, sums, judged
                     )
                 if epoch == 0:
                     for row, index in enumerate(micro["index"]):
                         seen[index] = learner_logp[row][micro["mask"][row]].cpu()
+            if judged:
+                add_reward_evidence(share, sums)
             # The loss is a mean over the whole mini-batch: its sums over micro-batches
             # and ranks, divided by the whole count.
             sums = distributed.sum_over_ranks(sums)
+            if judged and self.guard.check(sums, step) is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+                rolled_back = True
+                break
             distributed.scale_gradients(self.model, 1.0 / max(sums["denominator"], 1.0))
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), optim.grad_clip)
             if hasattr(grad_norm, "full_tensor"):  # a sharded (FSDP2) model's norm is a DTensor
@@ -170,9 +187,15 @@ class TrainStep:
                 totals[f"{key}_loss"] += sums[key] / max(sums["denominator"], 1.0)
             totals["grad_norm"] += grad_norm.item()
             totals["updates"] += 1
-        self.scheduler.step()
+        self.scheduler.step()  # a skipped step too: the schedule follows the step count
         failpoint("learner.mid_step")  # weights changed; nothing recorded or published yet
-        return StepSums(distributed.gather(seen), dict(totals), time.perf_counter() - started)
+        return StepSums(
+            distributed.gather(seen),
+            dict(totals),
+            time.perf_counter() - started,
+            rolled_back,
+            self.guard.metrics if self.guard is not None else {},
+        )
 
     def _optimizer_step(self) -> None:
         """AdamW's step; at fail point POISON_UPDATE's N-th, an update POISON_FACTOR times
@@ -187,12 +210,20 @@ class TrainStep:
                 p.copy_(old + POISON_FACTOR * (p - old))
 
     def _micro_batch(
-        self, micro: dict, proximal: torch.Tensor | None, version: int, sums: dict
+        self,
+        micro: dict,
+        proximal: torch.Tensor | None,
+        version: int,
+        sums: dict,
+        judged: bool = False,
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch; adds its loss numerator, denominator
-        and counts to `sums`. Returns the log-probs the correction saw."""
+        and counts to `sums` (and, `judged`, the guard's evidence). Returns the log-probs
+        the correction saw."""
         optim = self.optim
         logp, entropy = self.logprobs(self.model, micro)
+        if judged:
+            add_token_evidence(logp, micro, self.guard.settings.log_ratio_bound, sums)
         if proximal is None:
             proximal = logp.detach()
         terms = policy_loss_terms(self.loss, self.correction, logp, micro, proximal, version)
@@ -234,6 +265,28 @@ class TrainStep:
             "optim.logprob_chunk_tokens": optim.logprob_chunk_tokens,
             "ranks": self.world,
         }
+
+
+@torch.no_grad()
+def add_token_evidence(logp: torch.Tensor, micro: dict, bound: float, sums: dict) -> None:
+    """The guard's token evidence of a micro-batch (asyncfp8/guard.py): its real tokens,
+    those with |log ρ| > `bound` and > FAR_LOG_RATIO (an infinite log-prob counts), and
+    their k3 summed (log ρ clamped to ±20 as in the mismatch metrics). A few element-wise
+    ops on [B, T]."""
+    mask = micro["mask"].bool()
+    delta = torch.nan_to_num(logp.detach().float() - micro["rollout_logp"].float(), nan=0.0)
+    clamped = delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    sums["guard_tokens"] += mask.sum().item()
+    sums["guard_far_tokens"] += ((delta.abs() > bound) & mask).sum().item()
+    sums["guard_far5_tokens"] += ((delta.abs() > FAR_LOG_RATIO) & mask).sum().item()
+    sums["guard_k3"] += (torch.expm1(clamped) - clamped)[mask].sum().item()
+
+
+def add_reward_evidence(share: Share, sums: dict) -> None:
+    """The guard's reward evidence: this rank's samples and how many were rewarded."""
+    rewards = [t.reward for mini in share.mini_batches for micro in mini for _, t, _ in micro]
+    sums["guard_samples"] += len(rewards)
+    sums["guard_rewarded"] += sum(reward > 0 for reward in rewards)
 
 
 def all_rewards_equal(group: Group) -> bool:

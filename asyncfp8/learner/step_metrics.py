@@ -33,6 +33,8 @@ class StepMetrics:
         self, groups: list[Group], sums: StepSums, version: int, lr: float, kl_ref: bool
     ) -> dict[str, Any]:
         """The step's metrics over the whole batch (every rank's samples)."""
+        if sums.rolled_back:
+            return self._rolled_back(groups, sums, version, lr)
         trajectories = [t for group in groups for t in group.trajectories]
         batch = batch_tensors(trajectories, self.pad_token_id)
         learner_logp = torch.zeros_like(batch["rollout_logp"])
@@ -66,7 +68,24 @@ class StepMetrics:
         if kl_ref:
             metrics["loss/kl_ref"] = totals["kl"] / kept
         self._warn_without_reward_spread(metrics["groups/frac_zero_advantage"])
-        return metrics | fresh_mismatch(learner_logp, batch, version)
+        return metrics | fresh_mismatch(learner_logp, batch, version) | sums.guard
+
+    def _rolled_back(
+        self, groups: list[Group], sums: StepSums, version: int, lr: float
+    ) -> dict[str, Any]:
+        """A step the guard rolled back trained nothing: what its batch was, and the
+        guard's metrics (the loss, the correction's view and the gradient norm are those
+        of no update)."""
+        rewards = torch.tensor([t.reward for group in groups for t in group.trajectories])
+        return {
+            "version": version,
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item(),
+            "groups/frac_zero_advantage": sum(map(all_rewards_equal, groups)) / len(groups),
+            "optim/updates": 0,
+            "optim/lr": lr,
+            "time/train_s": sums.seconds,
+        } | sums.guard
 
     def throughput(self, counts: dict, seconds: float) -> dict[str, float]:
         """The rollout side since the previous step, from the inbox's counts."""

@@ -1,0 +1,170 @@
+"""The guard's rules (`guard.*`, docs/running.md#the-guard-undoing-a-fatal-step): does
+this batch show that the previous update broke the policy? Pure Python over one batch's
+evidence, summed over the learner's ranks, and the history of the batches that passed;
+the learner (learner/step.py, learner/rollback.py) acts on the verdict.
+
+A batch is judged with the weights the previous step left, before any update of this
+step, on three signals, each with its setting:
+- far tokens: at least `guard.far_tokens` tokens whose |log ρ| (learner − rollout) exceeds
+  `guard.log_ratio_bound`. Rounding moves a log-prob by ~1e-2 and one version of
+  staleness by less than 2; the fatal step of docs/results.md gave −37.
+- far share: more than `guard.far_fraction` of the tokens with |log ρ| > 5
+  (FAR_LOG_RATIO, the `mismatch/frac_abs_log_ratio_gt5` of the metrics).
+- dead reward: no sample of the batch rewarded while the median share of rewarded samples
+  of the last `guard.window` batches that passed is at least `guard.reward_good` (a
+  policy that scored, now scoring nothing). It waits for MIN_HISTORY such batches.
+The batch's mismatch k3 is measured too, but judges nothing: on the tiny model a clean
+step's k3 (28.9, one token at log ρ ≈ +8) exceeded a poisoned one's (9.1), so it cannot
+tell them apart (docs/running.md#the-guard-undoing-a-fatal-step).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Any
+
+from asyncfp8.correction.metrics import FAR_LOG_RATIO
+
+MIN_HISTORY = 5  # batches that passed before a median means anything
+# The keys a step adds to its sums (summed over ranks) for the guard to judge.
+EVIDENCE_KEYS = (
+    "guard_tokens",
+    "guard_far_tokens",
+    "guard_far5_tokens",
+    "guard_k3",
+    "guard_samples",
+    "guard_rewarded",
+)
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """`guard.*`, checked: `from_config` refuses a bad value naming its key."""
+
+    enabled: bool = True
+    max_rollbacks: int = 3
+    log_ratio_bound: float = 20.0
+    far_tokens: int = 1
+    far_fraction: float = 0.1
+    reward_good: float = 0.2
+    window: int = 20
+
+    @classmethod
+    def from_config(cls, guard: Any) -> GuardSettings:
+        values = {f.name: guard[f.name] for f in fields(cls) if f.name in guard}
+        for key, value in values.items():
+            _check_type(key, value)
+        settings = cls(**values)
+        for key in _COUNTS:
+            if getattr(settings, key) < 1:
+                raise ValueError(f"guard.{key} must be >= 1, got {getattr(settings, key)}")
+        if not settings.log_ratio_bound > 1:
+            raise ValueError(f"guard.log_ratio_bound must be > 1, got {settings.log_ratio_bound}")
+        for key in ("far_fraction", "reward_good"):
+            if not 0 < getattr(settings, key) <= 1:
+                raise ValueError(f"guard.{key} must be in (0, 1], got {getattr(settings, key)}")
+        return settings
+
+
+_COUNTS = ("max_rollbacks", "far_tokens", "window")
+
+
+def _check_type(key: str, value: Any) -> None:
+    """The schema types `guard.*` when Hydra composes it; this also holds for a config
+    built another way (a dict, a test)."""
+    kind = bool if key == "enabled" else int if key in _COUNTS else float
+    if kind is bool:
+        right = isinstance(value, bool)
+    elif kind is int:
+        right = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        right = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not right:
+        raise ValueError(f"guard.{key} must be a {kind.__name__}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A batch that failed: which signal, the setting that bounds it, and what it saw."""
+
+    signal: str  # far_tokens | far_fraction | dead_reward
+    setting: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One batch, summed over ranks: real tokens, those beyond the bound and beyond 5, the
+    sum of their k3, samples and samples rewarded (reward > 0)."""
+
+    tokens: float
+    far_tokens: float
+    far5_tokens: float
+    k3_sum: float
+    samples: float
+    rewarded: float
+
+    @classmethod
+    def from_sums(cls, sums: dict[str, float]) -> Evidence:
+        return cls(*(sums.get(key, 0.0) for key in EVIDENCE_KEYS))
+
+    @property
+    def k3(self) -> float:
+        return self.k3_sum / max(self.tokens, 1.0)
+
+    @property
+    def far_fraction(self) -> float:
+        return self.far5_tokens / max(self.tokens, 1.0)
+
+    @property
+    def reward_frac(self) -> float:
+        return self.rewarded / max(self.samples, 1.0)
+
+
+class GuardRules:
+    """The verdicts, and the history of the batches that passed."""
+
+    def __init__(self, settings: GuardSettings):
+        self.settings = settings
+        self.reward_history: deque[float] = deque(maxlen=settings.window)
+
+    def judge(self, evidence: Evidence) -> Verdict | None:
+        """The first signal the batch trips, or None (and the batch joins the history)."""
+        verdict = self._verdict(evidence)
+        if verdict is None:
+            self.reward_history.append(evidence.reward_frac)
+        return verdict
+
+    def _verdict(self, evidence: Evidence) -> Verdict | None:
+        s = self.settings
+        if evidence.far_tokens >= s.far_tokens:
+            return Verdict(
+                "far_tokens",
+                "guard.log_ratio_bound",
+                f"{evidence.far_tokens:.0f} of {evidence.tokens:.0f} tokens with |log ρ| > "
+                f"{s.log_ratio_bound:g} (guard.far_tokens={s.far_tokens})",
+            )
+        if evidence.far_fraction > s.far_fraction:
+            return Verdict(
+                "far_fraction",
+                "guard.far_fraction",
+                f"{evidence.far_fraction:.1%} of {evidence.tokens:.0f} tokens with |log ρ| > "
+                f"{FAR_LOG_RATIO:g} (guard.far_fraction={s.far_fraction:g})",
+            )
+        if len(self.reward_history) >= MIN_HISTORY and evidence.rewarded == 0:
+            median = statistics.median(self.reward_history)
+            if median >= s.reward_good:
+                return Verdict(
+                    "dead_reward",
+                    "guard.reward_good",
+                    f"no sample of {evidence.samples:.0f} rewarded, after batches with a "
+                    f"median of {median:.2f} rewarded (guard.reward_good={s.reward_good:g})",
+                )
+        return None
+
+    def reward_median(self) -> float:
+        """The running median the next batch's reward is judged against (NaN before any)."""
+        history = self.reward_history
+        return statistics.median(history) if history else float("nan")

@@ -1,0 +1,146 @@
+"""Undoing a fatal step: the guard as a training step uses it (asyncfp8/guard.py has the
+rules).
+
+Before a step's first update, `StepGuard.check` judges the batch's evidence with the
+weights the previous step left. A batch that passes makes those weights the last good
+state: a CPU copy of every parameter and of AdamW's state (`LastGood`), in buffers
+allocated once and overwritten each step. A batch that fails puts the last good state
+back (undoing the step that broke the policy) and the step trains nothing. After
+`guard.max_rollbacks` failures in a row `exhausted` is set and the learner stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from asyncfp8.guard import Evidence, GuardRules, GuardSettings, Verdict
+
+log = logging.getLogger("asyncfp8.learner")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (FSDP2 DTensor) tensor, or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class LastGood:
+    """A CPU copy of the model's parameters and the optimizer's per-parameter state."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.params: list[torch.Tensor] = []
+        self.state: list[dict[str, torch.Tensor]] = []
+        self.step: int | None = None  # steps trained before the copy; None: no copy yet
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.params, *(t for s in self.state for t in s.values())]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.no_grad()
+    def keep(self, step: int) -> None:
+        parameters = list(self.model.parameters())
+        if not self.params:
+            self.params = [torch.empty_like(_local(p), device="cpu") for p in parameters]
+        for buffer, p in zip(self.params, parameters, strict=True):
+            buffer.copy_(_local(p.detach()))
+        states = [self.optimizer.state.get(p, {}) for p in parameters]
+        if len(self.state) != len(parameters) or any(
+            s.keys() != saved.keys() for s, saved in zip(states, self.state, strict=True)
+        ):  # the first step creates AdamW's state: buffers once more
+            self.state = [
+                {k: torch.empty_like(_local(v), device="cpu") for k, v in s.items()} for s in states
+            ]
+        for saved, state in zip(self.state, states, strict=True):
+            for key, buffer in saved.items():
+                buffer.copy_(_local(state[key]))
+        self.step = step
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        parameters = list(self.model.parameters())
+        for buffer, p in zip(self.params, parameters, strict=True):
+            _local(p.data).copy_(buffer)
+        for saved, p in zip(self.state, parameters, strict=True):
+            if not saved:  # kept before AdamW's first step: it had no state
+                self.optimizer.state.pop(p, None)
+                continue
+            state = self.optimizer.state[p]
+            for key, buffer in saved.items():
+                _local(state[key]).copy_(buffer)
+
+
+class StepGuard:
+    """The guard's state across steps: the rules' history, the last good copy, and the
+    rollbacks counted."""
+
+    def __init__(
+        self, settings: GuardSettings, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ):
+        self.settings = settings
+        self.rules = GuardRules(settings)
+        self.last_good = LastGood(model, optimizer)
+        self.rollbacks = 0
+        self.in_row = 0
+        self.last_verdict: Verdict | None = None
+        self.metrics: dict[str, float] = {}  # of the latest check
+
+    @property
+    def exhausted(self) -> bool:
+        return self.in_row >= self.settings.max_rollbacks
+
+    def check(self, sums: dict[str, float], step: int) -> Verdict | None:
+        """Judges a batch (`sums` hold the guard's evidence keys, summed over ranks) with
+        the weights after `step` steps; keeps them, or restores the last good ones."""
+        started = time.perf_counter()
+        evidence = Evidence.from_sums(sums)
+        median = self.rules.reward_median()
+        verdict = self.rules.judge(evidence)
+        if verdict is None:
+            self.last_good.keep(step)
+            self.in_row = 0
+        else:
+            self.rollbacks += 1
+            self.in_row += 1
+            self.last_verdict = verdict
+            self._roll_back(verdict, step)
+        self.metrics = {
+            "guard/rolled_back": int(verdict is not None),
+            "guard/rollbacks": self.rollbacks,
+            "guard/rollbacks_in_row": self.in_row,
+            "guard/far_tokens": evidence.far_tokens,
+            "guard/far_fraction": evidence.far_fraction,
+            "guard/k3": evidence.k3,
+            "guard/reward_frac": evidence.reward_frac,
+            "guard/reward_median": median,
+            "guard/check_s": time.perf_counter() - started,
+        }
+        return verdict
+
+    def _roll_back(self, verdict: Verdict, step: int) -> None:
+        good = self.last_good.step
+        if good is None:
+            log.warning(
+                "guard: the batch of step %d fails (%s: %s), but there is no good state to "
+                "roll back to yet (no batch has passed since this process started, step 0 "
+                "of this process): the step is skipped, the weights left as they are",
+                step + 1,
+                verdict.signal,
+                verdict.detail,
+            )
+            return
+        self.last_good.restore()
+        log.warning(
+            "guard: the batch of step %d fails (%s: %s): rolled back to the weights and "
+            "optimizer state after step %d and skipped the step (%d in a row of at most "
+            "guard.max_rollbacks=%d)",
+            step + 1,
+            verdict.signal,
+            verdict.detail,
+            good,
+            self.in_row,
+            self.settings.max_rollbacks,
+        )

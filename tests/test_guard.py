@@ -1,0 +1,235 @@
+"""The guard that undoes a fatal step (issue 45): its settings refused at start naming the
+key, its rules on evidence built here, the last good state put back bit for bit, and on
+the tiny model: a clean run never rolls back and trains exactly as without the guard; the
+poison fail point breaks a run without the guard and is undone with it; rollbacks in a
+row stop the run with a checkpoint that a resume continues from."""
+
+import logging
+
+import pytest
+import torch
+
+from asyncfp8 import failpoints
+from asyncfp8.failpoints import POISON_UPDATE
+from asyncfp8.guard import MIN_HISTORY, Evidence, GuardRules, GuardSettings
+from asyncfp8.learner.rollback import LastGood
+
+# --- settings ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("max_rollbacks", 0, "guard.max_rollbacks must be >= 1"),
+        ("max_rollbacks", 2.5, "guard.max_rollbacks must be a int"),
+        ("enabled", "yes", "guard.enabled must be a bool"),
+        ("log_ratio_bound", 0.5, "guard.log_ratio_bound must be > 1"),
+        ("log_ratio_bound", float("nan"), "guard.log_ratio_bound must be > 1"),
+        ("far_fraction", 0.0, r"guard.far_fraction must be in \(0, 1\]"),
+        ("reward_good", 1.5, r"guard.reward_good must be in \(0, 1\]"),
+        ("window", True, "guard.window must be a int"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_key(key, value, message):
+    with pytest.raises(ValueError, match=message):
+        GuardSettings.from_config({key: value})
+
+
+def test_a_mistyped_setting_fails_when_the_config_is_composed():
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("asyncfp8.conf", version_base="1.3"):
+        cfg = compose("config")
+        assert GuardSettings.from_config(cfg.guard) == GuardSettings()  # yaml = defaults
+        with pytest.raises(Exception, match=r"guard\.max_rollbacks"):
+            compose("config", overrides=["guard.max_rollbacks=three"])
+
+
+# --- rules ------------------------------------------------------------------------------
+
+
+def evidence(tokens=100, far=0, far5=0, samples=16, rewarded=8):
+    return Evidence(tokens, far, far5, 0.01 * tokens, samples, rewarded)
+
+
+def test_a_token_beyond_the_bound_or_a_far_share_fails_a_batch_from_the_first():
+    rules = GuardRules(GuardSettings())
+    assert rules.judge(evidence(far=1)).signal == "far_tokens"
+    assert rules.judge(evidence(far5=11)).setting == "guard.far_fraction"
+    assert rules.judge(evidence(far5=10)) is None  # 10% is not more than 10%
+    assert rules.judge(evidence()) is None
+
+
+def test_a_dead_reward_fails_only_after_good_batches():
+    rules = GuardRules(GuardSettings())
+    assert rules.judge(evidence(rewarded=0)) is None  # no history: not judged
+    for _ in range(MIN_HISTORY):
+        assert rules.judge(evidence(rewarded=8)) is None
+    verdict = rules.judge(evidence(rewarded=0))
+    assert (verdict.signal, verdict.setting) == ("dead_reward", "guard.reward_good")
+    poor = GuardRules(GuardSettings())
+    for _ in range(MIN_HISTORY + 1):
+        poor.judge(evidence(rewarded=1))  # a median of 1/16 rewarded: never good
+    assert poor.judge(evidence(rewarded=0)) is None
+
+
+def test_the_last_good_state_comes_back_bit_for_bit_with_adams_state():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    saved = LastGood(model, optimizer)
+
+    def step():
+        model(torch.randn(3, 5)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    saved.keep(0)  # before AdamW's first step: no state
+    step()
+    saved.restore()
+    assert not optimizer.state
+    step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    moments = [optimizer.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
+    saved.keep(1)
+    step()
+    step()
+    saved.restore()
+    for p, w, m in zip(model.parameters(), weights, moments, strict=True):
+        assert torch.equal(p, w) and torch.equal(optimizer.state[p]["exp_avg_sq"], m)
+    assert saved.nbytes == 3 * sum(p.numel() * 4 for p in model.parameters()) + 2 * 4
+
+
+# --- on the tiny model ------------------------------------------------------------------
+
+STEPS, POISONED = 6, 3
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_model_dir):
+    from tests.recorded import record_groups
+
+    return record_groups(tiny_model_dir, steps=STEPS, groups=4, group_size=4, seed=1)
+
+
+@pytest.fixture
+def armed(monkeypatch):
+    def arm(spec: str) -> None:
+        monkeypatch.setattr(failpoints, "_armed", failpoints.parse(spec))
+        monkeypatch.setattr(failpoints, "_hits", failpoints.Counter())
+
+    return arm
+
+
+def weights(model):
+    """Plain copies of the parameters (FSDP2 keeps them as DTensors, world size 1 here)."""
+    return [
+        (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in model.parameters()
+    ]
+
+
+def trained(model_dir, run_dir, groups, *overrides):
+    """Per step: (metrics, parameters after it) of an in-process learner on `groups`."""
+    from asyncfp8.learner import Learner
+    from tests.recorded import learner_config, train
+
+    learner = Learner(learner_config(model_dir, run_dir, *overrides))
+    learner.version = 0
+    out = []
+    try:
+        for batch in groups:
+            metrics = train(learner, batch)
+            out.append((metrics, weights(learner.model)))
+    finally:
+        learner.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def clean(tiny_model_dir, recorded, tmp_path_factory):
+    return trained(tiny_model_dir, tmp_path_factory.mktemp("clean"), recorded)
+
+
+def test_a_clean_run_never_rolls_back_and_trains_as_without_the_guard(
+    tiny_model_dir, recorded, clean, tmp_path
+):
+    off = trained(tiny_model_dir, tmp_path, recorded, "guard.enabled=false")
+    for (on_metrics, on_params), (off_metrics, off_params) in zip(clean, off, strict=True):
+        assert on_metrics["guard/rolled_back"] == 0
+        assert not any(key.startswith("guard/") for key in off_metrics)
+        assert all(torch.equal(a, b) for a, b in zip(on_params, off_params, strict=True))
+    assert clean[-1][0]["guard/rollbacks"] == 0
+
+
+def test_the_poisoned_step_breaks_a_run_without_the_guard_and_is_undone_with_it(
+    tiny_model_dir, recorded, clean, tmp_path, armed
+):
+    armed(f"{POISON_UPDATE}={POISONED}")
+    off = trained(tiny_model_dir, tmp_path / "off", recorded, "guard.enabled=false")
+    armed(f"{POISON_UPDATE}={POISONED}")
+    on = trained(tiny_model_dir, tmp_path / "on", recorded)
+    clean_far = max(m["mismatch/frac_abs_log_ratio_gt5"] for m, _ in clean)
+    # without the guard: from the step after the poison on, most tokens the recorded
+    # rollouts sampled are beyond |log ρ| = 5 for the learner, and stay there
+    for metrics, _ in off[POISONED:]:
+        assert metrics["mismatch/frac_abs_log_ratio_gt5"] > 0.5 > clean_far
+    # with it: the next step rolls back to the weights after step POISONED - 1 ...
+    rollback, weights = on[POISONED]
+    assert rollback["guard/rolled_back"] == 1 and rollback["optim/updates"] == 0
+    assert rollback["guard/far_tokens"] >= 1
+    before_poison = clean[POISONED - 2][1]
+    assert all(torch.equal(a, b) for a, b in zip(weights, before_poison, strict=True))
+    # ... and trains on as a clean run does
+    for metrics, _ in on[POISONED + 1 :]:
+        assert metrics["guard/rolled_back"] == 0
+        assert metrics["mismatch/frac_abs_log_ratio_gt5"] <= max(clean_far, 0.1)
+    assert on[-1][0]["guard/rollbacks"] == 1
+
+
+def corrupted(groups):
+    """The groups with rollout log-probs of -40: every token 20+ nats from the learner's."""
+    import copy
+
+    broken = copy.deepcopy(groups)
+    for group in broken:
+        for t in group.trajectories:
+            t.logprobs = [-40.0] * len(t.logprobs)
+    return broken
+
+
+def test_rollbacks_in_a_row_stop_the_run_and_a_resume_continues(
+    tiny_model_dir, recorded, tmp_path, caplog
+):
+    from asyncfp8.learner import Learner
+    from asyncfp8.learner.loop import GUARD_STOPPED
+    from tests.recorded import learner_config, train
+
+    caplog.set_level(logging.INFO, logger="asyncfp8.learner")
+    overrides = ("guard.max_rollbacks=2",)
+    learner = Learner(learner_config(tiny_model_dir, tmp_path, *overrides))
+    learner.version = 0
+    start = weights(learner.model)
+    train(learner, corrupted(recorded[0]))  # the first batch: nothing to roll back to
+    assert "no good state to roll back to yet" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(weights(learner.model), start, strict=True))
+    train(learner, recorded[1])  # passes: the weights after step 1 are the last good
+    good = weights(learner.model)
+    for batch in (recorded[2], corrupted(recorded[3]), corrupted(recorded[4])):
+        train(learner, batch)
+    assert learner.train_step.guard.exhausted
+    assert learner._stop_by_guard() == GUARD_STOPPED
+    message = caplog.records[-1].getMessage()
+    assert "2 rollbacks in a row (guard.max_rollbacks=2)" in message
+    assert "signal far_tokens" in message and "guard.log_ratio_bound" in message
+    assert "the weights after step 2 (the last good one) saved in" in message
+    assert "step_00000005" in message and "run.resume=true" in message
+    # the checkpoint holds the last good weights; a resume continues from it
+    resumed = Learner(learner_config(tiny_model_dir, tmp_path, *overrides, "run.resume=true"))
+    try:
+        assert resumed.step == 5
+        restored = weights(resumed.model)
+        assert all(torch.equal(a, b) for a, b in zip(restored, good, strict=True))
+        metrics = train(resumed, recorded[5])
+        assert metrics["guard/rolled_back"] == 0 and metrics["optim/updates"] == 1
+    finally:
+        resumed.close()
