@@ -50,6 +50,7 @@ class GuardSettings:
     far_fraction: float = 0.1
     reward_good: float = 0.2
     window: int = 20
+    keep_states: int = 2
 
     @classmethod
     def from_config(cls, guard: Any) -> GuardSettings:
@@ -68,7 +69,7 @@ class GuardSettings:
         return settings
 
 
-_COUNTS = ("max_rollbacks", "far_tokens", "window")
+_COUNTS = ("max_rollbacks", "far_tokens", "window", "keep_states")
 
 
 def _check_type(key: str, value: Any) -> None:

@@ -212,23 +212,27 @@ def test_rollbacks_in_a_row_stop_the_run_and_a_resume_continues(
     train(learner, corrupted(recorded[0]))  # the first batch: nothing to roll back to
     assert "no good state to roll back to yet" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(weights(learner.model), start, strict=True))
-    train(learner, recorded[1])  # passes: the weights after step 1 are the last good
-    good = weights(learner.model)
-    for batch in (recorded[2], corrupted(recorded[3]), corrupted(recorded[4])):
+    # two that pass: the weights after steps 1 (those it started with) and 2 are good
+    for batch in (recorded[1], recorded[2]):
         train(learner, batch)
+    after_step_2 = learner.train_step.guard.states[-1].params
+    train(learner, corrupted(recorded[3]))  # back to the weights after step 2
+    assert all(torch.equal(a, b) for a, b in zip(weights(learner.model), after_step_2, strict=True))
+    # failing again, those were not good after all: one state further back
+    train(learner, corrupted(recorded[4]))
     assert learner.train_step.guard.exhausted
     assert learner._stop_by_guard() == GUARD_STOPPED
     message = caplog.records[-1].getMessage()
     assert "2 rollbacks in a row (guard.max_rollbacks=2)" in message
     assert "signal far_tokens" in message and "guard.log_ratio_bound" in message
-    assert "the weights after step 2 (the last good one) saved in" in message
+    assert "the weights after step 1 (the last good one) saved in" in message
     assert "step_00000005" in message and "run.resume=true" in message
     # the checkpoint holds the last good weights; a resume continues from it
     resumed = Learner(learner_config(tiny_model_dir, tmp_path, *overrides, "run.resume=true"))
     try:
         assert resumed.step == 5
         restored = weights(resumed.model)
-        assert all(torch.equal(a, b) for a, b in zip(restored, good, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(restored, start, strict=True))
         metrics = train(resumed, recorded[5])
         assert metrics["guard/rolled_back"] == 0 and metrics["optim/updates"] == 1
     finally:

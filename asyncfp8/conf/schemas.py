@@ -240,6 +240,7 @@ class GuardConfig:
     far_fraction: float = MISSING
     reward_good: float = MISSING
     window: int = MISSING
+    keep_states: int = MISSING
 
 
 SCHEMAS = {

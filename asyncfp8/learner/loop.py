@@ -296,7 +296,7 @@ class Learner:
             return True
         if not self.rolled_back:
             return False
-        good, saved = self.train_step.guard.last_good.step, self.checkpointed_step
+        good, saved = self.train_step.guard.good_step, self.checkpointed_step
         return saved is not None and good is not None and saved > good
 
     def _stop_by_guard(self) -> int:
@@ -304,7 +304,7 @@ class Learner:
         with none yet, the ones this process started from); a checkpoint of them, the
         workers told, and a message naming the signal, the setting and the checkpoint."""
         guard = self.train_step.guard
-        verdict, good = guard.last_verdict, guard.last_good.step
+        verdict, good = guard.last_verdict, guard.good_step
         if good is not None:
             folder = self.checkpoint()
             state = f"the weights after step {good} (the last good one) saved in {folder}"

@@ -2,17 +2,22 @@
 rules).
 
 Before a step's first update, `StepGuard.check` judges the batch's evidence with the
-weights the previous step left. A batch that passes makes those weights the last good
-state: a CPU copy of every parameter and of AdamW's state (`LastGood`), in buffers
-allocated once and overwritten each step. A batch that fails puts the last good state
-back (undoing the step that broke the policy) and the step trains nothing. After
-`guard.max_rollbacks` failures in a row `exhausted` is set and the learner stops.
+weights the previous step left. A batch that passes makes those weights the newest good
+state: a CPU copy of every parameter and of AdamW's state (`LastGood`); the newest
+`guard.keep_states` are kept, in buffers allocated once and reused. A batch that fails
+puts the newest good state back (undoing the step that broke the policy) and the step
+trains nothing; a second failure in a row drops that state as not good after all and
+goes one further back. A batch can pass with broken weights when it cannot see them: in
+sync mode the batch was sampled by the broken policy itself (no mismatch) and may still
+score by chance; its own failure comes a step later. After `guard.max_rollbacks` failures
+in a row `exhausted` is set and the learner stops.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import torch
 
@@ -82,11 +87,18 @@ class StepGuard:
     ):
         self.settings = settings
         self.rules = GuardRules(settings)
-        self.last_good = LastGood(model, optimizer)
+        # the good states, oldest first; their buffers are reused once there are enough
+        self.states: deque[LastGood] = deque()
+        self.spare = [LastGood(model, optimizer) for _ in range(settings.keep_states)]
         self.rollbacks = 0
         self.in_row = 0
         self.last_verdict: Verdict | None = None
         self.metrics: dict[str, float] = {}  # of the latest check
+
+    @property
+    def good_step(self) -> int | None:
+        """Steps trained before the newest good state (None: no state yet)."""
+        return self.states[-1].step if self.states else None
 
     @property
     def exhausted(self) -> bool:
@@ -100,7 +112,7 @@ class StepGuard:
         median = self.rules.reward_median()
         verdict = self.rules.judge(evidence)
         if verdict is None:
-            self.last_good.keep(step)
+            self._keep(step)
             self.in_row = 0
         else:
             self.rollbacks += 1
@@ -120,8 +132,15 @@ class StepGuard:
         }
         return verdict
 
+    def _keep(self, step: int) -> None:
+        slot = self.spare.pop() if self.spare else self.states.popleft()
+        slot.keep(step)
+        self.states.append(slot)
+
     def _roll_back(self, verdict: Verdict, step: int) -> None:
-        good = self.last_good.step
+        if self.in_row > 1 and len(self.states) > 1:  # restored and failed again
+            self.spare.append(self.states.pop())
+        good = self.good_step
         if good is None:
             log.warning(
                 "guard: the batch of step %d fails (%s: %s), but there is no good state to "
@@ -132,7 +151,7 @@ class StepGuard:
                 verdict.detail,
             )
             return
-        self.last_good.restore()
+        self.states[-1].restore()
         log.warning(
             "guard: the batch of step %d fails (%s: %s): rolled back to the weights and "
             "optimizer state after step %d and skipped the step (%d in a row of at most "
