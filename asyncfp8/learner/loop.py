@@ -96,20 +96,7 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(optim, run.steps)
         )
-        self.train_step = TrainStep(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.correction,
-            optim,
-            cfg.correction.mode,
-            run.temperature,
-            tokenizer.pad_token_id,
-            self.ranks.device,
-            reference=self.reference,
-            world=self.ranks.world,
-            guard=self._guard(),
-        )
+        self.train_step = self._train_step()
         self.rolled_back = False  # the latest step undid the one before it
         self.checkpointed_step: int | None = None
         self.colocated = colocated = self._colocated_engine()
@@ -280,6 +267,23 @@ class Learner:
         return self.checkpointer.save(self.step, self.version, self.hub.state_dict(), elapsed)
 
     # -- the guard ---------------------------------------------------------------------------
+
+    def _train_step(self) -> TrainStep:
+        cfg = self.cfg
+        return TrainStep(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.correction,
+            cfg.optim,
+            cfg.correction.mode,
+            cfg.run.temperature,
+            self.tokenizer.pad_token_id,
+            self.ranks.device,
+            reference=self.reference,
+            world=self.ranks.world,
+            guard=self._guard(),
+        )
 
     def _guard(self) -> StepGuard | None:
         guard = self.cfg.get("guard")
