@@ -132,9 +132,10 @@ class GuardRules:
         self.reward_history: deque[float] = deque(maxlen=settings.window)
 
     def judge(self, evidence: Evidence) -> Verdict | None:
-        """The first signal the batch trips, or None (and the batch joins the history)."""
+        """The first signal the batch trips, or None (and the batch joins the history).
+        A batch with no evidence (every sample left out) trips nothing."""
         verdict = self._verdict(evidence)
-        if verdict is None:
+        if verdict is None and evidence.samples > 0:
             self.reward_history.append(evidence.reward_frac)
         return verdict
 
@@ -154,7 +155,8 @@ class GuardRules:
                 f"{evidence.far_fraction:.1%} of {evidence.tokens:.0f} tokens with |log ρ| > "
                 f"{FAR_LOG_RATIO:g} (guard.far_fraction={s.far_fraction:g})",
             )
-        if len(self.reward_history) >= MIN_HISTORY and evidence.rewarded == 0:
+        judged = evidence.samples > 0  # all left out (sampled by undone weights): no evidence
+        if judged and len(self.reward_history) >= MIN_HISTORY and evidence.rewarded == 0:
             median = statistics.median(self.reward_history)
             if median >= s.reward_good:
                 return Verdict(

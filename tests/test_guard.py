@@ -100,6 +100,38 @@ def test_the_last_good_state_comes_back_bit_for_bit_with_adams_state():
     assert saved.nbytes == 3 * sum(p.numel() * 4 for p in model.parameters()) + 2 * 4
 
 
+def test_tokens_and_samples_of_undone_versions_are_left_out_of_the_evidence():
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from asyncfp8.learner.step import Share, add_reward_evidence, add_token_evidence
+
+    micro = {
+        "mask": torch.tensor([[True, True, False], [True, True, True]]),
+        "rollout_logp": torch.zeros(2, 3),
+        "versions": torch.tensor([[3, 3, 0], [5, 5, 6]]),  # 4 and 5: from undone weights
+    }
+    logp = torch.tensor([[-30.0, -0.1, -50.0], [-30.0, -30.0, -6.0]])
+    sums = defaultdict(float)
+    add_token_evidence(logp, micro, 20.0, (3, 5), sums)
+    # the sample of version 3 is judged (one token at -30); version 5's two are left out;
+    # the padding at -50 never counts
+    assert (sums["guard_tokens"], sums["guard_ignored_tokens"]) == (3, 2)
+    assert (sums["guard_far_tokens"], sums["guard_far5_tokens"]) == (1, 2)
+    rows = [
+        (0, SimpleNamespace(reward=1.0, versions=[3, 3]), 0.0),
+        (1, SimpleNamespace(reward=0.0, versions=[5, 6]), 0.0),
+    ]
+    add_reward_evidence(Share([[rows]], []), (3, 5), sums)
+    assert (sums["guard_samples"], sums["guard_rewarded"]) == (1, 1)
+    # a batch left out whole is no evidence: it neither fails nor counts as good
+    rules = GuardRules(GuardSettings())
+    for _ in range(MIN_HISTORY):
+        rules.judge(evidence())
+    assert rules.judge(evidence(tokens=0, samples=0, rewarded=0)) is None
+    assert len(rules.reward_history) == MIN_HISTORY
+
+
 # --- on the tiny model ------------------------------------------------------------------
 
 STEPS, POISONED = 6, 3

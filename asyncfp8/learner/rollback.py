@@ -11,6 +11,12 @@ goes one further back. A batch can pass with broken weights when it cannot see t
 sync mode the batch was sampled by the broken policy itself (no mismatch) and may still
 score by chance; its own failure comes a step later. After `guard.max_rollbacks` failures
 in a row `exhausted` is set and the learner stops.
+
+Versions published from the undone weights were sampled by a broken policy; asynchronous
+workers go on sending such samples for a step or two. Their tokens say nothing of the
+restored weights, so they are left out of the evidence (`ignored_versions`): without that,
+they failed the next batch too and cost a second rollback (a colocated async run of the
+tiny model, the poison at update 6).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class LastGood:
         self.params: list[torch.Tensor] = []
         self.state: list[dict[str, torch.Tensor]] = []
         self.step: int | None = None  # steps trained before the copy; None: no copy yet
+        self.version: int | None = None  # the newest version published when it was kept
 
     @property
     def nbytes(self) -> int:
@@ -46,7 +53,7 @@ class LastGood:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.no_grad()
-    def keep(self, step: int) -> None:
+    def keep(self, step: int, version: int | None = None) -> None:
         parameters = list(self.model.parameters())
         if not self.params:
             self.params = [torch.empty_like(_local(p), device="cpu") for p in parameters]
@@ -62,7 +69,7 @@ class LastGood:
         for saved, state in zip(self.state, states, strict=True):
             for key, buffer in saved.items():
                 buffer.copy_(_local(state[key]))
-        self.step = step
+        self.step, self.version = step, version
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -93,6 +100,8 @@ class StepGuard:
         self.rollbacks = 0
         self.in_row = 0
         self.last_verdict: Verdict | None = None
+        # (after, up to]: versions published from weights a rollback undid
+        self.ignored_versions: tuple[int, int] | None = None
         self.metrics: dict[str, float] = {}  # of the latest check
 
     @property
@@ -104,21 +113,25 @@ class StepGuard:
     def exhausted(self) -> bool:
         return self.in_row >= self.settings.max_rollbacks
 
-    def check(self, sums: dict[str, float], step: int) -> Verdict | None:
+    def check(self, sums: dict[str, float], step: int, version: int | None) -> Verdict | None:
         """Judges a batch (`sums` hold the guard's evidence keys, summed over ranks) with
-        the weights after `step` steps; keeps them, or restores the last good ones."""
+        the weights after `step` steps, `version` the newest published; keeps them, or
+        restores the last good ones."""
         started = time.perf_counter()
         evidence = Evidence.from_sums(sums)
         median = self.rules.reward_median()
         verdict = self.rules.judge(evidence)
-        if verdict is None:
-            self._keep(step)
-            self.in_row = 0
-        else:
+        if verdict is not None:
             self.rollbacks += 1
             self.in_row += 1
             self.last_verdict = verdict
             self._roll_back(verdict, step)
+            good = self.states[-1].version if self.states else None
+            if good is not None and version is not None and version > good:
+                self.ignored_versions = (good, version)
+        elif evidence.samples > 0:  # a batch of left-out samples only verifies nothing
+            self._keep(step, version)
+            self.in_row = 0
         self.metrics = {
             "guard/rolled_back": int(verdict is not None),
             "guard/rollbacks": self.rollbacks,
@@ -129,12 +142,13 @@ class StepGuard:
             "guard/reward_frac": evidence.reward_frac,
             "guard/reward_median": median,
             "guard/check_s": time.perf_counter() - started,
+            "guard/ignored_tokens": sums.get("guard_ignored_tokens", 0.0),
         }
         return verdict
 
-    def _keep(self, step: int) -> None:
+    def _keep(self, step: int, version: int | None) -> None:
         slot = self.spare.pop() if self.spare else self.states.popleft()
-        slot.keep(step)
+        slot.keep(step, version)
         self.states.append(slot)
 
     def _roll_back(self, verdict: Verdict, step: int) -> None:

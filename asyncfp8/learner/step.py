@@ -166,11 +166,11 @@ class TrainStep:
                     for row, index in enumerate(micro["index"]):
                         seen[index] = learner_logp[row][micro["mask"][row]].cpu()
             if judged:
-                add_reward_evidence(share, sums)
+                add_reward_evidence(share, self.guard.ignored_versions, sums)
             # The loss is a mean over the whole mini-batch: its sums over micro-batches
             # and ranks, divided by the whole count.
             sums = distributed.sum_over_ranks(sums)
-            if judged and self.guard.check(sums, step) is not None:
+            if judged and self.guard.check(sums, step, version) is not None:
                 self.optimizer.zero_grad(set_to_none=True)
                 rolled_back = True
                 break
@@ -223,7 +223,10 @@ class TrainStep:
         optim = self.optim
         logp, entropy = self.logprobs(self.model, micro)
         if judged:
-            add_token_evidence(logp, micro, self.guard.settings.log_ratio_bound, sums)
+            guard = self.guard
+            add_token_evidence(
+                logp, micro, guard.settings.log_ratio_bound, guard.ignored_versions, sums
+            )
         if proximal is None:
             proximal = logp.detach()
         terms = policy_loss_terms(self.loss, self.correction, logp, micro, proximal, version)
@@ -268,12 +271,25 @@ class TrainStep:
 
 
 @torch.no_grad()
-def add_token_evidence(logp: torch.Tensor, micro: dict, bound: float, sums: dict) -> None:
+def add_token_evidence(
+    logp: torch.Tensor,
+    micro: dict,
+    bound: float,
+    ignored_versions: tuple[int, int] | None,
+    sums: dict,
+) -> None:
     """The guard's token evidence of a micro-batch (asyncfp8/guard.py): its real tokens,
     those with |log ρ| > `bound` and > FAR_LOG_RATIO (an infinite log-prob counts), and
-    their k3 summed (log ρ clamped to ±20 as in the mismatch metrics). A few element-wise
+    their k3 summed (log ρ clamped to ±20 as in the mismatch metrics); tokens of the
+    versions in `ignored_versions` (after, up to] left out and counted. A few element-wise
     ops on [B, T]."""
     mask = micro["mask"].bool()
+    if ignored_versions is not None:
+        after, up_to = ignored_versions
+        versions = micro["versions"]
+        ignored = mask & (versions > after) & (versions <= up_to)
+        sums["guard_ignored_tokens"] += ignored.sum().item()
+        mask = mask & ~ignored
     delta = torch.nan_to_num(logp.detach().float() - micro["rollout_logp"].float(), nan=0.0)
     clamped = delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     sums["guard_tokens"] += mask.sum().item()
@@ -282,9 +298,17 @@ def add_token_evidence(logp: torch.Tensor, micro: dict, bound: float, sums: dict
     sums["guard_k3"] += (torch.expm1(clamped) - clamped)[mask].sum().item()
 
 
-def add_reward_evidence(share: Share, sums: dict) -> None:
-    """The guard's reward evidence: this rank's samples and how many were rewarded."""
-    rewards = [t.reward for mini in share.mini_batches for micro in mini for _, t, _ in micro]
+def add_reward_evidence(share: Share, ignored_versions: tuple[int, int] | None, sums: dict) -> None:
+    """The guard's reward evidence: this rank's samples and how many were rewarded,
+    leaving out those with a token of the versions in `ignored_versions` (after, up to]."""
+    after, up_to = ignored_versions or (0, -1)
+    rewards = [
+        t.reward
+        for mini in share.mini_batches
+        for micro in mini
+        for _, t, _ in micro
+        if not any(after < v <= up_to for v in t.versions)
+    ]
     sums["guard_samples"] += len(rewards)
     sums["guard_rewarded"] += sum(reward > 0 for reward in rewards)
 
