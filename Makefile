@@ -1,7 +1,7 @@
-# The two commands of the README (run, test). Each sets up .venv itself (scripts/setup.sh) first.
+# The commands of the README (run, test, test-fast). Each sets up .venv itself (scripts/setup.sh) first.
 PY := .venv/bin/python
 
-.PHONY: run demo test lint setup clean
+.PHONY: run demo test test-fast lint setup clean
 
 run:
 	bash scripts/setup.sh dev
@@ -16,6 +16,13 @@ test:
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest $(ARGS)
+
+# The inner loop: every test not marked slow (no real multi-process run, no vLLM engine),
+# within 3 minutes on 2 cores; `make test` stays what CI runs (docs/testing.md).
+test-fast:
+	bash scripts/setup.sh dev
+	$(PY) -m ruff check .
+	$(PY) -m pytest -m "not slow" $(ARGS)
 
 lint:
 	bash scripts/setup.sh dev

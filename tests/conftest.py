@@ -2,6 +2,9 @@ import os
 
 import pytest
 
+# The suite's time budget and the fast limit (tests/budget.py).
+pytest_plugins = ["tests.budget"]
+
 # vLLM on CPU: reach the engine in-process, cap its KV cache, do not pin threads
 # (DESIGN.md §5). Set before any test imports vllm.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
