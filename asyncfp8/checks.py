@@ -209,6 +209,18 @@ def check_training(cfg: DictConfig) -> None:
             raise ValueError(f"optim.{key} must be >= 0, got {optim[key]!r}")
     if optim.clip_ratio_c is not None and not optim.clip_ratio_c > 1:
         raise ValueError(f"optim.clip_ratio_c must be > 1 or null (off), got {optim.clip_ratio_c}")
+    if cfg.correction.get("proximal", "current") == "version":
+        if cfg.correction.mode == "bypass":
+            raise ValueError(
+                "correction.proximal=version needs correction.mode=decoupled (bypass has no "
+                "π_prox: it is the rollout's own log-probs)"
+            )
+        if cfg.run.learner_procs > 1:
+            raise ValueError(
+                "correction.proximal=version runs on one learner rank only (each rank would "
+                f"swap in other versions for other tokens), got run.learner_procs="
+                f"{cfg.run.learner_procs}"
+            )
 
 
 def check_inflight_updates(cfg: DictConfig) -> None:

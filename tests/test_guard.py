@@ -182,6 +182,7 @@ def clean(tiny_model_dir, recorded, tmp_path_factory):
     return trained(tiny_model_dir, tmp_path_factory.mktemp("clean"), recorded)
 
 
+@pytest.mark.slow
 def test_a_clean_run_never_rolls_back_and_trains_as_without_the_guard(
     tiny_model_dir, recorded, clean, tmp_path
 ):
@@ -193,6 +194,7 @@ def test_a_clean_run_never_rolls_back_and_trains_as_without_the_guard(
     assert clean[-1][0]["guard/rollbacks"] == 0
 
 
+@pytest.mark.slow
 def test_the_poisoned_step_breaks_a_run_without_the_guard_and_is_undone_with_it(
     tiny_model_dir, recorded, clean, tmp_path, armed
 ):
@@ -229,6 +231,7 @@ def corrupted(groups):
     return broken
 
 
+@pytest.mark.slow
 def test_rollbacks_in_a_row_stop_the_run_and_a_resume_continues(
     tiny_model_dir, recorded, tmp_path, caplog
 ):

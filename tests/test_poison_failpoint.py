@@ -67,6 +67,7 @@ def test_refused_outside_the_learner_naming_it(armed, process):
     assert failpoints.worker_environment() is None
 
 
+@pytest.mark.slow
 def test_a_worker_started_with_it_exits_with_the_reason(tmp_path):
     env = {**os.environ, ENV: f"{POISON_UPDATE}=1"}
     done = subprocess.run(

@@ -201,6 +201,7 @@ def build_correction(cfg: Mapping[str, Any]) -> Correction:
     name = params.pop("name")
     max_staleness = params.pop("max_staleness", None)
     params.pop("mode", None)  # decoupled / bypass: how the loss uses it (asyncfp8.losses)
+    params.pop("proximal", None)  # which weights π_prox is (asyncfp8/learner/versions.py)
     return get_correction(name, max_staleness=max_staleness, **params)
 
 

@@ -1,5 +1,5 @@
 """The `correction=` config as schemas in Hydra's ConfigStore: one base for the keys every
-correction has (`name`, `reject`, `mode`, `max_staleness`) and, for every registered
+correction has (`name`, `reject`, `mode`, `proximal`, `max_staleness`) and, for every registered
 method, a dataclass with its own parameters, typed from its signature. Each YAML under
 conf/correction/ extends its method's schema, so a mistyped key
 (`correction.uper=5`) or a wrong type (`correction.upper=five`) fails when the config is
@@ -19,6 +19,11 @@ class Mode(enum.StrEnum):
     bypass = "bypass"  # π_prox := π_rollout
 
 
+class Proximal(enum.StrEnum):
+    current = "current"  # decoupled π_prox: the learner's weights now
+    version = "version"  # its weights of the version that sampled each token
+
+
 @dataclasses.dataclass
 class CorrectionConfig:
     """Keys every correction has."""
@@ -26,6 +31,7 @@ class CorrectionConfig:
     name: str = "none"
     reject: list[Any] = dataclasses.field(default_factory=list)  # more rejection filters
     mode: Mode = Mode.decoupled
+    proximal: Proximal = Proximal.current  # asyncfp8/learner/versions.py
     max_staleness: int | None = None  # mask sequences with a token older than this
 
 

@@ -51,6 +51,7 @@ from .publisher import FIRST_CALIBRATION_PROMPTS, Publisher
 from .rollback import StepGuard
 from .step import Share, StepSums, TrainStep, lr_lambda, plan_shares
 from .step_metrics import StepMetrics
+from .versions import VersionWeights
 
 log = logging.getLogger("asyncfp8.learner")
 # The exit status of a run the guard stopped (its rollbacks exhausted): not a crash (1),
@@ -95,6 +96,12 @@ class Learner:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(optim, run.steps)
+        )
+        # correction.proximal=version: the weights of the versions stale samples can have
+        self.version_weights = (
+            VersionWeights(self.model, max_staleness_of(run) + 1)
+            if cfg.correction.get("proximal", "current") == "version"
+            else None
         )
         self.train_step = self._train_step()
         self.rolled_back = False  # the latest step undid the one before it
@@ -165,7 +172,7 @@ class Learner:
     def run(self) -> int:
         run, hub = self.cfg.run, self.hub
         hub.start()
-        hub.published(self.publisher.publish())
+        hub.published(self._publish())
         if self.step == 0:
             self.checkpoint()  # so that a learner killed before its first interval can resume
             if baseline := self._evaluation():  # the policy before any step
@@ -178,7 +185,7 @@ class Learner:
                 # a rollback's weights go out at once: workers stop sampling the broken ones
                 due = self.step % self.cfg.sync.every == 0 or self.step == run.steps
                 due = due or self.rolled_back
-                published = self.publisher.publish() if due else {}
+                published = self._publish() if due else {}
                 metrics |= published | self._evaluation()
                 hub.record(self.step, metrics, len(groups or ()), published, self._times(waited))
                 if self.rolled_back and self.train_step.guard.exhausted:
@@ -221,6 +228,8 @@ class Learner:
         step's groups and gets the step's metrics back)."""
         sums: StepSums = self.train_step(share, self.step, self.version)
         self.rolled_back = sums.rolled_back
+        if self.version_weights is not None:
+            self.version_weights.changed()
         self.publisher.calibrate_on(share.calibration)
         self.step += 1
         lr = self.scheduler.get_last_lr()[0]
@@ -261,6 +270,14 @@ class Learner:
         )
         return metrics
 
+    def _publish(self) -> dict[str, Any]:
+        """The current weights out as the next version (and kept, with
+        correction.proximal=version)."""
+        published = self.publisher.publish()
+        if self.version_weights is not None:
+            self.version_weights.record(self.version)
+        return published
+
     def checkpoint(self) -> Path:
         elapsed = self.elapsed_before + time.perf_counter() - self.started
         self.checkpointed_step = self.step
@@ -283,6 +300,7 @@ class Learner:
             reference=self.reference,
             world=self.ranks.world,
             guard=self._guard(),
+            versions=self.version_weights,
         )
 
     def _guard(self) -> StepGuard | None:

@@ -32,7 +32,7 @@ from asyncfp8.guard import Evidence, GuardRules, GuardSettings, Verdict
 log = logging.getLogger("asyncfp8.learner")
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded (FSDP2 DTensor) tensor, or the tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
@@ -56,33 +56,34 @@ class LastGood:
     def keep(self, step: int, version: int | None = None) -> None:
         parameters = list(self.model.parameters())
         if not self.params:
-            self.params = [torch.empty_like(_local(p), device="cpu") for p in parameters]
+            self.params = [torch.empty_like(local_shard(p), device="cpu") for p in parameters]
         for buffer, p in zip(self.params, parameters, strict=True):
-            buffer.copy_(_local(p.detach()))
+            buffer.copy_(local_shard(p.detach()))
         states = [self.optimizer.state.get(p, {}) for p in parameters]
         if len(self.state) != len(parameters) or any(
             s.keys() != saved.keys() for s, saved in zip(states, self.state, strict=True)
         ):  # the first step creates AdamW's state: buffers once more
             self.state = [
-                {k: torch.empty_like(_local(v), device="cpu") for k, v in s.items()} for s in states
+                {k: torch.empty_like(local_shard(v), device="cpu") for k, v in s.items()}
+                for s in states
             ]
         for saved, state in zip(self.state, states, strict=True):
             for key, buffer in saved.items():
-                buffer.copy_(_local(state[key]))
+                buffer.copy_(local_shard(state[key]))
         self.step, self.version = step, version
 
     @torch.no_grad()
     def restore(self) -> None:
         parameters = list(self.model.parameters())
         for buffer, p in zip(self.params, parameters, strict=True):
-            _local(p.data).copy_(buffer)
+            local_shard(p.data).copy_(buffer)
         for saved, p in zip(self.state, parameters, strict=True):
             if not saved:  # kept before AdamW's first step: it had no state
                 self.optimizer.state.pop(p, None)
                 continue
             state = self.optimizer.state[p]
             for key, buffer in saved.items():
-                _local(state[key]).copy_(buffer)
+                local_shard(state[key]).copy_(buffer)
 
 
 class StepGuard:

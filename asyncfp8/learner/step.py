@@ -46,6 +46,7 @@ from asyncfp8.losses import (
 from asyncfp8.sync import Trajectory
 
 from .rollback import StepGuard
+from .versions import VersionWeights
 
 Row = tuple[int, Trajectory, float]  # (sample index in the batch, trajectory, advantage)
 
@@ -133,12 +134,14 @@ class TrainStep:
         reference: torch.nn.Module | None = None,
         world: int = 1,
         guard: StepGuard | None = None,
+        versions: VersionWeights | None = None,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.correction, self.optim = correction, optim
         self.loss = PolicyLoss.from_config(optim, correction_mode)  # checked here
         self.temperature, self.pad_token_id, self.device = temperature, pad_token_id, device
         self.reference, self.world, self.guard = reference, world, guard
+        self.versions = versions  # correction.proximal=version: π_prox of each token's own
 
     def __call__(self, share: Share, step: int, version: int) -> StepSums:
         optim = self.optim
@@ -152,6 +155,7 @@ class TrainStep:
                 proximal = [[self.logprobs(self.model, b)[0] for b in mini] for mini in batches]
         seen: dict[int, torch.Tensor] = {}  # per sample: the log-probs the correction saw
         totals: dict[str, float] = defaultdict(float)
+        stale = self._stale_proximal(batches, totals) if self.versions is not None else None
         rolled_back = False
         for epoch, (m, mini) in itertools.product(range(optim.ppo_epochs), enumerate(batches)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -160,7 +164,12 @@ class TrainStep:
             for j, micro in enumerate(mini):
                 with distributed.memory_advice("a train step", self.memory(micro)):
                     learner_logp = self._micro_batch(
-                        micro, proximal[m][j] if proximal else None, version, sums, judged
+                        micro,
+                        proximal[m][j] if proximal else None,
+                        version,
+                        sums,
+                        judged,
+                        stale[m][j] if stale else None,
                     )
                 if epoch == 0:
                     for row, index in enumerate(micro["index"]):
@@ -216,10 +225,12 @@ class TrainStep:
         version: int,
         sums: dict,
         judged: bool = False,
+        stale: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch; adds its loss numerator, denominator
-        and counts to `sums` (and, `judged`, the guard's evidence). Returns the log-probs
-        the correction saw."""
+        and counts to `sums` (and, `judged`, the guard's evidence). `stale`: π_prox of its
+        older versions' tokens and where they are (correction.proximal=version). Returns
+        the log-probs the correction saw."""
         optim = self.optim
         logp, entropy = self.logprobs(self.model, micro)
         if judged:
@@ -229,6 +240,8 @@ class TrainStep:
             )
         if proximal is None:
             proximal = logp.detach()
+        if stale is not None:
+            proximal = torch.where(stale[1], stale[0], proximal)
         terms = policy_loss_terms(self.loss, self.correction, logp, micro, proximal, version)
         kept = terms.mask.to(logp.dtype)
         per_token = terms.per_token - optim.entropy_coef * entropy
@@ -248,6 +261,35 @@ class TrainStep:
         sums["kept"] += kept.sum().item()
         sums["clipped"] += terms.clipped.sum().item()
         return proximal if self.loss.mode == "decoupled" else logp.detach()
+
+    @torch.no_grad()
+    def _stale_proximal(
+        self, batches: list[list[dict]], totals: dict
+    ) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]]:
+        """Per micro-batch, the log-probs of its tokens of versions other than the model's
+        own under the weights of their version, and where those tokens are (None: it has
+        none). A version the learner no longer (or never) kept is left to the current
+        weights and counted (`proximal/fallback_tokens`)."""
+        out: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = [
+            [None] * len(mini) for mini in batches
+        ]
+        micros = [(m, j, b) for m, mini in enumerate(batches) for j, b in enumerate(mini)]
+        present = {int(v) for _, _, b in micros for v in b["versions"][b["mask"]].unique()}
+        for v in sorted(present - {self.versions.live}):
+            tokens = sum(int((b["mask"] & (b["versions"] == v)).sum()) for _, _, b in micros)
+            if not self.versions.has(v):
+                totals["proximal_fallback_tokens"] += tokens
+                continue
+            totals["proximal_version_tokens"] += tokens
+            with self.versions.swapped_in(v):
+                for m, j, b in micros:
+                    where = b["mask"] & (b["versions"] == v)
+                    if not where.any():
+                        continue
+                    logp = self.logprobs(self.model, b)[0]
+                    values, known = out[m][j] or (torch.zeros_like(logp), torch.zeros_like(where))
+                    out[m][j] = (torch.where(where, logp, values), known | where)
+        return out
 
     def _tensors(self, rows: list[Row]) -> dict[str, Any]:
         batch = batch_tensors([t for _, t, _ in rows], self.pad_token_id)

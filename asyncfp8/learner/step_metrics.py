@@ -67,6 +67,9 @@ class StepMetrics:
         }
         if kl_ref:
             metrics["loss/kl_ref"] = totals["kl"] / kept
+        for key in ("version_tokens", "fallback_tokens"):  # correction.proximal=version
+            if f"proximal_{key}" in totals:
+                metrics[f"proximal/{key}"] = int(totals[f"proximal_{key}"])
         self._warn_without_reward_spread(metrics["groups/frac_zero_advantage"])
         return metrics | fresh_mismatch(learner_logp, batch, version) | sums.guard
 

@@ -1,0 +1,101 @@
+"""correction.proximal=version (issue 45, item 2): π_prox of a stale token is the
+learner's own weights of the version that sampled it, checked against a separately
+loaded copy of those weights; tokens of a version the learner did not keep fall back to
+the current weights and are counted; the settings it cannot run with are refused."""
+
+import copy
+
+import pytest
+import torch
+
+from asyncfp8.checks import check_training
+from asyncfp8.learner.versions import VersionWeights
+from asyncfp8.logprobs import completion_logprobs, install_logprob_head
+from asyncfp8.models import load_model
+
+
+def compose(*overrides):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    with initialize_config_module("asyncfp8.conf", version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["correction.mode=bypass"], "correction.proximal=version needs correction.mode=decoupled"),
+        (["run.learner_procs=2"], "correction.proximal=version runs on one learner rank only"),
+    ],
+)
+def test_settings_it_cannot_run_with_are_refused_naming_them(overrides, message):
+    check_training(compose("correction.proximal=version"))
+    with pytest.raises(ValueError, match=message):
+        check_training(compose("correction.proximal=version", *overrides))
+    with pytest.raises(Exception, match=r"correction\.proximal"):
+        compose("correction.proximal=oldest")
+
+
+def test_the_store_keeps_the_newest_versions_and_a_swap_puts_the_weights_back():
+    model = torch.nn.Linear(3, 2)
+    store = VersionWeights(model, keep=2)
+    seen = {}
+    for version in range(3):
+        with torch.no_grad():
+            model.weight.fill_(version)
+        store.record(version)
+        seen[version] = model.weight.detach().clone()
+    assert (store.has(0), store.has(1), store.has(2), store.live) == (False, True, True, 2)
+    with torch.no_grad():
+        model.weight.fill_(9.0)
+    store.changed()
+    with store.swapped_in(1):
+        assert torch.equal(model.weight, seen[1])
+    assert (model.weight == 9.0).all() and store.live is None
+
+
+@pytest.mark.slow
+def test_stale_tokens_are_scored_under_their_own_versions_weights(tiny_model_dir, tmp_path):
+    from asyncfp8.batches import batch_tensors
+    from asyncfp8.learner import Learner
+    from tests.recorded import learner_config, record_groups, train
+
+    groups = record_groups(tiny_model_dir, steps=2, groups=4, group_size=4, seed=2)
+    learner = Learner(learner_config(tiny_model_dir, tmp_path, "correction.proximal=version"))
+    try:
+        learner.version = 0
+        learner.version_weights.record(0)  # what publishing version 0 does
+        train(learner, groups[0])
+        learner.version = 1
+        learner.version_weights.record(1)
+        # the second batch: its first half sampled by version 0, a sample of version 7
+        # (never kept), the rest by version 1
+        batch = copy.deepcopy(groups[1])
+        samples = [t for g in batch for t in g.trajectories]
+        for i, t in enumerate(samples):
+            version = 7 if i == len(samples) - 1 else 0 if i < len(samples) // 2 else 1
+            t.versions = [version] * len(t.token_ids)
+        share = learner.shares(batch)[0]
+        with torch.no_grad():
+            current = learner.train_step.logprobs(
+                learner.model, batch_tensors(samples, learner.tokenizer.pad_token_id)
+            )[0]
+        sums = learner.train_step(share, learner.step, learner.version)
+    finally:
+        learner.close()
+    version_0 = load_model(tiny_model_dir, dtype=torch.float32)  # the weights it started from
+    install_logprob_head(version_0)
+    with torch.no_grad():
+        before = completion_logprobs(
+            version_0, batch_tensors(samples, learner.tokenizer.pad_token_id), 1.0
+        )[0]
+    (saw,) = sums.seen
+    for i, t in enumerate(samples):
+        n = len(t.token_ids)
+        expected = before[i, :n] if t.versions[0] == 0 else current[i, :n]
+        torch.testing.assert_close(saw[i], expected, rtol=0, atol=1e-5)
+    assert not torch.allclose(before[: len(samples) // 2], current[: len(samples) // 2])
+    stale = sum(len(t.token_ids) for t in samples if t.versions[0] == 0)
+    assert sums.totals["proximal_version_tokens"] == stale
+    assert sums.totals["proximal_fallback_tokens"] == len(samples[-1].token_ids)
