@@ -6,6 +6,7 @@ same Hydra overrides, one progress bar, and a summary with plots.
     python -m asyncfp8.launch precision=fp8 correction=token_tis run.steps=100
     python -m asyncfp8.launch run.mode=sync                     # the synchronous baseline
     srun python -m asyncfp8.launch run.learner_procs=8 ...      # one process per Slurm task
+    python -m asyncfp8.launch run.ray=true run.workers=8 ...    # actors on a Ray cluster
 
 Each process logs to `<run.dir>/<name>.log`; the learner's metrics go to
 `<run.dir>/metrics.jsonl`. Ctrl-C stops the workers and lets the learner checkpoint
@@ -524,6 +525,16 @@ def main(cfg: DictConfig) -> None:
             )
         policy = check_start(cfg)
         task = slurm_task(cfg.run.get("slurm", "auto"), os.environ)
+        if cfg.run.get("ray"):
+            if task is not None:
+                raise ValueError(
+                    f"run.ray=true and srun (Slurm task {task.procid} of {task.ntasks}, "
+                    f"run.slurm={cfg.run.slurm}) both place the processes: drop run.ray, or "
+                    "start one driver (srun --ntasks=1, or run.slurm=false)"
+                )
+            from asyncfp8.ray_launch import launch_on_ray
+
+            sys.exit(launch_on_ray(cfg, overrides, policy))
         if task is not None:
             sys.exit(launch_under_slurm(cfg, overrides, policy, task))
     except (ValueError, FileNotFoundError) as err:

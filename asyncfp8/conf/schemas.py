@@ -80,6 +80,16 @@ class WandbConfig:
 
 
 @dataclass
+class RayActorConfig:
+    """One learner rank's or one worker's share of a Ray cluster (asyncfp8/ray_launch.py)."""
+
+    num_cpus: float = MISSING
+    num_gpus: float = MISSING
+    resources: Any = MISSING  # null, or custom node resources: {rollout: 1}
+    strategy: str = MISSING  # learner: PACK, STRICT_PACK, ...; worker: SPREAD, DEFAULT
+
+
+@dataclass
 class RunConfig:
     mode: str = MISSING  # async | sync (checks.max_staleness_of: "async" is no enum name)
     placement: Placement = MISSING  # learner/colocated.py
@@ -96,6 +106,12 @@ class RunConfig:
     workers: int | None = MISSING  # null: process.worker_count
     learner_procs: int = MISSING
     slurm: Any = MISSING  # auto | true | false (asyncfp8/slurm.py)
+    ray: bool = MISSING  # asyncfp8/ray_launch.py
+    ray_address: str | None = MISSING
+    ray_learner: RayActorConfig = field(default_factory=RayActorConfig)
+    ray_worker: RayActorConfig = field(default_factory=RayActorConfig)
+    ray_timeout: float = MISSING
+    ray_learner_restarts: int = MISSING
     device: Device = MISSING
     compute_dtype: ComputeDtype = MISSING
     dist_timeout: float = MISSING

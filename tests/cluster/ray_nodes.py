@@ -1,0 +1,122 @@
+"""A Ray cluster of several nodes on this machine (`ray.cluster_utils.Cluster`: a GCS and
+one raylet per node, each node with resources of its own), and a run of the launcher
+against it, as `python -m asyncfp8.launch run.ray=true` runs on a real cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from asyncfp8.chaos.cluster import SMALL_RUN
+from asyncfp8.ledger import read_ledger
+
+# A node that stops answering is declared dead after about 2 s (Ray's default: 15 s), so
+# that a test waits seconds, not a quarter of a minute, for Ray to restart its actors.
+HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
+
+# Each learner rank asks for one `learner`, each worker for one `rollout`: the test says
+# which node may hold what by giving nodes these resources.
+PLACED = (
+    "run.ray_learner.resources={learner:1}",
+    "run.ray_worker.resources={rollout:1}",
+    "run.ray_timeout=30",
+)
+
+
+class RayNodes:
+    """The head holds no CPU (nothing is placed there, as on a KubeRay head); the
+    nodes added are the ones the run uses and the test removes."""
+
+    def __init__(self):
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "include_dashboard": False,
+                "_system_config": HEALTH_CHECKS,
+            },
+        )
+        self.address = self.cluster.address
+
+    def add(self, **resources: float):
+        node = self.cluster.add_node(num_cpus=1, resources=resources)
+        self.cluster.wait_for_nodes()
+        return node
+
+    def remove(self, node) -> None:
+        """The node as a power cut leaves it: its raylet and every process under it
+        (actors and the asyncfp8 processes they hold) killed at once."""
+        raylet = node.all_processes["raylet"][0].process.pid
+        for pid in descendants(raylet):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.cluster.remove_node(node, allow_graceful=False)
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid`, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def ray_launch(run_dir: Path, model_dir: Path, address: str, *overrides: str) -> subprocess.Popen:
+    """The driver, as a user starts it: RAY_ADDRESS names the cluster."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "asyncfp8.launch",
+            "run.ray=true",
+            f"model.path={model_dir}",
+            f"run.dir={run_dir}",
+            *SMALL_RUN,
+            "eval.every=0",
+            *PLACED,
+            *overrides,
+        ],
+        env={**os.environ, "RAY_ADDRESS": address},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for_step(run_dir: Path, step: int, driver: subprocess.Popen, timeout: float = 180) -> None:
+    """Until the learner's ledger holds `step` (the driver still running)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        records = read_ledger(run_dir) if (run_dir / "ledger.jsonl").exists() else []
+        if records and records[-1]["step"] >= step:
+            return
+        if driver.poll() is not None:
+            raise AssertionError(
+                f"the driver exited with {driver.returncode}:\n{driver.stdout.read()[-3000:]}"
+            )
+        time.sleep(0.1)
+    raise TimeoutError(f"step {step} not reached in {timeout} s")
+
+
+def finish(driver: subprocess.Popen, timeout: float = 240) -> str:
+    try:
+        return driver.communicate(timeout=timeout)[0]
+    finally:
+        driver.kill()

@@ -1,0 +1,166 @@
+"""`python -m asyncfp8.launch run.ray=true` on a Ray cluster of several nodes on this
+machine (issue 47): the learner on one node, workers on others; a worker's node removed
+mid-run, then the learner's; nothing lost. Marked `cluster`: run on CI's own line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from asyncfp8.chaos.audit import audit  # noqa: E402
+from asyncfp8.ray_launch import RayProcess, start_ranks  # noqa: E402
+from tests.cluster.ray_nodes import RayNodes, finish, ray_launch, wait_for_step  # noqa: E402
+from tests.recorded import record_groups, save_groups  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    cluster = RayNodes()
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def test_a_worker_node_removed_mid_run_loses_nothing(nodes, tmp_path, tiny_model_dir):
+    """30 steps: the learner on its node, two workers on two others. At step 8 a spare
+    node joins and one worker's node is removed: Ray starts that worker again on the
+    spare, the learner re-leases what it held, the run ends with every prompt trained
+    once."""
+    learner_node = nodes.add(learner=1)
+    worker_nodes = [nodes.add(rollout=1) for _ in range(2)]
+    run_dir = tmp_path / "run"
+    driver = ray_launch(run_dir, tiny_model_dir, nodes.address, "run.steps=30", "run.workers=2")
+    try:
+        wait_for_step(run_dir, 8, driver)
+        spare = nodes.add(rollout=1)
+        nodes.remove(worker_nodes[0])
+        output = finish(driver)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, output[-3000:]
+    assert "actor died and Ray started it again (1/3)" in output, output[-3000:]
+    assert "[launch] done in" in output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 30
+    result = audit(run_dir, group_size=4, max_staleness=1)
+    assert result.steps == 30 and result.lost == 0, result
+    # the worker that lost its node started twice (its log is appended to), the other once
+    starts = sorted(
+        (run_dir / f"worker-{i}.log").read_text().count("engine torch") for i in range(2)
+    )
+    assert starts == [1, 2]
+    for node in (learner_node, worker_nodes[1], spare):
+        nodes.remove(node)
+
+
+def test_the_learner_node_killed_the_run_resumes_on_another(nodes, tmp_path, tiny_model_dir):
+    """The learner's node dies after step 12 (a checkpoint every 5 steps; a spare
+    learner node joins first): the driver resumes the learner from its last checkpoint
+    on the spare, starts the workers again at its address, and the run ends with every
+    prompt trained once."""
+    first = nodes.add(learner=1)
+    worker_nodes = [nodes.add(rollout=1) for _ in range(2)]
+    run_dir = tmp_path / "run"
+    driver = ray_launch(
+        run_dir,
+        tiny_model_dir,
+        nodes.address,
+        "run.steps=60",
+        "run.workers=2",
+        "run.checkpoint_every=5",
+    )
+    try:
+        wait_for_step(run_dir, 12, driver)
+        second = nodes.add(learner=1)
+        nodes.remove(first)
+        output = finish(driver)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, output[-3000:]
+    assert "resuming from its last checkpoint on the nodes left (1/1)" in output, output[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r["run/resumed_from_step"] for r in records if "run/resumed_from_step" in r]
+    assert len(resumed) == 1 and resumed[0] % 5 == 0 and 10 <= resumed[0] < 60, resumed
+    result = audit(run_dir, group_size=4, max_staleness=1)
+    assert result.steps == 60 and result.lost == 0, result
+    for node in (second, *worker_nodes):
+        nodes.remove(node)
+
+
+def test_two_ranks_on_two_nodes_train_like_two_torchrun_ranks(nodes, tmp_path, tiny_model_dir):
+    """The same recorded groups trained by a two-rank learner whose ranks are Ray actors
+    on two nodes (a STRICT_SPREAD placement group; the rendezvous from rank 0's actor, as
+    run.ray=true forms it) and by two ranks under torchrun on one host: the same
+    weights, bit for bit (the same world size splits the batch the same way)."""
+    groups = tmp_path / "groups.json"
+    save_groups(record_groups(tiny_model_dir, steps=2, groups=4, group_size=4), groups)
+    settings = ["optim.micro_batch_tokens=40", "optim.mini_batches=2"]
+
+    def args(name: str) -> list[str]:
+        out = tmp_path / f"{name}.pt"
+        return [str(tiny_model_dir), str(groups), str(tmp_path / name), str(out), *settings]
+
+    torchrun = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "tests" / "train_recorded.py"),
+            *args("torchrun"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert torchrun.returncode == 0, torchrun.stdout[-3000:] + torchrun.stderr[-3000:]
+
+    added = [nodes.add(learner=1) for _ in range(2)]
+    # the actors run `python -m tests.train_recorded` from this checkout
+    ray.init(
+        address=nodes.address,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+    )
+    try:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = placement_group([{"CPU": 1, "learner": 1}] * 2, strategy="STRICT_SPREAD")
+        ray.get(group.ready(), timeout=60)
+        remote = ray.remote(RayProcess)
+        ranks = [
+            remote.options(
+                num_cpus=1,
+                resources={"learner": 1},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, rank),
+            ).remote(f"rank{rank}", "tests.train_recorded", args("ray"), str(tmp_path))
+            for rank in range(2)
+        ]
+        where = ray.get(ranks[0].where.remote())
+        assert ray.get(ranks[1].where.remote())["node"] != where["node"]  # two nodes
+        start_ranks(ray, ranks, where, [])
+        codes = ray.get([rank.wait.remote(300) for rank in ranks])
+    finally:
+        ray.shutdown()
+        for node in added:
+            nodes.remove(node)
+    assert codes == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    on_ray = torch.load(tmp_path / "ray.pt", weights_only=False)
+    on_torchrun = torch.load(tmp_path / "torchrun.pt", weights_only=False)
+    for name, value in on_torchrun["parameters"].items():
+        assert torch.equal(on_ray["parameters"][name], value), name
+    keys = ("optim/grad_norm", "loss/policy", "mismatch/kl_k3")
+    for a, b in zip(on_ray["metrics"], on_torchrun["metrics"], strict=True):
+        assert [a[k] for k in keys] == [b[k] for k in keys]
