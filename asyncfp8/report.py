@@ -5,8 +5,8 @@ mean ± 95% confidence interval, and plots (from each run's config.yaml and metr
 
 Groups: runs are grouped by setting, read from each run's config.yaml: the rollout
 precision (its name, or the `_target_` of a user plugin), the correction's name,
-`precision.learner_forward`, `precision.quantize_from`, `run.compute_dtype` and `run.mode`; the runs of one setting (its seeds, run.seed)
-form one group, unless `--labels` (one per run) groups them otherwise. Per group it prints
+`precision.learner_forward`, `precision.quantize_from`, `run.compute_dtype`, `run.mode`,
+`correction.proximal` and `guard.enabled`; the runs of one setting (its seeds, run.seed) form one group, unless `--labels` (one per run) groups them otherwise. Per group it prints
 the number of runs and their seeds; the final held-out pass@1, greedy and sampled, and the
 held-out pass@1 before training, as the mean over seeds ± the half-width of its 95%
 confidence interval (Student t with n-1 degrees of freedom; one run: "n=1, no CI"); how
@@ -174,7 +174,9 @@ def label(run_dir: str | Path) -> str:
 def setting(cfg: DictConfig) -> dict[str, str]:
     """What a comparison is about: the rollout precision (a user plugin by its class), the
     correction, the learner's forward (master weights or quantized like the rollouts), the
-    weights the rollouts are quantized from, the learner's compute dtype and the mode. Runs that differ only in run.seed are seeds of one setting."""
+    weights the rollouts are quantized from, the learner's compute dtype, the mode, which
+    weights π_prox is (correction.proximal) and whether the guard was on (a run from
+    before the guard: off). Runs that differ only in run.seed are seeds of one setting."""
     precision = OmegaConf.select(cfg, "precision._target_") or cfg.precision.name
     return {
         "precision": str(precision),
@@ -183,6 +185,8 @@ def setting(cfg: DictConfig) -> dict[str, str]:
         "quantize_from": str(OmegaConf.select(cfg, "precision.quantize_from") or "master"),
         "compute_dtype": str(OmegaConf.select(cfg, "run.compute_dtype") or "auto"),
         "mode": str(cfg.run.mode),
+        "proximal": str(OmegaConf.select(cfg, "correction.proximal") or "current"),
+        "guard": "on" if OmegaConf.select(cfg, "guard.enabled") is True else "off",
     }
 
 
@@ -196,7 +200,12 @@ def setting_label(setting: dict[str, str]) -> str:
         notes.append(f"learner in {setting['compute_dtype']}")
     if notes:
         precision += f" ({', '.join(notes)})"
-    return f"{precision} · {setting['correction']} · {setting['mode']}"
+    label = f"{precision} · {setting['correction']} · {setting['mode']}"
+    if setting.get("proximal", "current") != "current":
+        label += f" · π_prox of the sample's {setting['proximal']}"
+    if setting.get("guard", "on") != "on":
+        label += " · guard off"
+    return label
 
 
 def smooth(values: np.ndarray, window: int) -> np.ndarray:
