@@ -164,3 +164,36 @@ def test_two_ranks_on_two_nodes_train_like_two_torchrun_ranks(nodes, tmp_path, t
     keys = ("optim/grad_norm", "loss/policy", "mismatch/kl_k3")
     for a, b in zip(on_ray["metrics"], on_torchrun["metrics"], strict=True):
         assert [a[k] for k in keys] == [b[k] for k in keys]
+
+
+def test_more_than_the_cluster_has_is_refused_at_start(nodes, tmp_path, tiny_model_dir):
+    """A GPU the cluster lacks: refused at once, naming asked and free. Resources free
+    in sum that cannot be placed as asked (two ranks STRICT_PACK, one `learner` per
+    node): refused after run.ray_timeout, naming what is free; nothing left pending."""
+    added = [nodes.add(learner=1), nodes.add(learner=1), nodes.add(rollout=1)]
+    gpu = ray_launch(tmp_path / "gpu", tiny_model_dir, nodes.address, "run.ray_learner.num_gpus=1")
+    output = finish(gpu, timeout=120)
+    assert gpu.returncode == 2, output[-3000:]
+    assert "the run asks for 1 GPU (1 learner rank(s) x 1 + 1 worker(s) x 0) but 0 free" in output
+    packed = ray_launch(
+        tmp_path / "packed",
+        tiny_model_dir,
+        nodes.address,
+        "run.learner_procs=2",
+        "run.workers=1",
+        "run.ray_learner.strategy=STRICT_PACK",
+        "run.ray_timeout=5",
+    )
+    output = finish(packed, timeout=180)
+    assert packed.returncode == 2, output[-3000:]
+    assert (
+        "the learner's 2 rank(s)" in output
+        and "could not be placed within run.ray_timeout=5" in output
+    )
+    ray.init(address=nodes.address, log_to_driver=False)
+    try:  # the placement group the refused run made is gone
+        assert ray.available_resources().get("learner") == 2
+    finally:
+        ray.shutdown()
+    for node in added:
+        nodes.remove(node)
