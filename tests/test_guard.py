@@ -132,6 +132,26 @@ def test_tokens_and_samples_of_undone_versions_are_left_out_of_the_evidence():
     assert len(rules.reward_history) == MIN_HISTORY
 
 
+def test_a_run_stopped_by_the_guard_falls_back_to_the_oldest_good_state():
+    from asyncfp8.learner.rollback import StepGuard
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    guard = StepGuard(GuardSettings(max_rollbacks=1), model, optimizer)
+    clean = {"guard_tokens": 10.0, "guard_samples": 4.0, "guard_rewarded": 2.0}
+    kept = []
+    for step in range(3):  # three batches pass; the weights move between them
+        assert guard.check(clean, step, step) is None
+        kept.append(model.weight.detach().clone())
+        with torch.no_grad():
+            model.weight.add_(1.0)
+    # in sync mode the last may have passed only because it could not see the break
+    assert guard.check(clean | {"guard_far_tokens": 1.0}, 3, 3).signal == "far_tokens"
+    assert guard.exhausted and torch.equal(model.weight, kept[2])
+    assert guard.fall_back() == 1  # keep_states=2: the states after steps 1 and 2
+    assert torch.equal(model.weight, kept[1])
+
+
 # --- on the tiny model ------------------------------------------------------------------
 
 STEPS, POISONED = 6, 3
@@ -260,7 +280,7 @@ def test_rollbacks_in_a_row_stop_the_run_and_a_resume_continues(
     message = caplog.records[-1].getMessage()
     assert "2 rollbacks in a row (guard.max_rollbacks=2)" in message
     assert "signal far_tokens" in message and "guard.log_ratio_bound" in message
-    assert "the weights after step 1 (the last good one) saved in" in message
+    assert "the weights after step 1 (the oldest good state kept) in" in message
     assert "step_00000005" in message and "run.resume=true" in message
     # the checkpoint holds the last good weights; a resume continues from it
     resumed = Learner(learner_config(tiny_model_dir, tmp_path, *overrides, "run.resume=true"))

@@ -322,14 +322,14 @@ class Learner:
         return saved is not None and good is not None and saved > good
 
     def _stop_by_guard(self) -> int:
-        """`guard.max_rollbacks` in a row: the weights are the last good ones again (or,
+        """`guard.max_rollbacks` in a row: the weights are the oldest good state kept (or,
         with none yet, the ones this process started from); a checkpoint of them, the
         workers told, and a message naming the signal, the setting and the checkpoint."""
         guard = self.train_step.guard
-        verdict, good = guard.last_verdict, guard.good_step
+        verdict, good = guard.last_verdict, guard.fall_back()
         if good is not None:
             folder = self.checkpoint()
-            state = f"the weights after step {good} (the last good one) saved in {folder}"
+            state = f"the weights after step {good} (the oldest good state kept) in {folder}"
         else:
             folder = self.checkpointer.latest()
             state = (

@@ -147,6 +147,17 @@ class StepGuard:
         }
         return verdict
 
+    def fall_back(self) -> int | None:
+        """Puts back the oldest good state kept (the newer ones dropped) and returns its
+        step (None: no state). What a run the guard stops saves: the newest may have
+        passed only because its batch could not see the break (sync mode, above)."""
+        if not self.states:
+            return None
+        while len(self.states) > 1:
+            self.spare.append(self.states.pop())
+        self.states[-1].restore()
+        return self.states[-1].step
+
     def _keep(self, step: int, version: int | None) -> None:
         slot = self.spare.pop() if self.spare else self.states.popleft()
         slot.keep(step, version)
