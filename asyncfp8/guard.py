@@ -12,7 +12,11 @@ step, on three signals, each with its setting:
   (FAR_LOG_RATIO, the `mismatch/frac_abs_log_ratio_gt5` of the metrics).
 - dead reward: no sample of the batch rewarded while the median share of rewarded samples
   of the last `guard.window` batches that passed is at least `guard.reward_good` (a
-  policy that scored, now scoring nothing). It waits for MIN_HISTORY such batches.
+  policy that scored, now scoring nothing). It waits for MIN_HISTORY such batches, and
+  judges only a batch large enough that scoring nothing is no accident: (1 − median)^samples
+  at most DEAD_REWARD_CHANCE. Small batches do score nothing by chance (16 samples of the
+  tiny model, which scores 0.31 of them, do so once in ~400 batches: a false rollback of a
+  clean run was seen in the test suite); the default job's 64 at 0.5 never do.
 The batch's mismatch k3 is measured too, but judges nothing: on the tiny model a clean
 step's k3 (28.9, one token at log ρ ≈ +8) exceeded a poisoned one's (9.1), so it cannot
 tell them apart (docs/running.md#the-guard-undoing-a-fatal-step).
@@ -28,6 +32,9 @@ from typing import Any
 from asyncfp8.correction.metrics import FAR_LOG_RATIO
 
 MIN_HISTORY = 5  # batches that passed before a median means anything
+# A batch that scored nothing is judged dead only where chance alone would do that at most
+# this often (samples taken as independent at the running median's rate).
+DEAD_REWARD_CHANCE = 1e-4
 # The keys a step adds to its sums (summed over ranks) for the guard to judge.
 EVIDENCE_KEYS = (
     "guard_tokens",
@@ -158,7 +165,8 @@ class GuardRules:
         judged = evidence.samples > 0  # all left out (sampled by undone weights): no evidence
         if judged and len(self.reward_history) >= MIN_HISTORY and evidence.rewarded == 0:
             median = statistics.median(self.reward_history)
-            if median >= s.reward_good:
+            by_chance = (1.0 - median) ** evidence.samples
+            if median >= s.reward_good and by_chance <= DEAD_REWARD_CHANCE:
                 return Verdict(
                     "dead_reward",
                     "guard.reward_good",

@@ -11,7 +11,7 @@ import torch
 
 from asyncfp8 import failpoints
 from asyncfp8.failpoints import POISON_UPDATE
-from asyncfp8.guard import MIN_HISTORY, Evidence, GuardRules, GuardSettings
+from asyncfp8.guard import DEAD_REWARD_CHANCE, MIN_HISTORY, Evidence, GuardRules, GuardSettings
 from asyncfp8.learner.rollback import LastGood
 
 # --- settings ---------------------------------------------------------------------------
@@ -71,6 +71,18 @@ def test_a_dead_reward_fails_only_after_good_batches():
     for _ in range(MIN_HISTORY + 1):
         poor.judge(evidence(rewarded=1))  # a median of 1/16 rewarded: never good
     assert poor.judge(evidence(rewarded=0)) is None
+
+
+def test_a_batch_that_scores_nothing_by_chance_is_not_a_dead_reward():
+    # 5 of 16 rewarded (the tiny model's rate): 16 samples all unrewarded happen once in
+    # (16/11)^16 ~ 400 clean batches, so such a batch proves nothing; 48 such samples do.
+    rules = GuardRules(GuardSettings())
+    for _ in range(MIN_HISTORY):
+        assert rules.judge(evidence(rewarded=5)) is None
+    assert (11 / 16) ** 16 > DEAD_REWARD_CHANCE >= (11 / 16) ** 48
+    assert rules.judge(evidence(rewarded=0)) is None
+    verdict = rules.judge(evidence(rewarded=0, samples=48))
+    assert verdict is not None and verdict.signal == "dead_reward"
 
 
 def test_the_last_good_state_comes_back_bit_for_bit_with_adams_state():
