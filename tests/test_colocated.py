@@ -60,13 +60,22 @@ def trained_samples(run_dir):
     ]
 
 
-def test_colocated_trains_on_the_samples_the_separate_placement_trains_on(tmp_path, tiny_model_dir):
+@pytest.fixture(scope="module")
+def colocated_turns(tmp_path_factory, tiny_model_dir):
+    """One colocated run in turns (SYNC), read by the tests that compare it with another
+    placement or setting: (run directory, the launcher's output)."""
+    return launch(
+        tmp_path_factory.mktemp("colocated"), tiny_model_dir, *SYNC, "run.placement=colocated"
+    )
+
+
+def test_colocated_trains_on_the_samples_the_separate_placement_trains_on(
+    tmp_path, tiny_model_dir, colocated_turns
+):
     # Sync mode, one worker: leases, their seeds and the versions they are generated with
     # are fixed by the books, so both placements make the same samples and the same steps.
     separate, _ = launch(tmp_path / "separate", tiny_model_dir, *SYNC)
-    colocated, out = launch(
-        tmp_path / "colocated", tiny_model_dir, *SYNC, "run.placement=colocated"
-    )
+    colocated, out = colocated_turns
     assert "run.placement=colocated; no worker processes" in out
     assert not list(colocated.glob("worker-*.log"))
     a, b = per_step(separate), per_step(colocated)
@@ -80,10 +89,12 @@ def test_colocated_trains_on_the_samples_the_separate_placement_trains_on(tmp_pa
     assert {s.split("/")[0] for s in audit(colocated, 4, 0).senders} == {"colocated"}
 
 
-def test_turns_that_release_the_engines_memory_train_on_the_same_samples(tmp_path, tiny_model_dir):
+def test_turns_that_release_the_engines_memory_train_on_the_same_samples(
+    tmp_path, tiny_model_dir, colocated_turns
+):
     # run.release_engine_memory=true: after each turn the engine drops its KV cache while
     # the learner trains, and builds it again for the next turn; nothing it generates moves.
-    kept, _ = launch(tmp_path / "kept", tiny_model_dir, *SYNC, "run.placement=colocated")
+    kept, _ = colocated_turns
     released, _ = launch(
         tmp_path / "released",
         tiny_model_dir,
