@@ -40,6 +40,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,9 @@ POLL_S = 0.5  # how often the driver looks at every actor (a local run's watch d
 # s an actor may take to start once placed: it imports torch and asyncfp8 (seconds on an
 # idle node, a minute or more on a loaded one).
 ACTOR_START_TIMEOUT = 300.0
-WORKER_EXIT_WAIT = 30.0  # s the workers get to exit once the learner has finished
+WORKER_EXIT_WAIT = 30.0
+# s between an actor's checks that the cluster still counts its node alive (RayProcess.fence)
+FENCE_EVERY = 2.0  # s the workers get to exit once the learner has finished
 
 
 def import_ray(address_named: str):
@@ -197,6 +200,23 @@ class RayProcess:
         self.process = Process(name, module, args, Path(run_dir))
         if module == "asyncfp8.worker":  # a restarted actor starts its worker again
             self.process.start()
+        threading.Thread(target=self.fence, args=(ray,), daemon=True).start()
+
+    def fence(self, ray) -> None:
+        """Ends this actor and its process once the cluster has declared its node dead.
+        Ray then starts another copy elsewhere, but a node that only lost touch (a
+        partition, a paused raylet) keeps its processes running, and when it comes back
+        Ray may take a minute to end them: two copies of a worker, or a learner writing
+        checkpoints beside its resumed self. Measured on a paused raylet: the old copy
+        outlived the node's return by more than 60 s without this."""
+        while True:
+            time.sleep(FENCE_EVERY)
+            with contextlib.suppress(Exception):  # no answer from the GCS: ask again
+                nodes = ray.nodes()
+                if any(n["NodeID"] == self.node and not n["Alive"] for n in nodes):
+                    self.process.signal(signal.SIGKILL)
+                    self.cleanup()
+                    os._exit(1)
 
     def where(self) -> dict[str, Any]:
         """This node: its id, IP, and ports free on it now (rank 0 binds them next)."""

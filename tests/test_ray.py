@@ -115,6 +115,7 @@ def launch(tiny_model_dir, tmp_path, *overrides, env=None):
     )
 
 
+@pytest.mark.slow  # a launcher process: imports and the model check, 5-15 s
 def test_no_cluster_at_the_address_is_refused_at_start(tmp_path, tiny_model_dir):
     pytest.importorskip("ray")  # without it the refusal is "Ray is not installed" (above)
     (port,) = free_ports(1)  # nothing listens there
@@ -126,6 +127,7 @@ def test_no_cluster_at_the_address_is_refused_at_start(tmp_path, tiny_model_dir)
     )
 
 
+@pytest.mark.slow  # a launcher process
 def test_run_ray_under_srun_is_refused_naming_both(tmp_path, tiny_model_dir):
     srun = {
         "SLURM_PROCID": "0",

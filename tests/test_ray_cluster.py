@@ -3,6 +3,8 @@ machine (issue 47): the learner on one node, workers on others; a worker's node 
 mid-run, then the learner's; nothing lost. Marked `cluster`: run on CI's own line."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +15,21 @@ import torch
 ray = pytest.importorskip("ray")
 
 from asyncfp8.chaos.audit import audit  # noqa: E402
+from asyncfp8.ledger import read_ledger  # noqa: E402
 from asyncfp8.ray_launch import RayProcess, start_ranks  # noqa: E402
-from tests.cluster.ray_nodes import RayNodes, finish, ray_launch, wait_for_step  # noqa: E402
+from tests.cluster.ray_nodes import (  # noqa: E402
+    RayNodes,
+    finish,
+    processes_under,
+    ray_launch,
+    wait_for_step,
+    wait_until,
+)
 from tests.recorded import record_groups, save_groups  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -196,4 +206,41 @@ def test_more_than_the_cluster_has_is_refused_at_start(nodes, tmp_path, tiny_mod
     finally:
         ray.shutdown()
     for node in added:
+        nodes.remove(node)
+
+
+def test_a_node_that_leaves_and_comes_back_brings_no_second_copy(nodes, tmp_path, tiny_model_dir):
+    """A worker node stops answering (its raylet paused: the worker on it still runs)
+    long enough for Ray to declare it dead and start the worker on a spare; when the
+    node comes back, its old copy of the worker ends and one copy is left. The run is
+    then stopped as Ctrl-C stops it (the learner checkpoints): every prompt handed out
+    was trained once or is still open in the checkpoint."""
+    learner_node = nodes.add(learner=1)
+    away, other = nodes.add(rollout=1), nodes.add(rollout=1)
+    run_dir = tmp_path / "run"
+    driver = ray_launch(run_dir, tiny_model_dir, nodes.address, "run.steps=100000", "run.workers=2")
+    try:
+        wait_for_step(run_dir, 5, driver)
+        (old,) = processes_under(away, "asyncfp8.worker")
+        spare = nodes.add(rollout=1)
+        raylet = away.all_processes["raylet"][0].process.pid
+        os.kill(raylet, signal.SIGSTOP)
+        try:
+            wait_until(lambda: processes_under(spare, "asyncfp8.worker"), "a worker on the spare")
+        finally:
+            os.kill(raylet, signal.SIGCONT)
+        wait_until(lambda: not os.path.exists(f"/proc/{old}"), "the old copy's end", timeout=60)
+        assert len(processes_under(spare, "asyncfp8.worker")) == 1
+        assert len(processes_under(other, "asyncfp8.worker")) == 1
+        step = read_ledger(run_dir)[-1]["step"]
+        wait_for_step(run_dir, step + 5, driver)  # the run goes on with the new copy
+        driver.send_signal(signal.SIGINT)
+        output = finish(driver)
+    finally:
+        driver.kill()
+    assert driver.returncode == 130, output[-3000:]
+    assert "actor died and Ray started it again (1/3)" in output, output[-3000:]
+    result = audit(run_dir, group_size=4, max_staleness=1)
+    assert result.steps >= step + 5 and result.lost == 0, result
+    for node in (learner_node, away, other, spare):
         nodes.remove(node)

@@ -19,6 +19,7 @@ from tests.cluster.slurm_daemons import SlurmDaemons, unavailable
 
 pytestmark = [
     pytest.mark.cluster,
+    pytest.mark.slow,
     pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
 ]
 REPO = Path(__file__).resolve().parents[1]

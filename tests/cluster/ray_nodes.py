@@ -78,6 +78,25 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def processes_under(node, module: str) -> list[int]:
+    """The `python -m <module>` processes a node runs (under its raylet)."""
+    raylet = node.all_processes["raylet"][0].process.pid
+    found = []
+    for pid in descendants(raylet):
+        with contextlib.suppress(OSError):
+            if module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                found.append(pid)
+    return found
+
+
+def wait_until(condition, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout} s")
+        time.sleep(0.2)
+
+
 def ray_launch(run_dir: Path, model_dir: Path, address: str, *overrides: str) -> subprocess.Popen:
     """The driver, as a user starts it: RAY_ADDRESS names the cluster."""
     return subprocess.Popen(
@@ -100,7 +119,7 @@ def ray_launch(run_dir: Path, model_dir: Path, address: str, *overrides: str) ->
     )
 
 
-def wait_for_step(run_dir: Path, step: int, driver: subprocess.Popen, timeout: float = 180) -> None:
+def wait_for_step(run_dir: Path, step: int, driver: subprocess.Popen, timeout: float = 400) -> None:
     """Until the learner's ledger holds `step` (the driver still running)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

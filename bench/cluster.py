@@ -1,0 +1,147 @@
+"""The same job under the built-in launcher and on a Ray cluster (`run.ray=true`), on
+this machine: Ray's overhead in trained samples per second, and the time from submit
+to the first trained step.
+
+    python bench/cluster.py [--model-path DIR] [--steps 60] [--repeats 2] [--out bench/results/cluster-cpu.json]
+
+The Ray cluster is one node made here (`ray.cluster_utils.Cluster`, with as many CPUs
+as the launcher's processes use), so both runs have the same cores and the workers use
+shared memory in both (they share the learner's node). Runs alternate (launcher, Ray,
+launcher, Ray, ...) so that a machine whose load drifts weighs on both alike. Trained
+samples/s counts the steady state (the first `--skip` steps, start-up included, left
+out); submit-to-first-step is from the command's start to the first step in the
+learner's ledger (the cluster's own start is not in it: it is running before a job is
+submitted, as on a real cluster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from asyncfp8.ledger import read_ledger
+from asyncfp8.report import per_step
+from bench.common import write_json
+
+MODES = {"launcher": [], "ray": ["run.ray=true"]}
+
+
+def measure(mode: str, args, run_dir: Path, env: dict[str, str]) -> dict:
+    command = [
+        sys.executable,
+        "-m",
+        "asyncfp8.launch",
+        f"model={args.model}",
+        *([f"model.path={args.model_path}"] if args.model_path else []),
+        "task=arithmetic",
+        "run.max_new_tokens=8",
+        f"run.steps={args.steps}",
+        "run.workers=2",
+        "run.threads=1",
+        "run.placement=separate",
+        "run.tensorboard=false",
+        "eval.every=0",
+        f"run.dir={run_dir}",
+        *MODES[mode],
+    ]
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    first_step = None
+    while process.poll() is None and first_step is None:
+        if (run_dir / "ledger.jsonl").exists() and read_ledger(run_dir):
+            first_step = time.perf_counter() - started
+        time.sleep(0.1)
+    output = process.communicate()[0]
+    wall = time.perf_counter() - started
+    if process.returncode != 0:
+        raise SystemExit(f"{mode}: the run failed\n{output[-3000:]}")
+    records = per_step(run_dir)
+    first, last = records[args.skip - 1], records[-1]
+    samples = (last["step"] - first["step"]) * 8 * 8  # the default groups_per_step x group_size
+    return {
+        "mode": mode,
+        "trained_samples_per_s": samples / (last["time/elapsed_s"] - first["time/elapsed_s"]),
+        "submit_to_first_step_s": first_step,
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--skip", type=int, default=10, help="warm-up steps left out")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--model-path", default=None, help="a model made already (model.path)")
+    parser.add_argument("--out", default="bench/results/cluster-cpu.json")
+    args = parser.parse_args()
+    from ray.cluster_utils import Cluster
+
+    # one CPU for the learner and one per worker: what run.ray_learner / run.ray_worker ask
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False}
+    )
+    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            for repeat in range(args.repeats):
+                for mode in MODES:
+                    row = measure(mode, args, Path(root) / f"{mode}-{repeat}", env)
+                    rows.append({**row, "repeat": repeat})
+                    print(
+                        f"{mode:<9} #{repeat}: {row['trained_samples_per_s']:7.1f} trained samples/s, "
+                        f"first step {row['submit_to_first_step_s']:5.1f} s after submit",
+                        flush=True,
+                    )
+    finally:
+        cluster.shutdown()
+    summary = {}
+    for mode in MODES:
+        mine = [r for r in rows if r["mode"] == mode]
+        summary[mode] = {
+            "trained_samples_per_s_median": statistics.median(
+                r["trained_samples_per_s"] for r in mine
+            ),
+            "submit_to_first_step_s_median": statistics.median(
+                r["submit_to_first_step_s"] for r in mine
+            ),
+        }
+    ratio = (
+        summary["ray"]["trained_samples_per_s_median"]
+        / summary["launcher"]["trained_samples_per_s_median"]
+    )
+    print(
+        f"\nRay / launcher, trained samples/s: {ratio:.3f} (overhead {1 - ratio:+.1%}); first step "
+        f"{summary['ray']['submit_to_first_step_s_median']:.1f} s vs "
+        f"{summary['launcher']['submit_to_first_step_s_median']:.1f} s after submit"
+    )
+    path = write_json(
+        args.out,
+        {
+            "benchmark": "cluster",
+            "model": args.model_path or args.model,
+            "steps": args.steps,
+            "skip": args.skip,
+            "workers": 2,
+            "load_average_at_end": os.getloadavg(),
+            "summary": summary,
+            "ray_over_launcher_samples_per_s": ratio,
+            "rows": rows,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
