@@ -73,10 +73,10 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/guard.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from asyncfp8.models.tiny import SHIPPED_DIR, make_tiny_model
+    from asyncfp8.models.tiny import make_tiny_model, shipped_on
 
     torch.manual_seed(0)
-    models = {"small": sorted(SHIPPED_DIR.glob("small-seed0-*"))[0]}
+    models = {"small": shipped_on("small", "addition")}
     models["tiny"] = Path(args.tiny) if args.tiny else make_tiny_model("tiny", progress=False)
     rows = args.groups * args.group_size
     results = [measure(name, path, rows, args.tokens) for name, path in models.items()]

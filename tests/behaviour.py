@@ -43,13 +43,11 @@ SEQUENCES = 6
 
 
 def shipped_model() -> Path:
-    """The model shipped in the package (bytes, not a warm start that depends on the CPU)."""
-    from asyncfp8.models.tiny import SHIPPED_DIR
+    """The model `make run` starts from, shipped in the package (bytes, not a warm start
+    that depends on the CPU)."""
+    from asyncfp8.models.tiny import shipped_on
 
-    found = sorted(SHIPPED_DIR.glob("small-seed0-*"))
-    if not found:
-        raise RuntimeError(f"no shipped small model in {SHIPPED_DIR}")
-    return found[0]
+    return shipped_on("small", "addition")
 
 
 def train(model_dir: Path, groups, overrides: list[str], run_dir: Path):

@@ -347,6 +347,18 @@ def shipped_model(size: str, seed: int, key: str) -> Path | None:
     return path if meta and meta.get("fingerprint") == key else None
 
 
+def shipped_on(size: str, task_name: str, seed: int = 0) -> Path:
+    """The shipped model of this size and seed warm-started on the task of this name (e.g.
+    the `small` model on `addition` that `make run` starts from)."""
+    for path in sorted(SHIPPED_DIR.glob(f"{size}-seed{seed}-*")):
+        meta = read_metadata(path)
+        if meta and meta["task"]["name"] == task_name:
+            return path
+    raise FileNotFoundError(
+        f"no shipped {size} model (seed {seed}) on {task_name} in {SHIPPED_DIR}"
+    )
+
+
 def make_tiny_model(
     size: str = "tiny",
     out_dir: str | Path | None = None,
