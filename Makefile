@@ -12,7 +12,7 @@ demo:
 	$(PY) -m asyncfp8.demo $(ARGS)
 
 test:
-	bash scripts/setup.sh dev vllm wandb
+	bash scripts/setup.sh dev vllm wandb ray
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest $(ARGS)
