@@ -33,6 +33,7 @@ def gpu_sh(*args: str, out: Path, timeout: float) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.slow
 def test_the_dry_run_runs_every_step_and_brings_back_seven_files(tmp_path):
     out = tmp_path / "out"
     done = gpu_sh("--dry-run", out=out, timeout=600)

@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_longtail_bench_writes_its_rows(tmp_path):
     out = tmp_path / "longtail.json"
     result = subprocess.run(
@@ -70,6 +73,7 @@ def test_longtail_bench_writes_its_rows(tmp_path):
     assert "continuous" in result.stdout and "adaptive" in result.stdout
 
 
+@pytest.mark.slow
 def test_longtail_bench_refuses_what_it_cannot_run():
     """Refused before any model is built: a shaped model with a quantizing precision (one
     model is shared by every mode), slots beyond the batch."""

@@ -30,6 +30,7 @@ def run_bench(*args, timeout=600):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_the_gpu_table_without_a_gpu_says_so_and_exits_non_zero(tmp_path):
     out = tmp_path / "rollout.json"
@@ -48,6 +49,7 @@ def import_bench():
     return rollout
 
 
+@pytest.mark.slow
 def test_the_cpu_table_runs_the_torch_engine(tiny_model_dir, monkeypatch):
     # The engines really generate (and the bench checks how many tokens); the durations
     # are replaced by made-up ones, so that the table, not this machine's speed, is tested.

@@ -40,6 +40,7 @@ def test_on_shared_cores_the_overlap_cannot_beat_the_busy_core_seconds():
     assert two["shared_cores_async_step_s"] == pytest.approx((0.2 * 2 + 0.35) / 2)
 
 
+@pytest.mark.slow
 def test_a_run_limited_to_one_core_gives_each_process_one_thread(tmp_path, tiny_model_dir):
     job = [f"model.path={tiny_model_dir}", "run.steps=3", "eval.every=0", "run.workers=1"]
     job += ["run.placement=separate", "run.tensorboard=false", "run.groups_per_step=2"]

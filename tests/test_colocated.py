@@ -69,6 +69,7 @@ def colocated_turns(tmp_path_factory, tiny_model_dir):
     )
 
 
+@pytest.mark.slow
 def test_colocated_trains_on_the_samples_the_separate_placement_trains_on(
     tmp_path, tiny_model_dir, colocated_turns
 ):
@@ -89,6 +90,7 @@ def test_colocated_trains_on_the_samples_the_separate_placement_trains_on(
     assert {s.split("/")[0] for s in audit(colocated, 4, 0).senders} == {"colocated"}
 
 
+@pytest.mark.slow
 def test_turns_that_release_the_engines_memory_train_on_the_same_samples(
     tmp_path, tiny_model_dir, colocated_turns
 ):
@@ -251,6 +253,7 @@ def test_a_colocated_fp8_version_is_what_a_worker_would_have_received(tiny_model
         assert torch.equal(tensor.view(torch.uint8), theirs[name].view(torch.uint8)), name
 
 
+@pytest.mark.slow
 def test_colocated_async_generates_the_next_step_while_the_learner_trains(tmp_path, tiny_model_dir):
     run_dir, _ = launch(
         tmp_path,
@@ -300,6 +303,7 @@ def test_auto_placement_is_colocated_on_one_device_unless_the_run_asks_for_worke
     assert placement_of(cfg.run) == "separate"
 
 
+@pytest.mark.slow
 def test_the_launcher_resolves_auto_and_says_so(tmp_path, tiny_model_dir):
     run_dir, out = launch(tmp_path, tiny_model_dir, "run.steps=2", "eval.every=0")
     assert "run.placement=auto: colocated (one device (" in out  # a CPU, or one GPU
@@ -460,6 +464,7 @@ def test_overlapped_versions_are_applied_on_the_rollout_thread_not_the_learners(
     assert engine.applied[-1] == (2, current_thread().name)
 
 
+@pytest.mark.slow
 def test_a_killed_colocated_run_resumes_and_loses_nothing(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     command = [
@@ -537,6 +542,7 @@ def test_a_killed_colocated_run_resumes_and_loses_nothing(tmp_path, tiny_model_d
         ),
     ],
 )
+@pytest.mark.slow
 def test_what_colocated_cannot_do_is_refused_at_start_naming_the_setting(
     tmp_path, tiny_model_dir, overrides, message, code
 ):
@@ -584,6 +590,7 @@ def test_a_lease_split_over_ranks_makes_the_whole_leases_tokens(tiny_model_dir):
     assert len({tuple(t.token_ids) for t in whole}) > 3
 
 
+@pytest.mark.slow
 def test_two_colocated_ranks_in_turns_train_on_what_two_ranks_and_a_worker_train_on(
     tmp_path, tiny_model_dir
 ):
@@ -610,6 +617,7 @@ def test_two_colocated_ranks_in_turns_train_on_what_two_ranks_and_a_worker_train
     assert result.lost == 0 and not result.duplicate_samples and result.stale_samples == 0
 
 
+@pytest.mark.slow
 def test_two_colocated_ranks_overlapped_lose_nothing(tmp_path, tiny_model_dir):
     run_dir, _ = launch(
         tmp_path,
@@ -635,6 +643,7 @@ def test_two_colocated_ranks_overlapped_lose_nothing(tmp_path, tiny_model_dir):
     assert checked and int(checked.group(1)) >= 8 and int(checked.group(2)) >= 8, log[-2000:]
 
 
+@pytest.mark.slow
 def test_a_stopped_two_rank_colocated_run_resumes_and_loses_nothing(tmp_path, tiny_model_dir):
     # Ctrl-C: rank 0's rollout thread stops and tells rank 1's, both ranks checkpoint and
     # exit; the resumed run trains every step once and loses no sample.
@@ -679,6 +688,7 @@ def test_a_stopped_two_rank_colocated_run_resumes_and_loses_nothing(tmp_path, ti
     assert len(result.senders) == 2  # the stopped process and the resumed one
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_failed_rank_engine_stops_the_colocated_rollouts_naming_the_rank(mode, tiny_model_dir):
     done = subprocess.run(

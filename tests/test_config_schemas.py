@@ -105,6 +105,7 @@ def test_an_engine_typed_by_its_own_schema():
         composed("engine=vllm", "engine.kv_cache_gib=lots")
 
 
+@pytest.mark.slow
 def test_the_launcher_refuses_a_wrong_type_within_seconds(tmp_path):
     # Found by hand before the schemas: this passed every check, started the learner,
     # loaded the model and died in it with "invalid literal for int()".

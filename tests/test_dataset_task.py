@@ -217,6 +217,7 @@ def test_dataset_class_is_the_registered_task(tmp_path):
     assert isinstance(build(write_jsonl(tmp_path / "d.jsonl", rows(5))), DatasetTask)
 
 
+@pytest.mark.slow
 def test_a_run_trains_on_a_chat_dataset_and_says_it_used_the_template(tmp_path, tiny_model_dir):
     records = [
         {"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
@@ -250,6 +251,7 @@ def test_a_run_trains_on_a_chat_dataset_and_says_it_used_the_template(tmp_path, 
     assert (run_dir / "model" / "chat_template.jinja").is_file()  # the export keeps it
 
 
+@pytest.mark.slow
 def test_the_launcher_stops_at_start_on_a_bad_row(tmp_path, tiny_model_dir):
     data = write_jsonl(tmp_path / "d.jsonl", [*rows(3), {"prompt": "x"}])
     result = subprocess.run(

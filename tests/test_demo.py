@@ -2,7 +2,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_demo_runs_on_a_given_model_and_reports_reward(tiny_model_dir, tmp_path):
     result = subprocess.run(
         [
@@ -31,6 +34,7 @@ def test_demo_runs_on_a_given_model_and_reports_reward(tiny_model_dir, tmp_path)
     )
 
 
+@pytest.mark.slow
 def test_demo_with_a_missing_model_fails_with_the_path(tmp_path):
     result = subprocess.run(
         [

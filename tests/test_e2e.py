@@ -69,6 +69,7 @@ def check_run(run_dir, steps, max_staleness):
     return done
 
 
+@pytest.mark.slow
 def test_launcher_runs_an_asynchronous_run_and_reports(tmp_path, tiny_model_dir):
     run_dir, out = launch(
         tmp_path,
@@ -104,6 +105,7 @@ def test_launcher_runs_an_asynchronous_run_and_reports(tmp_path, tiny_model_dir)
     assert last["total/rejected_messages"] == 0 and last["sync/bytes"] > 0
 
 
+@pytest.mark.slow
 def test_launcher_with_a_two_rank_learner_and_dynamic_sampling(tmp_path, tiny_model_dir):
     run_dir, _ = launch(
         tmp_path,
@@ -137,6 +139,7 @@ def test_launcher_with_a_two_rank_learner_and_dynamic_sampling(tmp_path, tiny_mo
             assert 0 <= summary[f"eval_pass1_{key}_{end}"] <= 1
 
 
+@pytest.mark.slow
 def test_sync_mode_trains_only_on_the_current_version(tmp_path, tiny_model_dir):
     run_dir, _ = launch(tmp_path, tiny_model_dir, "run.steps=5", "run.mode=sync", "run.workers=2")
     for r in check_run(run_dir, 5, max_staleness=0):
@@ -144,6 +147,7 @@ def test_sync_mode_trains_only_on_the_current_version(tmp_path, tiny_model_dir):
         assert r["total/stale_groups"] == 0
 
 
+@pytest.mark.slow
 def test_fp8_kv_run_with_the_torch_engine(tmp_path, tiny_model_dir):
     run_dir, _ = launch(
         tmp_path, tiny_model_dir, "run.steps=4", "precision=fp8+fp8_kv", "run.workers=1"
@@ -154,6 +158,7 @@ def test_fp8_kv_run_with_the_torch_engine(tmp_path, tiny_model_dir):
     assert fresh and 0 < max(fresh) < 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
 def test_vllm_engine_run(precision, tmp_path, tiny_model_dir, vllm_module):
     run_dir, _ = launch(
@@ -170,6 +175,7 @@ def test_vllm_engine_run(precision, tmp_path, tiny_model_dir, vllm_module):
     assert all(0 <= r["mismatch/kl_k3"] < 0.05 for r in done), [r["mismatch/kl_k3"] for r in done]
 
 
+@pytest.mark.slow
 def test_resume_after_the_learner_is_killed(cluster):
     # Long enough that the kill at step >= 5 lands mid-run (tiny-model steps take ~50 ms).
     c = cluster(
@@ -201,6 +207,7 @@ def test_resume_after_the_learner_is_killed(cluster):
     assert raw[-1]["total/samples"] >= 40 * 16
 
 
+@pytest.mark.slow
 def test_a_two_rank_learner_killed_resumes_on_one_rank(cluster):
     c = cluster(
         "run.steps=30", "run.checkpoint_every=3", "run.lease_timeout=8", "sync.resend_after=2"
@@ -224,6 +231,7 @@ def test_a_two_rank_learner_killed_resumes_on_one_rank(cluster):
     assert audit(c.run_dir, group_size=4, max_staleness=1).lost == 0
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_replaced_and_the_run_finishes(cluster):
     # The only worker dies at step 3; at most two steps of groups can be open, so the
     # five steps left can only be trained if the replacement joins, gets the current
@@ -255,6 +263,7 @@ def run_module(module, *overrides, timeout=120):
     return result.returncode, result.stdout + result.stderr, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_a_worker_without_a_learner_gives_up_with_a_reason(tmp_path, tiny_model_dir):
     ports = free_ports(3)
     code, out, seconds = run_module(
@@ -270,12 +279,14 @@ def test_a_worker_without_a_learner_gives_up_with_a_reason(tmp_path, tiny_model_
     assert seconds < 90  # startup (imports, the engine) + the 2 s timeout
 
 
+@pytest.mark.slow
 def test_a_typo_in_an_override_is_named(tmp_path):
     code, out, seconds = run_module("learner", "run.stepz=3", f"run.dir={tmp_path}")
     assert code != 0 and "stepz" in out
     assert seconds < 60  # Hydra refuses it before anything heavy is loaded
 
 
+@pytest.mark.slow
 def test_a_bad_address_is_refused(tmp_path, tiny_model_dir):
     code, out, _ = run_module(
         "worker", f"model.path={tiny_model_dir}", "sync.host=no such host", f"run.dir={tmp_path}"
@@ -283,6 +294,7 @@ def test_a_bad_address_is_refused(tmp_path, tiny_model_dir):
     assert code == 2 and "cannot connect" in out
 
 
+@pytest.mark.slow
 def test_a_taken_port_is_reported(tmp_path, tiny_model_dir):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
@@ -299,6 +311,7 @@ def test_a_taken_port_is_reported(tmp_path, tiny_model_dir):
     assert code != 0 and "cannot listen" in out and "Address already in use" in out
 
 
+@pytest.mark.slow
 def test_a_worker_with_another_model_is_refused(cluster, tmp_path, tiny_model_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -316,6 +329,7 @@ def test_a_worker_with_another_model_is_refused(cluster, tmp_path, tiny_model_di
     assert "does not fit this worker's" in c.log("worker-0") and "mlp" in c.log("worker-0")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("speculative", ["none", "adaptive"])
 def test_inflight_updates_run_loses_nothing(tmp_path, tiny_model_dir, speculative):
     """Workers with slots apply versions between decode steps: samples mixing two versions

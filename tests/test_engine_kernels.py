@@ -64,6 +64,7 @@ def fp8_operands(m, n, k, block, seed=0):
 # --- the Triton kernels, under the interpreter ----------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", ["quant", "fp8_gemm", "int8_gemm", "attention"])
 def test_triton_kernels_match_the_torch_references_under_the_interpreter(check):
     pytest.importorskip("triton")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.gpu_machine import machine_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,6 +48,7 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_what_the_gpu_runs_loads_and_syncs_with_the_gpu_machines_packages():
     done = subprocess.run(
         [sys.executable, str(REPO / "tests" / "gpu_machine_check.py")],

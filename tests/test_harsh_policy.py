@@ -216,6 +216,7 @@ def engine_logprobs(model, samples) -> torch.Tensor:
     return torch.cat(scored)
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_runs_it_as_bf16_weights(tiny_model_dir, vllm_module):
     """No checkpoint format, no kernel: vLLM starts from the BF16 model and runs the
@@ -351,6 +352,7 @@ def mismatch_k3(model_dir, policies, prompts=512, tokens=8):
     return k3
 
 
+@pytest.mark.slow
 def test_its_mismatch_is_far_larger_than_fp8s_on_the_same_prompts(tiny_model_dir, one_thread):
     """The positive control's point: its mismatch is well outside FP8's. Measured on the
     2-core AMD EPYC dev machine, 512 prompts: INT3-g128 (the default) 5.5x FP8's k3 on

@@ -272,6 +272,7 @@ def test_kl_and_entropy_terms_enter_the_loss_with_their_signs(make_learner, reco
     assert bonus["loss/total"] < bonus["loss/policy"]
 
 
+@pytest.mark.slow
 def test_two_ranks_train_like_one(tmp_path, tiny_model_dir, recorded):
     groups = tmp_path / "groups.json"
     save_groups(recorded, groups)
@@ -534,6 +535,7 @@ def test_out_of_memory_names_the_settings_to_change():
         raise ValueError("unrelated")
 
 
+@pytest.mark.slow
 def test_a_split_the_ranks_cannot_share_fails_every_rank_within_seconds(tmp_path, tiny_model_dir):
     started = time.monotonic()
     done = subprocess.run(

@@ -259,6 +259,7 @@ def test_kv_scales_are_recalibrated_when_the_weights_move(tiny_model_dir):
 # --- Triton kernels (interpreted on the CPU) ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_triton_kernels_match_the_torch_reference_bit_for_bit():
     pytest.importorskip("triton")
     result = subprocess.run(

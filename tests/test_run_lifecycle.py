@@ -99,6 +99,7 @@ def test_resume_refuses_a_change_of_the_experiment_unless_forced(tmp_path, chang
     assert any(c.startswith(key) for c in changes)
 
 
+@pytest.mark.slow
 def test_resume_of_a_directory_that_is_not_a_run_creates_nothing(tmp_path, tiny_model_dir):
     missing = tmp_path / "runs" / "2026-11-21_13-00-0O"  # a typo: O for 0
     code, out, seconds = launch(tiny_model_dir, missing, "run.resume=true")
@@ -122,6 +123,7 @@ def wait_for_step(run_dir, step, process, timeout=240):
     raise TimeoutError(f"step {step} not reached")
 
 
+@pytest.mark.slow
 def test_ctrl_c_then_the_printed_resume_command_continues_the_same_run(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     first = subprocess.Popen(
@@ -239,6 +241,7 @@ def test_threads_and_workers_count_the_cores_the_process_may_use_not_the_machine
         (["engine.slots=0"], "engine.slots must be null (static batches) or an int >= 1"),
     ],
 )
+@pytest.mark.slow
 def test_bad_settings_fail_at_start_with_the_setting_named(
     overrides, message, tmp_path, tiny_model_dir
 ):
@@ -248,6 +251,7 @@ def test_bad_settings_fail_at_start_with_the_setting_named(
     assert seconds < 60  # before any learner or worker process starts
 
 
+@pytest.mark.slow
 def test_tensorboard_without_tensorboard_names_the_install_command(tmp_path, tiny_model_dir):
     import importlib.util
 
@@ -257,6 +261,7 @@ def test_tensorboard_without_tensorboard_names_the_install_command(tmp_path, tin
     assert code == 2 and '.[tensorboard]"' in out, out[-2000:]
 
 
+@pytest.mark.slow
 def test_a_learner_that_fails_at_start_is_reported_within_seconds(tmp_path, tiny_model_dir):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
@@ -282,6 +287,7 @@ def test_a_learner_that_fails_at_start_is_reported_within_seconds(tmp_path, tiny
 # --- the README's reward example, as written ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_readmes_custom_reward_runs_as_written(tmp_path, tiny_model_dir):
     package = tmp_path / "my_pkg"
     package.mkdir()

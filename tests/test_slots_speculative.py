@@ -68,6 +68,7 @@ def forced_logprobs(e, sample, sampling):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", [FIXED, ADAPTIVE], ids=["fixed", "adaptive"])
 def test_greedy_speculation_gives_plain_decodings_tokens(
     taught_model_dir, taught_trained, settings
@@ -94,6 +95,7 @@ def test_greedy_speculation_gives_plain_decodings_tokens(
         assert stats.useful_forwards / stats.tokens < 0.85
 
 
+@pytest.mark.slow
 def test_trained_drafter_needs_at_most_half_a_forward_per_token(trained):
     sampling = SamplingParams(n=4, temperature=0.0, max_new_tokens=40, ignore_eos=True)
     trained.generate(PROMPTS, sampling)
@@ -103,6 +105,7 @@ def test_trained_drafter_needs_at_most_half_a_forward_per_token(trained):
     assert stats.useful_forwards / stats.tokens <= 0.5, stats
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_are_the_targets_and_tokens_do_not_depend_on_slots(
     tiny_model_dir, trained
 ):

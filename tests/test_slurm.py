@@ -99,6 +99,7 @@ def test_when_a_task_is_under_slurm_and_what_is_refused():
         role_of(too_few, learner_procs=2)
 
 
+@pytest.mark.slow
 def test_srun_of_the_launcher_runs_a_two_rank_learner_and_two_workers(tmp_path, tiny_model_dir):
     """Four tasks as srun starts them (one launcher each, with the variables srun sets):
     a two-rank learner (its process group from the variables asyncfp8 sets) and two

@@ -521,6 +521,7 @@ def test_chunks_of_two_streams_never_make_one_version():
 # --- CURVE ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_curve_keeps_out_clients_without_the_keys(tmp_path, caplog):
     keys = make_keys(tmp_path / "keys")
     intruder_keys = make_keys(tmp_path / "intruder")

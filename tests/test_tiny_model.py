@@ -25,6 +25,7 @@ def test_tiny_model_loads_with_transformers_and_scores_inside_the_window(tiny_mo
     assert 0.1 <= reward <= 0.7
 
 
+@pytest.mark.slow
 def test_same_seed_gives_identical_weights_and_cache_is_reused(tiny_model_dir, tmp_path):
     again = make_tiny_model("tiny", out_dir=tmp_path / "again", progress=False)
     first = load_file(tiny_model_dir / "model.safetensors")

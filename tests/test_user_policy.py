@@ -143,6 +143,7 @@ def test_bad_policies_are_named_at_start(overrides, message):
         build_policy(compose(*overrides).precision)
 
 
+@pytest.mark.slow
 def test_a_policy_the_engine_cannot_run_is_refused_by_the_launcher_in_seconds(
     tmp_path, tiny_model_dir
 ):
@@ -241,6 +242,7 @@ def test_vllm_runs_a_user_policy_with_its_edge_layers_unquantized(
 # --- end to end, through the launcher ------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["torch", "vllm"])
 def test_a_user_policy_trains_end_to_end(engine, tmp_path, tiny_model_dir, request):
     if engine == "vllm":
@@ -262,6 +264,7 @@ def test_a_user_policy_trains_end_to_end(engine, tmp_path, tiny_model_dir, reque
     assert spec in (run_dir / "worker-0.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_worker_with_another_policy_is_refused_with_both_named(tmp_path, tiny_model_dir):
     cluster = Cluster(tmp_path / "run", tiny_model_dir, "run.steps=3")
     try:

@@ -183,6 +183,7 @@ def test_a_run_saved_before_run_loggers_keeps_its_tensorboard_setting():
 # --- a real run through the launcher -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_launcher_run_logs_metrics_summary_and_plots_to_wandb(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "launched"
     result = subprocess.run(
@@ -243,6 +244,7 @@ WITHOUT_WANDB = (
     ],
     ids=["unknown", "not-installed"],
 )
+@pytest.mark.slow
 def test_bad_loggers_are_refused_at_start(runner, logger, message, tmp_path, tiny_model_dir):
     started = time.monotonic()
     result = subprocess.run(
