@@ -61,3 +61,15 @@ def taught_model_dir(tiny_model_dir, tmp_path_factory):
     from tests.taught import teach
 
     return teach(tiny_model_dir, tmp_path_factory.mktemp("models") / "taught")
+
+
+@pytest.fixture
+def armed(monkeypatch):
+    """Arms fail points in this process as ASYNCFP8_FAILPOINTS would at import."""
+    from asyncfp8 import failpoints
+
+    def arm(spec: str) -> None:
+        monkeypatch.setattr(failpoints, "_armed", failpoints.parse(spec))
+        monkeypatch.setattr(failpoints, "_hits", failpoints.Counter())
+
+    return arm

@@ -9,7 +9,6 @@ import logging
 import pytest
 import torch
 
-from asyncfp8 import failpoints
 from asyncfp8.failpoints import POISON_UPDATE
 from asyncfp8.guard import DEAD_REWARD_CHANCE, MIN_HISTORY, Evidence, GuardRules, GuardSettings
 from asyncfp8.learner.rollback import LastGood
@@ -174,15 +173,6 @@ def recorded(tiny_model_dir):
     from tests.recorded import record_groups
 
     return record_groups(tiny_model_dir, steps=STEPS, groups=4, group_size=4, seed=1)
-
-
-@pytest.fixture
-def armed(monkeypatch):
-    def arm(spec: str) -> None:
-        monkeypatch.setattr(failpoints, "_armed", failpoints.parse(spec))
-        monkeypatch.setattr(failpoints, "_hits", failpoints.Counter())
-
-    return arm
 
 
 def weights(model):

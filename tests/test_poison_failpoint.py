@@ -15,17 +15,6 @@ from asyncfp8.failpoints import ENV, POISON_FACTOR, POISON_UPDATE
 from asyncfp8.learner.step import TrainStep
 
 
-@pytest.fixture
-def armed(monkeypatch):
-    """Arms fail points in this process as the variable would at import."""
-
-    def arm(spec: str) -> None:
-        monkeypatch.setattr(failpoints, "_armed", failpoints.parse(spec))
-        monkeypatch.setattr(failpoints, "_hits", failpoints.Counter())
-
-    return arm
-
-
 def adam_steps(poisoned: bool, armed, steps: int = 3) -> list[torch.Tensor]:
     """The weight of a small layer after each of `steps` AdamW steps on fixed gradients,
     taken through TrainStep's optimizer step."""
