@@ -65,6 +65,10 @@ from asyncfp8.sync.security import CLIENT, CLIENTS_DIR, SERVER
 RAY_INSTALL = 'pip install -c constraints.txt -e ".[ray]"'
 CONNECT_TIMEOUT = 5.0  # s to reach the cluster's address before refusing
 POLL_S = 0.5  # how often the driver looks at every actor (a local run's watch does the same)
+# s a poll may stay unanswered before the driver sends another: a poll sent while Ray was
+# restarting the actor can stay pending for good once the actor lives elsewhere (seen with
+# a paused raylet: the restarted worker ran on the spare, its poll never came back).
+POLL_RESEND_S = 5.0
 # s an actor may take to start once placed: it imports torch and asyncfp8 (seconds on an
 # idle node, a minute or more on a loaded one).
 ACTOR_START_TIMEOUT = 300.0
@@ -369,10 +373,15 @@ class RayRun:
         actors = [*self.ranks, *self.workers]
         pids: dict[int, int] = {}
         polls = {i: actor.poll.remote() for i, actor in enumerate(actors)}
+        sent = dict.fromkeys(polls, time.monotonic())
         while True:
             time.sleep(POLL_S)
             progress.update()
             done, _ = ray.wait(list(polls.values()), num_returns=len(polls), timeout=0)
+            now = time.monotonic()
+            for i in [i for i, ref in polls.items() if ref not in done]:
+                if now - sent[i] > POLL_RESEND_S:
+                    polls[i], sent[i] = actors[i].poll.remote(), now
             for i in [i for i, ref in polls.items() if ref in done]:
                 worker = i - len(self.ranks)
                 name = f"worker-{worker}" if worker >= 0 else f"learner rank {i}"
@@ -380,7 +389,7 @@ class RayRun:
                     code, pid = ray.get(polls.pop(i))
                 except ray.exceptions.ActorUnavailableError:
                     # Its node is not answering, or Ray is starting it again: ask again.
-                    polls[i] = actors[i].poll.remote()
+                    polls[i], sent[i] = actors[i].poll.remote(), now
                     continue
                 except ray.exceptions.RayActorError as err:
                     if worker < 0:
@@ -397,7 +406,7 @@ class RayRun:
                         f"({self.restarts[worker]}/{self.cfg.run.worker_restarts})"
                     )
                 if code is None:
-                    polls[i] = actors[i].poll.remote()
+                    polls[i], sent[i] = actors[i].poll.remote(), now
                 elif worker < 0 and code == 0:
                     if i == 0:
                         return None
