@@ -6,9 +6,9 @@ writes `RUN_DIR/model/` (or `--out`) from the run's latest checkpoint (or step N
 weights saved with `save_pretrained`, the tokenizer and the generation config of the
 model the run started from, and `asyncfp8_export.json` (run, step, source model). It
 loads with `AutoModelForCausalLM.from_pretrained` and serves in vLLM. `--precision`
-also writes `DIR-<precision>/`, the same model streamed through that precision policy as
-a quantized checkpoint (asyncfp8.precision.export: FP8 blockwise for vLLM / SGLang on
-GPUs, INT8 compressed-tensors for vLLM, the CPU wheel included).
+also writes `DIR-<precision>/`, the checkpoint's FP32 weights streamed through that
+precision policy (asyncfp8.precision.export: FP8 blockwise for vLLM / SGLang on GPUs,
+INT8 compressed-tensors for vLLM, the CPU wheel included, FP16 for any engine).
 
 The learner writes `RUN_DIR/model/` itself at the end of a run (and every
 `run.export_every` steps) from the weights it holds (`save_model`); this module is the
@@ -149,12 +149,15 @@ def export_run(
     done = int(checkpoint.name.removeprefix("step_"))
     out = Path(out) if out else run_dir / MODEL_DIR
     info = {"run": str(run_dir.resolve()), "step": done, "source_model": str(source)}
-    written = [save_model(checkpoint_state(checkpoint, source), source, out, info)]
+    masters = checkpoint_state(checkpoint, source)
+    written = [save_model(masters, source, out, info)]
     if policy is not None:
-        from asyncfp8.precision.export import export_checkpoint
+        from asyncfp8.precision.export import export_checkpoint, stored_names
 
         quantized = out.with_name(f"{out.name}-{precision.replace('+', '_')}")
-        export_checkpoint(policy, out, quantized)
+        # From the FP32 masters, not the BF16 model just written: FP16 keeps 3 more bits.
+        tensors = ((name, masters[name]) for name in stored_names(out))
+        export_checkpoint(policy, out, quantized, tensors=tensors)
         written.append(quantized)
     return written
 
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--precision",
         default=None,
-        help="also write OUT-<precision>: the model quantized by that policy (fp8, int8, ...)",
+        help="also write OUT-<precision>: the model as that policy ships it (fp8, int8, fp16, ...)",
     )
     args = parser.parse_args(argv)
     started = time.perf_counter()

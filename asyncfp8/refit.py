@@ -405,6 +405,12 @@ def check_probe(
             "the version's KV-cache scales did not reach the engine's cache (dropped or "
             "altered on the refit path); it quantizes keys and values with other scales"
         )
+    elif not bool(finite.all()) and not bool(torch.isfinite(ref).all()):
+        check.cause = (
+            "the reference's own log-probs are not finite either: the version itself "
+            "overflows (activations past the range of the engine's dtype, 65504 in FP16; "
+            "precision=bf16 has FP32's range) or holds a NaN or Inf"
+        )
     elif not bool(finite.all()):
         check.cause = "a NaN or Inf in a tensor the engine holds (a weight, a scale)"
     elif on_previous:

@@ -106,6 +106,24 @@ def test_the_command_exports_a_checkpoint_and_quantizes_it(trained_run, tmp_path
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
 
 
+def test_an_fp16_export_is_the_checkpoints_fp32_masters_cast_to_fp16(trained_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run_dir, masters = trained_run
+    written = export_run(run_dir, out=tmp_path / "model", precision="fp16")
+    assert written == [tmp_path / "model", tmp_path / "model-fp16"]
+    model = AutoModelForCausalLM.from_pretrained(written[1], local_files_only=True)
+    assert model.dtype == torch.float16
+    state = model.state_dict()
+    for name, master in masters.items():
+        # From the masters, not from the BF16 model beside it: 3 more mantissa bits.
+        assert torch.equal(state[name], master.to(torch.float16)), name
+    assert any(
+        not torch.equal(state[n], m.to(torch.bfloat16).to(torch.float16))
+        for n, m in masters.items()
+    )
+
+
 def test_what_cannot_be_exported_is_refused_naming_it(trained_run, tmp_path):
     run_dir, _ = trained_run
     with pytest.raises(

@@ -88,6 +88,7 @@ def two_versions(model_dir, setting, spec, fault=None, **params):
     [
         ("bf16", {}),
         ("bf16", {"lm_head_fp32": True}),  # the reference runs the engine's FP32 LM head too
+        ("fp16", {}),  # the reference in FP16, as the engine computes
         ("fp8", {}),
         ("fp8_kv", {}),
         ("int8", {}),

@@ -5,12 +5,14 @@ checkpoint (`version_specs`, for `asyncfp8.precision.check_received`)."""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.precision.export import export_checkpoint, read_tensors, unquantized_layers
 from asyncfp8.precision.manifest import TensorSpec, kv_scale_specs
+from asyncfp8.precision.policy import dtype_name
 
 from .base import EngineUnsupported
 
@@ -86,18 +88,22 @@ def _block_fp8_refusal(policy: PrecisionPolicy, quantization_config: dict) -> st
 
 
 def policy_checkpoint(policy: PrecisionPolicy, source: Path, export_dir: str | None) -> Path:
-    """`source` itself when the policy has no checkpoint format, else `source` exported in
-    the policy's format (quantized weights, the layers it leaves unquantized listed as
-    ignored, KV-scale parameters) to `export_dir` or a directory beside it named after
-    the source, the policy and the format."""
+    """`source` itself when the policy has no checkpoint format and runs the dtype the
+    source is stored in, else `source` exported in the policy's format (quantized weights,
+    the layers it leaves unquantized listed as ignored, KV-scale parameters; or only cast,
+    FP16) to `export_dir` or a directory beside it named after the source, the policy and
+    the format."""
     if policy.model_config is None:
         from transformers import AutoConfig
 
         policy.bind_model(AutoConfig.from_pretrained(source, local_files_only=True))
     config = policy.checkpoint_config(unquantized_layers(policy, source))
-    if not config:
+    dtype = dtype_name(policy.engine_dtype)
+    if not config and stored_dtype(source) == dtype:
         return source
-    key = hashlib.sha256(f"{source.resolve()}:{policy.spec}:{config}".encode()).hexdigest()
+    # A quantized format, or the model's tensors in another dtype (FP16 from a BF16 model):
+    # versions are checked against the checkpoint's dtypes.
+    key = hashlib.sha256(f"{source.resolve()}:{policy.spec}:{config}:{dtype}".encode()).hexdigest()
     out = (
         Path(export_dir)
         if export_dir
@@ -106,6 +112,12 @@ def policy_checkpoint(policy: PrecisionPolicy, source: Path, export_dir: str | N
     if not (out / "config.json").is_file():
         export_checkpoint(policy, source, out, require_calibration=False)
     return out
+
+
+def stored_dtype(model_dir: Path) -> str | None:
+    """The dtype a model directory's config.json says its tensors are stored in."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return config.get("dtype") or config.get("torch_dtype")
 
 
 def version_specs(model_dir: Path, policy: PrecisionPolicy) -> dict[str, TensorSpec]:

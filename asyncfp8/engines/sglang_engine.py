@@ -90,7 +90,7 @@ class SGLangEngine:
         self.expected = version_specs(self.model_dir, self.policy)
         self.engine = sglang.Engine(
             model_path=str(self.model_dir),
-            dtype="bfloat16",
+            dtype=config.get("dtype", "bfloat16"),  # the policy's: bfloat16, float16
             quantization=config.get("quantization"),
             kv_cache_dtype=KV_CACHE_DTYPES[config.get("kv_cache_dtype", "auto")],
             random_seed=seed,

@@ -1,7 +1,7 @@
 """Precision policies: how the learner's weights become what a rollout engine runs.
 
 from asyncfp8.precision import PrecisionPolicy, get_policy, register_policy
-policy = get_policy("fp8")          # "bf16", "fp8", "fp8_kv", "fp8+fp8_kv", "int8"
+policy = get_policy("fp8")          # "bf16", "fp16", "fp8", "fp8_kv", "fp8+fp8_kv", "int8"
 policy.quantizes(name, tensor)      # the per-tensor decision everything asks
 policy.engine_config()              # how the engine must be started
 policy.quantize_weights(named)      # streaming (name, tensor) -> (name, tensor)
@@ -10,7 +10,7 @@ version_tensors(model, policy, batch)  # both, for one version of a model, with 
 check_received(number, tensors, manifest, expected)  # an engine's one check of a version
 """
 
-from . import bf16, fp8, fp8_kv, int8  # noqa: F401  (registers the built-in policies)
+from . import bf16, fp8, fp8_kv, fp16, int8  # noqa: F401  (registers the built-in policies)
 from .manifest import Role, TensorRole, TensorSpec, check_received
 from .policy import (
     ComposedPolicy,

@@ -1,4 +1,5 @@
-"""Writing a quantized HF checkpoint: the BF16 model streamed through a policy.
+"""Writing a quantized HF checkpoint: the BF16 model streamed through a policy (or only
+cast, for FP16).
 
 Tensors are read one at a time from the source safetensors files and written in
 shards of at most `shard_bytes`, so neither the source nor the quantized model is ever
@@ -12,7 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from safetensors.torch import save_file
 
 from asyncfp8.models.loading import check_model_dir
 
-from .policy import PrecisionPolicy, is_quantizable
+from .policy import PrecisionPolicy, dtype_name, is_quantizable
 
 COPIED_FILES = (
     "generation_config.json",
@@ -45,6 +46,15 @@ def read_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def stored_names(model_dir: str | Path) -> list[str]:
+    """The tensor names of a model directory's *.safetensors files (no tensor read)."""
+    names = []
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
 def unquantized_layers(policy: PrecisionPolicy, model_dir: str | Path) -> list[str]:
     """The linear layers of a model that a weight format could quantize but `policy`
     leaves in the engine dtype: the format's ignore list (vLLM's `ignored_layers`,
@@ -65,13 +75,17 @@ def export_checkpoint(
     calibration_batch: Mapping[str, torch.Tensor] | None = None,
     shard_bytes: int = 2 << 30,
     require_calibration: bool = True,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write `model_dir` quantized by `policy` to `out_dir` (config.json with the
     policy's `quantization_config`, tokenizer files copied). Policies that calibrate
     (fp8_kv) need `calibration_batch` (input_ids, attention_mask); their tensors (KV
     scales) are written with the weights. An engine that receives the scales with every
     version anyway may export without them (`require_calibration=False`): the engine
-    then starts with scale 1.0 until the first version."""
+    then starts with scale 1.0 until the first version. `tensors` replaces the weights
+    read from `model_dir` (e.g. a run's FP32 masters, so that FP16 is not cast from a BF16
+    rounding); config.json says the policy's `engine_dtype`, which every tensor the
+    policy does not quantize is stored in."""
     source = check_model_dir(model_dir)
     out = Path(out_dir)
     if out.resolve() == source.resolve():
@@ -104,9 +118,8 @@ def export_checkpoint(
         from transformers import AutoConfig
 
         policy.bind_model(AutoConfig.from_pretrained(source, local_files_only=True))
-    for name, tensor in itertools.chain(
-        policy.quantize_weights(read_tensors(source)), extra.items()
-    ):
+    weights = read_tensors(source) if tensors is None else tensors
+    for name, tensor in itertools.chain(policy.quantize_weights(weights), extra.items()):
         size = tensor.numel() * tensor.element_size()
         if shard and shard_size + size > shard_bytes:
             flush()
@@ -124,6 +137,9 @@ def export_checkpoint(
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
     config = json.loads((source / "config.json").read_text())
+    config["dtype"] = dtype_name(policy.engine_dtype)
+    if "torch_dtype" in config:  # the name before transformers 4.56
+        config["torch_dtype"] = config["dtype"]
     quantization_config = policy.checkpoint_config(unquantized_layers(policy, source))
     if quantization_config:
         config["quantization_config"] = quantization_config
