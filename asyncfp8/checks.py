@@ -19,6 +19,7 @@ from asyncfp8.correction import Correction, build_correction
 from asyncfp8.engines import supports as engine_supports
 from asyncfp8.engines.base import check_slots
 from asyncfp8.guard import GuardSettings
+from asyncfp8.loss_scale import LossScaleSettings
 from asyncfp8.metrics import loggers_of
 from asyncfp8.precision import PrecisionPolicy, build_policy
 from asyncfp8.process import check_counts, curve, endpoints
@@ -209,6 +210,7 @@ def check_training(cfg: DictConfig) -> None:
             raise ValueError(f"optim.{key} must be >= 0, got {optim[key]!r}")
     if optim.clip_ratio_c is not None and not optim.clip_ratio_c > 1:
         raise ValueError(f"optim.clip_ratio_c must be > 1 or null (off), got {optim.clip_ratio_c}")
+    LossScaleSettings.from_config(optim.get("loss_scale"))
     if cfg.correction.get("proximal", "current") == "version":
         if cfg.correction.mode == "bypass":
             raise ValueError(

@@ -47,7 +47,12 @@ from torch.utils.checkpoint import checkpoint
 from asyncfp8.process import die_with_parent
 
 DEVICES = ("auto", "cpu", "cuda")
-COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+COMPUTE_DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,  # with dynamic loss scaling (learner/loss_scale.py)
+}
 
 # The TF32 switches as a CUDA learner found them (None: it did not touch them); `close`
 # puts them back.
@@ -84,7 +89,8 @@ def resolve_device(setting: str) -> torch.device:
 
 def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
     """`run.compute_dtype`: auto is BF16 on GPUs (FP32 master weights and gradient
-    reduction all the same) and FP32 on CPUs."""
+    reduction all the same) and FP32 on CPUs; float16 computes in FP16 on the same FP32
+    masters, its loss scaled (the train step's LossScaler)."""
     if setting not in COMPUTE_DTYPES:
         raise ValueError(
             f"run.compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {setting!r}"

@@ -65,7 +65,7 @@ def test_the_schema_types_exactly_the_keys_of_the_yaml(group):
         ("optim.schedule=linear", "Invalid value 'linear', expected one of [constant, cosine]"),
         ("optim.kl_estimator=k2", "expected one of [k1, k3, low_var_kl]"),
         ("sync.transport=udp", "expected one of [auto, shm, tcp]"),
-        ("run.compute_dtype=fp16", "expected one of [auto, float32, bfloat16]"),
+        ("run.compute_dtype=fp16", "expected one of [auto, float32, bfloat16, float16]"),
         ("run.device=tpu", "expected one of [auto, cpu, cuda]"),
         ("sync.probe.enabled=maybe", "is not a valid bool"),
         ("engine.slots=many", "could not be converted to Integer"),

@@ -55,6 +55,7 @@ class ComputeDtype(enum.StrEnum):
     auto = "auto"
     float32 = "float32"
     bfloat16 = "bfloat16"
+    float16 = "float16"
 
 
 class Placement(enum.StrEnum):
@@ -133,6 +134,16 @@ class RunConfig:
 
 
 @dataclass
+class LossScaleConfig:
+    """`optim.loss_scale.*`: dynamic loss scaling with run.compute_dtype=float16
+    (asyncfp8/loss_scale.py checks the ranges, naming the key)."""
+
+    init: float = MISSING
+    growth_interval: int = MISSING
+    max_skipped: int = MISSING
+
+
+@dataclass
 class OptimConfig:
     lr: float = MISSING
     weight_decay: float = MISSING
@@ -155,6 +166,7 @@ class OptimConfig:
     micro_batch_tokens: int | None = MISSING
     logprob_chunk_tokens: int = MISSING
     activation_checkpointing: bool = MISSING
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
+from asyncfp8.loss_scale import LossScaleOverflow
 from asyncfp8.process import setup_logging
 from asyncfp8.runconfig import log_resume, restore_on_resume
 
@@ -32,7 +33,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     try:
         sys.exit(learner.run())
-    except MemoryError as err:
+    except (MemoryError, LossScaleOverflow) as err:
         log.error("%s", err)
         sys.exit(1)
 

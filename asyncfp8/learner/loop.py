@@ -39,6 +39,7 @@ from asyncfp8.evaluation import HeldOut
 from asyncfp8.guard import GuardSettings
 from asyncfp8.inbox import Group
 from asyncfp8.logprobs import install_logprob_head
+from asyncfp8.loss_scale import LossScaler, LossScaleSettings
 from asyncfp8.models import load_model, load_tokenizer, run_model_dir
 from asyncfp8.precision.fp8_kv import kv_scale_names
 from asyncfp8.process import StopFlag, endpoints, set_threads, worker_count
@@ -301,7 +302,14 @@ class Learner:
             world=self.ranks.world,
             guard=self._guard(),
             versions=self.version_weights,
+            loss_scaler=self._loss_scaler(),
         )
+
+    def _loss_scaler(self) -> LossScaler | None:
+        """FP16 gradients need their loss scaled (BF16 and FP32 have FP32's range)."""
+        if self.dtype != torch.float16:
+            return None
+        return LossScaler(LossScaleSettings.from_config(self.cfg.optim.get("loss_scale")))
 
     def _guard(self) -> StepGuard | None:
         guard = self.cfg.get("guard")

@@ -11,7 +11,9 @@ micro-batch (gradients accumulated), lets the correction weigh them against the 
 engine's, takes the clipped policy loss (plus the KL-to-reference and entropy terms when
 set) and steps AdamW. With the guard (`guard.enabled`, learner/rollback.py), the first
 mini-batch's forward also measures whether the previous step broke the policy; if so the
-step restores the last good weights and trains nothing. The loss of a mini-batch is a mean over all of it, across
+step restores the last good weights and trains nothing. With FP16 compute
+(`run.compute_dtype=float16`) each backward runs on the loss times a dynamic scale and an
+update whose gradients overflowed is skipped (asyncfp8/loss_scale.py). The loss of a mini-batch is a mean over all of it, across
 micro-batches and ranks. Every rank calls it; with one process the collectives it
 uses are local (a HashStore process group, no sockets).
 """
@@ -36,6 +38,7 @@ from asyncfp8.correction.registry import Correction
 from asyncfp8.failpoints import POISON_FACTOR, POISON_UPDATE, failpoint, reached
 from asyncfp8.inbox import Group
 from asyncfp8.logprobs import completion_logprobs
+from asyncfp8.loss_scale import LossScaler
 from asyncfp8.losses import (
     PolicyLoss,
     aggregate_parts,
@@ -70,6 +73,7 @@ class StepSums:
     seconds: float = 0.0
     rolled_back: bool = False  # the guard undid the previous step; this one trained nothing
     guard: dict[str, float] = field(default_factory=dict)  # guard/* metrics of this step
+    loss_scale: dict[str, float] = field(default_factory=dict)  # loss_scale/* (FP16 compute)
 
 
 def lr_lambda(optim: DictConfig, steps: int):
@@ -135,6 +139,7 @@ class TrainStep:
         world: int = 1,
         guard: StepGuard | None = None,
         versions: VersionWeights | None = None,
+        loss_scaler: LossScaler | None = None,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.correction, self.optim = correction, optim
@@ -142,6 +147,7 @@ class TrainStep:
         self.temperature, self.pad_token_id, self.device = temperature, pad_token_id, device
         self.reference, self.world, self.guard = reference, world, guard
         self.versions = versions  # correction.proximal=version: π_prox of each token's own
+        self.loss_scaler = loss_scaler  # run.compute_dtype=float16: FP16 gradients, scaled
 
     def __call__(self, share: Share, step: int, version: int) -> StepSums:
         optim = self.optim
@@ -161,6 +167,7 @@ class TrainStep:
             self.optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = defaultdict(float)
             judged = self.guard is not None and epoch == 0 and m == 0
+            factor = self._gradient_factor(mini)
             for j, micro in enumerate(mini):
                 with distributed.memory_advice("a train step", self.memory(micro)):
                     learner_logp = self._micro_batch(
@@ -170,6 +177,7 @@ class TrainStep:
                         sums,
                         judged,
                         stale[m][j] if stale else None,
+                        factor,
                     )
                 if epoch == 0:
                     for row, index in enumerate(micro["index"]):
@@ -183,17 +191,31 @@ class TrainStep:
                 self.optimizer.zero_grad(set_to_none=True)
                 rolled_back = True
                 break
-            distributed.scale_gradients(self.model, 1.0 / max(sums["denominator"], 1.0))
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), optim.grad_clip)
+            # The loss scale (FP16) comes off in the same division, in FP32.
+            distributed.scale_gradients(self.model, 1.0 / (max(sums["denominator"], 1.0) * factor))
+            parameters = [p for p in self.model.parameters() if p.grad is not None]
+            total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+            grad_norm = total_norm
             if hasattr(grad_norm, "full_tensor"):  # a sharded (FSDP2) model's norm is a DTensor
                 grad_norm = grad_norm.full_tensor()
-            if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"step {step}: gradient norm is {grad_norm.item()}")
-            self._optimizer_step()
             for key, value in sums.items():
                 totals[key] += value
             for key in ("policy", "total"):
                 totals[f"{key}_loss"] += sums[key] / max(sums["denominator"], 1.0)
+            if not torch.isfinite(grad_norm):
+                if self.loss_scaler is None:
+                    raise FloatingPointError(f"step {step}: gradient norm is {grad_norm.item()}")
+                # An FP16 overflow: this update is skipped, the scale halved (or the run
+                # stopped when it keeps overflowing). Not clipped first: clipping by a NaN
+                # norm would make every gradient NaN, and hide where it started.
+                self.loss_scaler.overflowed(self.model, step)
+                self.optimizer.zero_grad(set_to_none=True)
+                totals["loss_scale_skipped"] += 1
+                continue
+            torch.nn.utils.clip_grads_with_norm_(parameters, optim.grad_clip, total_norm)
+            if self.loss_scaler is not None:
+                self.loss_scaler.stepped()
+            self._optimizer_step()
             totals["grad_norm"] += grad_norm.item()
             totals["updates"] += 1
         self.scheduler.step()  # a skipped step too: the schedule follows the step count
@@ -204,7 +226,22 @@ class TrainStep:
             time.perf_counter() - started,
             rolled_back,
             self.guard.metrics if self.guard is not None else {},
+            self._loss_scale_metrics(int(totals.get("loss_scale_skipped", 0))),
         )
+
+    def _gradient_factor(self, mini: list[dict]) -> float:
+        """What each micro-batch's loss numerator is multiplied by before its backward: 1,
+        or with FP16 gradients the loss scale over the mini-batch's tokens (on every rank),
+        so that the scale applies to a per-token mean, as loss scales usually do, whatever
+        the batch's size."""
+        if self.loss_scaler is None:
+            return 1.0
+        tokens = float(sum(int(micro["mask"].sum()) for micro in mini))
+        tokens = distributed.sum_over_ranks({"tokens": tokens})["tokens"]
+        return self.loss_scaler.scale / max(tokens, 1.0)
+
+    def _loss_scale_metrics(self, skipped: int) -> dict[str, float]:
+        return {} if self.loss_scaler is None else self.loss_scaler.metrics(skipped)
 
     def _optimizer_step(self) -> None:
         """AdamW's step; at fail point POISON_UPDATE's N-th, an update POISON_FACTOR times
@@ -226,11 +263,13 @@ class TrainStep:
         sums: dict,
         judged: bool = False,
         stale: tuple[torch.Tensor, torch.Tensor] | None = None,
+        factor: float = 1.0,
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch; adds its loss numerator, denominator
         and counts to `sums` (and, `judged`, the guard's evidence). `stale`: π_prox of its
-        older versions' tokens and where they are (correction.proximal=version). Returns
-        the log-probs the correction saw."""
+        older versions' tokens and where they are (correction.proximal=version). The
+        backward runs on the numerator times `factor` (`_gradient_factor`). Returns the
+        log-probs the correction saw."""
         optim = self.optim
         logp, entropy = self.logprobs(self.model, micro)
         if judged:
@@ -252,7 +291,8 @@ class TrainStep:
             per_token = per_token + optim.kl_coef * kl
             sums["kl"] += (kl.detach() * kept).sum().item()
         numerator, denominator = aggregate_parts(per_token, terms.mask, self.loss.aggregation)
-        numerator.backward()
+        # FP16 gradients: the loss scaled up, so that small gradients do not flush to zero
+        (numerator * factor if factor != 1.0 else numerator).backward()
         sums["total"] += numerator.item()
         policy = aggregate_parts(terms.per_token.detach(), terms.mask, self.loss.aggregation)[0]
         sums["policy"] += policy.item()

@@ -47,7 +47,9 @@ class StepMetrics:
         rewards = torch.tensor([t.reward for t in trajectories])
         lengths = batch["mask"].sum(-1).float()
         totals = sums.totals
-        updates, kept = totals["updates"], max(totals["kept"], 1.0)
+        updates, kept = totals.get("updates", 0), max(totals["kept"], 1.0)
+        # An update an FP16 overflow skipped still measured its loss.
+        passes = max(updates + totals.get("loss_scale_skipped", 0), 1)
         metrics |= {
             "version": version,
             "reward/mean": rewards.mean().item(),
@@ -56,11 +58,11 @@ class StepMetrics:
             "response/frac_stopped": sum(t.finish_reason == "stop" for t in trajectories)
             / len(trajectories),
             "groups/frac_zero_advantage": sum(map(all_rewards_equal, groups)) / len(groups),
-            "loss/policy": totals["policy_loss"] / updates,
-            "loss/total": totals["total_loss"] / updates,
+            "loss/policy": totals["policy_loss"] / passes,
+            "loss/total": totals["total_loss"] / passes,
             "loss/ppo_clip_frac": totals["clipped"] / kept,
             "loss/entropy": totals["entropy"] / kept,
-            "optim/grad_norm": totals["grad_norm"] / updates,
+            "optim/grad_norm": totals.get("grad_norm", 0.0) / max(updates, 1),
             "optim/updates": int(updates),
             "optim/lr": lr,
             "time/train_s": sums.seconds,
@@ -71,7 +73,8 @@ class StepMetrics:
             if f"proximal_{key}" in totals:
                 metrics[f"proximal/{key}"] = int(totals[f"proximal_{key}"])
         self._warn_without_reward_spread(metrics["groups/frac_zero_advantage"])
-        return metrics | fresh_mismatch(learner_logp, batch, version) | sums.guard
+        fresh = fresh_mismatch(learner_logp, batch, version)
+        return metrics | fresh | sums.guard | sums.loss_scale
 
     def _rolled_back(
         self, groups: list[Group], sums: StepSums, version: int, lr: float
@@ -80,15 +83,19 @@ class StepMetrics:
         guard's metrics (the loss, the correction's view and the gradient norm are those
         of no update)."""
         rewards = torch.tensor([t.reward for group in groups for t in group.trajectories])
-        return {
-            "version": version,
-            "reward/mean": rewards.mean().item(),
-            "reward/std": rewards.std().item(),
-            "groups/frac_zero_advantage": sum(map(all_rewards_equal, groups)) / len(groups),
-            "optim/updates": 0,
-            "optim/lr": lr,
-            "time/train_s": sums.seconds,
-        } | sums.guard
+        return (
+            {
+                "version": version,
+                "reward/mean": rewards.mean().item(),
+                "reward/std": rewards.std().item(),
+                "groups/frac_zero_advantage": sum(map(all_rewards_equal, groups)) / len(groups),
+                "optim/updates": 0,
+                "optim/lr": lr,
+                "time/train_s": sums.seconds,
+            }
+            | sums.guard
+            | sums.loss_scale
+        )
 
     def throughput(self, counts: dict, seconds: float) -> dict[str, float]:
         """The rollout side since the previous step, from the inbox's counts."""
