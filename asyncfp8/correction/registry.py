@@ -17,6 +17,7 @@ from .base import (
     CorrectionResult,
     MethodResult,
 )
+from .calibration import check_rejection_settings
 from .methods import (
     KL_ESTIMATORS,
     geo_rs,
@@ -96,6 +97,13 @@ class Correction:
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {max_staleness}")
         self.max_staleness = max_staleness
+
+    def rebind(self, **params: Any) -> None:
+        """Sets some of the method's parameters (the learner's calibrated bounds,
+        asyncfp8/correction/calibration.py); checked as at construction."""
+        merged = self.params | params
+        self._method = _bind(self.name, merged)
+        self.params = merged
 
     def __repr__(self) -> str:
         extra = f", reject={[n for n, _ in self.rejections]}" if self.rejections else ""
@@ -202,6 +210,12 @@ def build_correction(cfg: Mapping[str, Any]) -> Correction:
     max_staleness = params.pop("max_staleness", None)
     params.pop("mode", None)  # decoupled / bypass: how the loss uses it (asyncfp8.losses)
     params.pop("proximal", None)  # which weights π_prox is (asyncfp8/learner/versions.py)
+    # bounds calibration and the starved-step rule: the learner's (correction/calibration.py)
+    check_rejection_settings(name, params)
+    for key in ("target_rejected", "min_kept", "starved"):
+        params.pop(key, None)
+    # null: the method's own default (or, under target_rejected, a calibrated bound)
+    params = {key: value for key, value in params.items() if value is not None}
     return get_correction(name, max_staleness=max_staleness, **params)
 
 

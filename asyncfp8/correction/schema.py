@@ -1,5 +1,6 @@
 """The `correction=` config as schemas in Hydra's ConfigStore: one base for the keys every
-correction has (`name`, `reject`, `mode`, `proximal`, `max_staleness`) and, for every registered
+correction has (`name`, `reject`, `mode`, `proximal`, `max_staleness`, `target_rejected`,
+`min_kept`, `starved`) and, for every registered
 method, a dataclass with its own parameters, typed from its signature. Each YAML under
 conf/correction/ extends its method's schema, so a mistyped key
 (`correction.uper=5`) or a wrong type (`correction.upper=five`) fails when the config is
@@ -12,6 +13,8 @@ import enum
 import inspect
 import typing
 from typing import Any
+
+from .calibration import Starved
 
 
 class Mode(enum.StrEnum):
@@ -33,6 +36,11 @@ class CorrectionConfig:
     mode: Mode = Mode.decoupled
     proximal: Proximal = Proximal.current  # asyncfp8/learner/versions.py
     max_staleness: int | None = None  # mask sequences with a token older than this
+    # calibrate the unset lower/upper bounds of token_mis, seq_mis, geo_rs for this share
+    # rejected on the first step (asyncfp8/correction/calibration.py); null: off
+    target_rejected: float | None = None
+    min_kept: float = 0.5  # an update keeping fewer of its tokens than this is starved
+    starved: Starved = Starved.scale  # a starved update: lr scaled to what was kept, or skipped
 
 
 def method_schema(name: str, method: Any) -> type:
@@ -41,9 +49,9 @@ def method_schema(name: str, method: Any) -> type:
     fields = []
     for parameter in list(inspect.signature(method).parameters.values())[1:]:
         hint = hints.get(parameter.name, Any)
-        fields.append(
-            (parameter.name, hint if hint in (int, float, bool, str) else Any, parameter.default)
-        )
+        # null: the method's own default (a bound under target_rejected: calibrated)
+        typed = hint | None if hint in (int, float, bool, str) else Any
+        fields.append((parameter.name, typed, parameter.default))
     return dataclasses.make_dataclass(name, fields, bases=(CorrectionConfig,))
 
 

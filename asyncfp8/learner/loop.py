@@ -34,6 +34,7 @@ from asyncfp8.checks import (
     placement_of,
     release_engine_memory,
 )
+from asyncfp8.correction.calibration import BoundCalibration
 from asyncfp8.engines import build_engine
 from asyncfp8.evaluation import HeldOut
 from asyncfp8.guard import GuardSettings
@@ -303,7 +304,16 @@ class Learner:
             guard=self._guard(),
             versions=self.version_weights,
             loss_scaler=self._loss_scaler(),
+            calibration=self._bound_calibration(),
+            min_kept=cfg.correction.get("min_kept", 0.0),
+            starved=str(cfg.correction.get("starved", "scale")),
         )
+
+    def _bound_calibration(self) -> BoundCalibration | None:
+        """correction.target_rejected: the correction's unset bounds set on the first step
+        (asyncfp8/correction/calibration.py); again after a resume."""
+        target = self.cfg.correction.get("target_rejected")
+        return None if target is None else BoundCalibration(self.correction, target)
 
     def _loss_scaler(self) -> LossScaler | None:
         """FP16 gradients need their loss scaled (BF16 and FP32 have FP32's range)."""

@@ -33,8 +33,14 @@ from omegaconf import DictConfig
 from asyncfp8 import distributed
 from asyncfp8.batches import batch_tensors, plan_step
 from asyncfp8.correction.base import LOG_RATIO_CLAMP
+from asyncfp8.correction.calibration import (
+    BoundCalibration,
+    Starved,
+    calibration_values,
+    starved_scale,
+)
 from asyncfp8.correction.metrics import FAR_LOG_RATIO
-from asyncfp8.correction.registry import Correction
+from asyncfp8.correction.registry import Correction, make_batch
 from asyncfp8.failpoints import POISON_FACTOR, POISON_UPDATE, failpoint, reached
 from asyncfp8.inbox import Group
 from asyncfp8.logprobs import completion_logprobs
@@ -74,6 +80,8 @@ class StepSums:
     rolled_back: bool = False  # the guard undid the previous step; this one trained nothing
     guard: dict[str, float] = field(default_factory=dict)  # guard/* metrics of this step
     loss_scale: dict[str, float] = field(default_factory=dict)  # loss_scale/* (FP16 compute)
+    # correction/* of calibrated bounds (the step that set them) and starved updates
+    rejection: dict[str, float] = field(default_factory=dict)
 
 
 def lr_lambda(optim: DictConfig, steps: int):
@@ -140,6 +148,9 @@ class TrainStep:
         guard: StepGuard | None = None,
         versions: VersionWeights | None = None,
         loss_scaler: LossScaler | None = None,
+        calibration: BoundCalibration | None = None,
+        min_kept: float = 0.0,
+        starved: str = Starved.scale,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.correction, self.optim = correction, optim
@@ -148,6 +159,10 @@ class TrainStep:
         self.reference, self.world, self.guard = reference, world, guard
         self.versions = versions  # correction.proximal=version: π_prox of each token's own
         self.loss_scaler = loss_scaler  # run.compute_dtype=float16: FP16 gradients, scaled
+        # correction.target_rejected: the bounds set on the first step (correction/calibration.py)
+        self.calibration = calibration
+        self.min_kept, self.starved = min_kept, starved  # the starved-update rule
+        self.starved_updates = 0  # since the learner started
 
     def __call__(self, share: Share, step: int, version: int) -> StepSums:
         optim = self.optim
@@ -162,6 +177,9 @@ class TrainStep:
         seen: dict[int, torch.Tensor] = {}  # per sample: the log-probs the correction saw
         totals: dict[str, float] = defaultdict(float)
         stale = self._stale_proximal(batches, totals) if self.versions is not None else None
+        rejection = {}
+        if self.calibration is not None and not self.calibration.done:
+            rejection = self._calibrate(batches, version)
         rolled_back = False
         for epoch, (m, mini) in itertools.product(range(optim.ppo_epochs), enumerate(batches)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -202,6 +220,18 @@ class TrainStep:
                 totals[key] += value
             for key in ("policy", "total"):
                 totals[f"{key}_loss"] += sums[key] / max(sums["denominator"], 1.0)
+            # Too little kept evidence: the update shrunk or skipped (correction/calibration.py)
+            lr_scale = starved_scale(
+                sums["kept"], sums["real_tokens"], self.min_kept, str(self.starved)
+            )
+            totals["update_scale"] += lr_scale
+            if lr_scale < 1.0:
+                totals["starved"] += 1
+                self.starved_updates += 1
+            if lr_scale == 0.0:
+                self.optimizer.zero_grad(set_to_none=True)
+                totals["starved_skipped"] += 1
+                continue
             if not torch.isfinite(grad_norm):
                 if self.loss_scaler is None:
                     raise FloatingPointError(f"step {step}: gradient norm is {grad_norm.item()}")
@@ -215,7 +245,7 @@ class TrainStep:
             torch.nn.utils.clip_grads_with_norm_(parameters, optim.grad_clip, total_norm)
             if self.loss_scaler is not None:
                 self.loss_scaler.stepped()
-            self._optimizer_step()
+            self._optimizer_step(lr_scale)
             totals["grad_norm"] += grad_norm.item()
             totals["updates"] += 1
         self.scheduler.step()  # a skipped step too: the schedule follows the step count
@@ -227,6 +257,7 @@ class TrainStep:
             rolled_back,
             self.guard.metrics if self.guard is not None else {},
             self._loss_scale_metrics(int(totals.get("loss_scale_skipped", 0))),
+            rejection | {"correction/starved_steps": self.starved_updates},
         )
 
     def _gradient_factor(self, mini: list[dict]) -> float:
@@ -243,17 +274,56 @@ class TrainStep:
     def _loss_scale_metrics(self, skipped: int) -> dict[str, float]:
         return {} if self.loss_scaler is None else self.loss_scaler.metrics(skipped)
 
-    def _optimizer_step(self) -> None:
-        """AdamW's step; at fail point POISON_UPDATE's N-th, an update POISON_FACTOR times
-        as large (the fatal step the guard is tested on)."""
-        if not reached(POISON_UPDATE):
-            self.optimizer.step()
-            return
-        with torch.no_grad():
-            before = [p.detach().clone() for p in self.model.parameters()]
-            self.optimizer.step()
-            for p, old in zip(self.model.parameters(), before, strict=True):
-                p.copy_(old + POISON_FACTOR * (p - old))
+    def _optimizer_step(self, lr_scale: float = 1.0) -> None:
+        """AdamW's step, at the learning rate times `lr_scale` (a starved update; Adam's
+        step barely depends on the gradient's size, so the rate is what must shrink); at
+        fail point POISON_UPDATE's N-th, an update POISON_FACTOR times as large (the fatal
+        step the guard is tested on)."""
+        rates = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] *= lr_scale
+        try:
+            if not reached(POISON_UPDATE):
+                self.optimizer.step()
+                return
+            with torch.no_grad():
+                before = [p.detach().clone() for p in self.model.parameters()]
+                self.optimizer.step()
+                for p, old in zip(self.model.parameters(), before, strict=True):
+                    p.copy_(old + POISON_FACTOR * (p - old))
+        finally:
+            for group, rate in zip(self.optimizer.param_groups, rates, strict=True):
+                group["lr"] = rate
+
+    @torch.no_grad()
+    def _calibrate(self, batches: list[list[dict]], version: int) -> dict[str, float]:
+        """Sets the correction's unset bounds from this batch (correction/calibration.py):
+        one forward without gradient of every micro-batch; the sequences whose tokens are
+        all of `version` (staleness 0: the ratio is the precision's alone), or every
+        sequence when none is (counted: `correction/calibration_fresh` 0)."""
+        micros = [b for mini in batches for b in mini]
+
+        def fresh_rows(b: dict) -> torch.Tensor:
+            mask = b["mask"].bool()
+            return (~mask | (b["versions"] == version)).all(-1) & mask.any(-1)
+
+        fresh = sum(int(fresh_rows(b).sum()) for b in micros)
+        any_fresh = distributed.sum_over_ranks({"fresh": float(fresh)})["fresh"] > 0
+        values = []
+        for b in micros:
+            mask = b["mask"].bool()
+            if any_fresh:
+                mask = mask & fresh_rows(b)[:, None]
+            logp = self.logprobs(self.model, b)[0]
+            batch = make_batch(logp, b["rollout_logp"], mask)
+            values.append(calibration_values(self.correction.name, batch))
+        gathered = distributed.gather(torch.cat(values))
+        measured = None
+        if gathered is not None:
+            measured = self.calibration.measure(torch.cat(gathered))
+        measured = distributed.broadcast(measured)
+        self.calibration.apply(measured)
+        return measured | {"correction/calibration_fresh": float(any_fresh)}
 
     def _micro_batch(
         self,
@@ -299,6 +369,7 @@ class TrainStep:
         sums["denominator"] += denominator
         sums["entropy"] += (entropy.detach() * kept).sum().item()
         sums["kept"] += kept.sum().item()
+        sums["real_tokens"] += micro["mask"].sum().item()
         sums["clipped"] += terms.clipped.sum().item()
         return proximal if self.loss.mode == "decoupled" else logp.detach()
 

@@ -48,8 +48,10 @@ class StepMetrics:
         lengths = batch["mask"].sum(-1).float()
         totals = sums.totals
         updates, kept = totals.get("updates", 0), max(totals["kept"], 1.0)
-        # An update an FP16 overflow skipped still measured its loss.
-        passes = max(updates + totals.get("loss_scale_skipped", 0), 1)
+        # An update an FP16 overflow or a starved skip left out still measured its loss.
+        passes = max(
+            updates + totals.get("loss_scale_skipped", 0) + totals.get("starved_skipped", 0), 1
+        )
         metrics |= {
             "version": version,
             "reward/mean": rewards.mean().item(),
@@ -64,6 +66,11 @@ class StepMetrics:
             "loss/entropy": totals["entropy"] / kept,
             "optim/grad_norm": totals.get("grad_norm", 0.0) / max(updates, 1),
             "optim/updates": int(updates),
+            # what the correction kept of the real tokens, and the learning-rate factor of
+            # the updates (below 1: starved, asyncfp8/correction/calibration.py)
+            "correction/kept_frac": totals["kept"] / max(totals.get("real_tokens", 0.0), 1.0),
+            "correction/update_scale": totals.get("update_scale", 1.0) / passes,
+            "correction/starved": int(totals.get("starved", 0)),
             "optim/lr": lr,
             "time/train_s": sums.seconds,
         }
@@ -74,7 +81,7 @@ class StepMetrics:
                 metrics[f"proximal/{key}"] = int(totals[f"proximal_{key}"])
         self._warn_without_reward_spread(metrics["groups/frac_zero_advantage"])
         fresh = fresh_mismatch(learner_logp, batch, version)
-        return metrics | fresh | sums.guard | sums.loss_scale
+        return metrics | fresh | sums.guard | sums.loss_scale | sums.rejection
 
     def _rolled_back(
         self, groups: list[Group], sums: StepSums, version: int, lr: float

@@ -1,0 +1,141 @@
+"""Rejection that does not starve (docs/correction.md, "Bounds from the measured mismatch"):
+rejection bounds taken from the precision's own mismatch, and a rule for the steps whose
+kept evidence is too small.
+
+Calibration. The bounds of `token_mis` (`icepop`), `seq_mis` and `geo_rs` are bounds on a
+log-statistic of ρ: the token log-ratio, the sequence's summed log-ratio, its mean. With
+`correction.target_rejected=f`, the learner measures that statistic once, on the first
+step's tokens of the version it trains (staleness 0, so the ratio is the rollout
+precision's mismatch alone), and sets each bound the user left unset at a quantile: the
+lower at f/2, the upper at 1 − f/2, so that about f of the tokens (token_mis) or sequences
+(seq_mis, geo_rs) of that step fall outside. A bound never excludes ρ = 1 (the lower is
+at most 1, the upper at least 1): a rollout that agrees with the learner is always kept.
+
+Starvation. A mini-batch whose kept tokens are fewer than `correction.min_kept` of its
+real tokens is starved: its update is taken with the learning rate times
+kept / (min_kept × tokens) (`starved=scale`) or not at all (`starved=skip`). Adam's step
+is nearly independent of the gradient's size, so scaling the gradient would not do:
+without this, three kept sequences move the weights as far as sixty-four.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import torch
+
+from .base import CorrectionBatch
+
+# The statistic each calibratable method bounds (its bounds are on exp of it), and whether
+# it counts tokens or sequences.
+CALIBRATED_STATISTIC = {
+    "token_mis": "token",
+    "icepop": "token",
+    "seq_mis": "seq_sum",
+    "geo_rs": "seq_mean",
+}
+
+
+class Starved(enum.StrEnum):
+    scale = "scale"  # the update taken at lr × kept / (min_kept × tokens)
+    skip = "skip"  # no update
+
+
+def check_rejection_settings(correction: str, settings) -> None:
+    """`correction.target_rejected`, `min_kept` and `starved` (a mapping: a DictConfig or a
+    dict), refused at start naming the key."""
+    target = settings.get("target_rejected")
+    if target is not None:
+        if isinstance(target, bool) or not isinstance(target, int | float):
+            raise ValueError(f"correction.target_rejected must be a number, got {target!r}")
+        if not 0.0 < target < 1.0:
+            raise ValueError(
+                f"correction.target_rejected must be in (0, 1) or null (off), got {target}"
+            )
+        if correction not in CALIBRATED_STATISTIC:
+            raise ValueError(
+                f"correction.target_rejected calibrates the bounds of "
+                f"{', '.join(sorted(CALIBRATED_STATISTIC))}; correction {correction!r} has "
+                "none to calibrate (set correction.target_rejected=null)"
+            )
+    min_kept = settings.get("min_kept", 0.0)
+    if isinstance(min_kept, bool) or not isinstance(min_kept, int | float):
+        raise ValueError(f"correction.min_kept must be a number in [0, 1], got {min_kept!r}")
+    if not 0.0 <= min_kept <= 1.0:
+        raise ValueError(f"correction.min_kept must be in [0, 1] (0: off), got {min_kept}")
+    starved = settings.get("starved", Starved.scale)
+    if str(starved) not in {s.value for s in Starved}:
+        raise ValueError(f"correction.starved must be scale or skip, got {starved!r}")
+
+
+def calibration_values(name: str, batch: CorrectionBatch) -> torch.Tensor:
+    """The statistic `name`'s bounds apply to, float64 [N]: a log-ratio per real token
+    (token_mis) or per sequence with a real token (seq_mis: summed, geo_rs: mean), computed
+    as the method computes it (sequence sums of the unclamped token log-ratios, clamped)."""
+    level = CALIBRATED_STATISTIC[name]
+    if level == "token":
+        return batch.log_ratio[batch.mask].double()
+    has_tokens = batch.mask.any(-1)
+    values = batch.seq_log_ratio if level == "seq_sum" else batch.seq_mean_log_ratio
+    return values[has_tokens].double()
+
+
+def quantile_bounds(log_values: torch.Tensor, target_rejected: float) -> tuple[float, float]:
+    """(lower, upper) on ρ: exp of the target/2 and 1 − target/2 quantiles of `log_values`
+    (linear interpolation, as numpy's default), widened to include ρ = 1."""
+    if not 0.0 < target_rejected < 1.0:
+        raise ValueError(f"target_rejected must be in (0, 1), got {target_rejected}")
+    values = log_values.double().flatten()
+    if values.numel() == 0:
+        raise ValueError("no values to calibrate on")
+    half = target_rejected / 2
+    low, high = torch.quantile(values, torch.tensor([half, 1 - half], dtype=torch.float64))
+    return math.exp(min(low.item(), 0.0)), math.exp(max(high.item(), 0.0))
+
+
+def rejected_fraction(log_values: torch.Tensor, lower: float, upper: float) -> float:
+    """The share of `log_values` whose exp falls outside [lower, upper]."""
+    ratio = log_values.double().exp()
+    return ((ratio < lower) | (ratio > upper)).double().mean().item()
+
+
+def starved_scale(kept: float, tokens: float, min_kept: float, starved: str) -> float:
+    """The factor on the learning rate of an update that kept `kept` of `tokens` real
+    tokens: 1 when kept ≥ min_kept × tokens (or nothing to judge), else kept / (min_kept ×
+    tokens) (`scale`, continuous at the threshold) or 0 (`skip`)."""
+    if tokens <= 0 or min_kept <= 0 or kept >= min_kept * tokens:
+        return 1.0
+    return kept / (min_kept * tokens) if starved == Starved.scale else 0.0
+
+
+class BoundCalibration:
+    """The learner's calibration of `correction`'s bounds (the module's docstring): the
+    bounds the user set stay; the others are set from the first values measured."""
+
+    def __init__(self, correction, target_rejected: float):
+        self.correction, self.target_rejected = correction, target_rejected
+        self.explicit = {
+            key: correction.params[key] for key in ("lower", "upper") if key in correction.params
+        }
+        self.done = False
+
+    def measure(self, log_values: torch.Tensor) -> dict[str, float]:
+        """The bounds from `log_values` (the method's statistic, `calibration_values`), the
+        user's where set, and the share of `log_values` they reject, as metrics."""
+        lower, upper = quantile_bounds(log_values, self.target_rejected)
+        bounds = {"lower": lower, "upper": upper} | self.explicit
+        return {
+            "correction/calibrated_lower": bounds["lower"],
+            "correction/calibrated_upper": bounds["upper"],
+            "correction/calibration_values": float(log_values.numel()),
+            "correction/calibration_rejected": rejected_fraction(log_values, **bounds),
+        }
+
+    def apply(self, measured: dict[str, float]) -> None:
+        """The correction takes the bounds `measure` chose."""
+        self.correction.rebind(
+            lower=measured["correction/calibrated_lower"],
+            upper=measured["correction/calibrated_upper"],
+        )
+        self.done = True
