@@ -68,7 +68,7 @@ POLL_S = 0.5  # how often the driver looks at every actor (a local run's watch d
 # s a poll may stay unanswered before the driver sends another: a poll sent while Ray was
 # restarting the actor can stay pending for good once the actor lives elsewhere (seen with
 # a paused raylet: the restarted worker ran on the spare, its poll never came back).
-POLL_RESEND_S = 5.0
+POLL_RESEND_S = 2.0
 # s an actor may take to start once placed: it imports torch and asyncfp8 (seconds on an
 # idle node, a minute or more on a loaded one).
 ACTOR_START_TIMEOUT = 300.0

@@ -54,6 +54,7 @@ def test_a_worker_node_removed_mid_run_loses_nothing(nodes, tmp_path, tiny_model
         wait_for_step(run_dir, 8, driver)
         spare = nodes.add(rollout=1)
         nodes.remove(worker_nodes[0])
+        driver.wait_for_output("actor died and Ray started it again (1/3)", timeout=180)
         output = finish(driver)
     finally:
         driver.kill()
@@ -230,6 +231,8 @@ def test_a_node_that_leaves_and_comes_back_brings_no_second_copy(nodes, tmp_path
         finally:
             os.kill(raylet, signal.SIGCONT)
         wait_until(lambda: not os.path.exists(f"/proc/{old}"), "the old copy's end", timeout=60)
+        # the driver counts the restart (it sees the new copy's pid) before the run stops
+        driver.wait_for_output("actor died and Ray started it again (1/3)", timeout=60)
         assert len(processes_under(spare, "asyncfp8.worker")) == 1
         assert len(processes_under(other, "asyncfp8.worker")) == 1
         step = read_ledger(run_dir)[-1]["step"]

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -97,9 +98,34 @@ def wait_until(condition, what: str, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
-def ray_launch(run_dir: Path, model_dir: Path, address: str, *overrides: str) -> subprocess.Popen:
+class Driver(subprocess.Popen):
+    """The launcher's process, its output read as it comes by a thread of its own: a test
+    can wait for a line the driver prints, and the driver never blocks on a full pipe
+    (Ray forwards its daemons' logs to the driver: more than a pipe holds)."""
+
+    def __init__(self, command: list[str], env: dict[str, str]):
+        super().__init__(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.chunks: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.stdout:
+            self.chunks.append(line)
+
+    def output(self) -> str:
+        return "".join(self.chunks)
+
+    def wait_for_output(self, text: str, timeout: float = 120) -> None:
+        """Until the driver has printed `text`."""
+        wait_until(lambda: text in self.output(), f"the driver printing {text!r}", timeout)
+
+
+def ray_launch(run_dir: Path, model_dir: Path, address: str, *overrides: str) -> Driver:
     """The driver, as a user starts it: RAY_ADDRESS names the cluster."""
-    return subprocess.Popen(
+    return Driver(
         [
             sys.executable,
             "-m",
@@ -113,13 +139,10 @@ def ray_launch(run_dir: Path, model_dir: Path, address: str, *overrides: str) ->
             *overrides,
         ],
         env={**os.environ, "RAY_ADDRESS": address},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
 
 
-def wait_for_step(run_dir: Path, step: int, driver: subprocess.Popen, timeout: float = 400) -> None:
+def wait_for_step(run_dir: Path, step: int, driver: Driver, timeout: float = 400) -> None:
     """Until the learner's ledger holds `step` (the driver still running)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -128,14 +151,17 @@ def wait_for_step(run_dir: Path, step: int, driver: subprocess.Popen, timeout: f
             return
         if driver.poll() is not None:
             raise AssertionError(
-                f"the driver exited with {driver.returncode}:\n{driver.stdout.read()[-3000:]}"
+                f"the driver exited with {driver.returncode}:\n{finish(driver)[-3000:]}"
             )
         time.sleep(0.1)
     raise TimeoutError(f"step {step} not reached in {timeout} s")
 
 
-def finish(driver: subprocess.Popen, timeout: float = 240) -> str:
+def finish(driver: Driver, timeout: float = 240) -> str:
+    """Everything the driver printed, once it has exited (killed after `timeout` s)."""
     try:
-        return driver.communicate(timeout=timeout)[0]
+        driver.wait(timeout=timeout)
     finally:
         driver.kill()
+        driver.reader.join(timeout=10)
+    return driver.output()
