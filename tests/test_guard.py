@@ -225,14 +225,19 @@ def test_the_poisoned_step_breaks_a_run_without_the_guard_and_is_undone_with_it(
     armed(f"{POISON_UPDATE}={POISONED}")
     on = trained(tiny_model_dir, tmp_path / "on", recorded)
     clean_far = max(m["mismatch/frac_abs_log_ratio_gt5"] for m, _ in clean)
-    # without the guard: from the step after the poison on, most tokens the recorded
-    # rollouts sampled are beyond |log ρ| = 5 for the learner, and stay there
-    for metrics, _ in off[POISONED:]:
-        assert metrics["mismatch/frac_abs_log_ratio_gt5"] > 0.5 > clean_far
+    # without the guard: from the step after the poison on, the share of the recorded
+    # rollouts' tokens beyond |log ρ| = 5 for the learner is past the guard's own bound
+    # (guard.far_fraction), where a clean run never goes, and it stays there. (How far
+    # past depends on the samples, which differ between CPUs: 32% to over 50% seen.)
+    bound = GuardSettings().far_fraction
+    broken = [m["mismatch/frac_abs_log_ratio_gt5"] for m, _ in off[POISONED:]]
+    assert clean_far <= bound < min(broken), (clean_far, broken)
     # with it: the next step rolls back to the weights after step POISONED - 1 ...
     rollback, weights = on[POISONED]
     assert rollback["guard/rolled_back"] == 1 and rollback["optim/updates"] == 0
-    assert rollback["guard/far_tokens"] >= 1
+    # on a signal of the broken policy's tokens: one beyond guard.log_ratio_bound, or a
+    # share beyond 5 past guard.far_fraction (which fires first depends on the samples)
+    assert rollback["guard/far_tokens"] >= 1 or rollback["guard/far_fraction"] > bound
     before_poison = clean[POISONED - 2][1]
     assert all(torch.equal(a, b) for a, b in zip(weights, before_poison, strict=True))
     # ... and trains on as a clean run does
