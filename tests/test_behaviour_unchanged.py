@@ -4,9 +4,14 @@ the built-in engine the same log-probs (tests/behaviour.py wrote the fixture fro
 shipped model, at the commit it names).
 
 Tolerances: the recording machine's own rerun is bit-exact; another CPU sums in another
-order (AMX, AVX-512), which moves FP32 metrics by ~1e-6 relative and BF16 log-probs by
-about one BF16 step on a few tokens. A behaviour change (another loss, a missed
-correction, a version applied wrongly) moves them by orders of magnitude more."""
+order (AMX, AVX-512), and after a few Adam steps that is visible. Measured on an Intel
+Xeon with AVX-512 against the AMD EPYC recording: step metrics 6.5e-4 relative (2.9e-3
+where the learner's forward is FP8-quantized: a sum that lands on the other side of an
+e4m3 rounding moves a whole FP8 step), parameter norms 7e-6, how far a tensor moved
+3.4e-3, engine log-probs 0.002-0.0035 on average with 1-2 tokens of 75 off by one BF16 or
+FP8 step (0.06 and 0.125). The bounds below leave a few times that. A behaviour change
+(another loss, a missed correction, a version applied wrongly) moves them by orders of
+magnitude more."""
 
 import json
 
@@ -36,6 +41,11 @@ def trained(model_dir, tmp_path_factory):
     }
 
 
+#: Relative bound on the step metrics; an FP8-quantized forward amplifies another CPU's
+#: summation order into whole e4m3 rounding steps (module docstring).
+METRIC_REL = {"fp8_quantized_forward": 2e-2}
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_the_learner_trains_as_before(model_dir, trained, config):
     from asyncfp8.models import load_model
@@ -43,13 +53,14 @@ def test_the_learner_trains_as_before(model_dir, trained, config):
     metrics, params = trained[config]
     recorded = RECORDED["configs"][config]
     assert recorded["overrides"] == CONFIGS[config]
+    rel = METRIC_REL.get(config, 5e-3)
     for step, (now, before) in enumerate(zip(metrics, recorded["metrics"], strict=True)):
         for key, value in before.items():
-            assert now[key] == pytest.approx(value, rel=1e-3, abs=1e-5), (step, key)
+            assert now[key] == pytest.approx(value, rel=rel, abs=1e-5), (step, key)
     start = dict(load_model(model_dir, dtype=torch.float32).named_parameters())
     assert params.keys() == recorded["parameters"].keys()
     for name, (norm, moved) in recorded["parameters"].items():
-        assert params[name].norm().item() == pytest.approx(norm, rel=1e-5), name
+        assert params[name].norm().item() == pytest.approx(norm, rel=5e-5), name
         # How far each tensor moved: Adam's first steps are ±lr wherever a gradient is
         # not ~0, so this is the number and sign pattern of the updates, summed.
         change = (params[name] - start[name].detach()).norm().item()
@@ -64,4 +75,5 @@ def test_the_engine_scores_as_before(model_dir, trained, precision):
     diffs = torch.cat(
         [torch.tensor(a) - torch.tensor(b) for a, b in zip(now, before, strict=True)]
     ).abs()
-    assert diffs.mean().item() < 5e-3 and diffs.max().item() < 0.1, (diffs.mean(), diffs.max())
+    # one token may sit on the other side of a BF16 or FP8 rounding: a step of up to 0.125
+    assert diffs.mean().item() < 5e-3 and diffs.max().item() < 0.25, (diffs.mean(), diffs.max())
