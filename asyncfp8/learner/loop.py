@@ -312,8 +312,21 @@ class Learner:
     def _bound_calibration(self) -> BoundCalibration | None:
         """correction.target_rejected: the correction's unset bounds set on the first step
         (asyncfp8/correction/calibration.py); again after a resume."""
-        target = self.cfg.correction.get("target_rejected")
-        return None if target is None else BoundCalibration(self.correction, target)
+        correction = self.cfg.correction
+        target = correction.get("target_rejected")
+        if target is None:
+            return None
+        if correction.get("proximal", "current") == "current" and correction.mode == "decoupled":
+            log.warning(
+                "correction.target_rejected calibrates %s's bounds on the precision's mismatch "
+                "alone, but with correction.proximal=current the ratio it bounds also holds "
+                "the staleness: it will reject more than %.3g (fp8 + geo_rs so collapsed on "
+                "the parity testbed, docs/results.md); correction.proximal=version is what "
+                "these bounds are for",
+                correction.name,
+                target,
+            )
+        return BoundCalibration(self.correction, target)
 
     def _loss_scaler(self) -> LossScaler | None:
         """FP16 gradients need their loss scaled (BF16 and FP32 have FP32's range)."""
