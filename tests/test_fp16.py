@@ -5,7 +5,7 @@ What is checked: the policy is selectable wherever bf16 is (Hydra groups, engine
 FP16's range is refused naming it; an export is FP16 safetensors that transformers reads
 back as float16; the torch engine in FP16 stays near an FP32 reference; and FP16 rollouts'
 mismatch against the FP32 learner is a small fraction of BF16 rollouts' on the same
-prompts (the issue's goal: k3 at most 0.3x). On the dev VM (2-core AMD EPYC, torch
+prompts (the issue's goal: k3 at most 0.3x). On the dev VM (2-core Intel Xeon, AVX-512, torch
 2.13.0+cpu) the tiny model's k3 was 4.6e-7 (fp16) against 2.9e-4 (bf16): 0.0016x."""
 
 from __future__ import annotations
