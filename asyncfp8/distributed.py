@@ -51,7 +51,7 @@ COMPUTE_DTYPES = {
     "auto": None,
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
-    "float16": torch.float16,  # with dynamic loss scaling (learner/loss_scale.py)
+    "float16": torch.float16,  # with dynamic loss scaling (asyncfp8/loss_scale.py)
 }
 
 # The TF32 switches as a CUDA learner found them (None: it did not touch them); `close`

@@ -5,8 +5,8 @@ mini-batch's tokens) is multiplied by a scale before the backward pass, so that 
 gradients do not flush to zero, and the FP32 gradients are divided by it before the
 optimizer sees them. When a backward overflows
 (a non-finite gradient) the update is skipped and the scale halved; after
-`growth_interval` updates without one it doubles. What `torch.amp.GradScaler` does, here
-in a dozen lines because the train step needs three things it does not give: the
+`growth_interval` updates without one it doubles. What `torch.amp.GradScaler` does, written
+here because the train step needs three things it does not give: the
 unscale folded into the step's one gradient division (by the mini-batch's global token
 count), the decision agreed by every rank of a sharded model, and, when the scale keeps
 overflowing, the first parameter whose gradient was not finite, in the stopping message.

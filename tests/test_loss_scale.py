@@ -123,6 +123,22 @@ def test_a_scale_that_keeps_overflowing_stops_naming_the_setting_and_the_layer(
         step(plan_shares(recorded[1], optim, world=1)[0], 1, version=0)
 
 
+def test_a_resumed_fp16_learner_goes_on_at_the_loss_scale_it_had_reached(
+    make_learner, tiny_model_dir
+):
+    learner = make_learner("run.compute_dtype=float16")
+    scaler = learner.train_step.loss_scaler
+    scaler.scale, scaler.good_in_row, scaler.skipped_total = 128.0, 7, 5  # as after overflows
+    learner.checkpoint()
+    resumed = Learner(
+        learner_config(tiny_model_dir, learner.dir, "run.compute_dtype=float16", "run.resume=true")
+    )
+    try:
+        assert resumed.train_step.loss_scaler.state_dict() == scaler.state_dict()
+    finally:
+        resumed.close()
+
+
 def gradients(learner) -> dict[str, torch.Tensor]:
     return {n: p.grad.full_tensor().clone() for n, p in learner.model.named_parameters()}
 

@@ -60,6 +60,9 @@ class Checkpointer:
         self.dir, self.folder = run_dir, run_dir / CHECKPOINT_DIR
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.ranks, self.keep = ranks, keep
+        # More state saved in learner.pt and restored on every rank, by name: objects with
+        # state_dict / load_state_dict (the FP16 loss scale, asyncfp8/loss_scale.py)
+        self.stateful: dict[str, Any] = {}
 
     def save(self, step: int, version: int, inbox: dict | None, elapsed_s: float) -> Path:
         """Every rank writes its shards; rank 0 also `learner.pt` (with `inbox`, its state)."""
@@ -79,6 +82,7 @@ class Checkpointer:
             "optimizer_saved": has_optimizer,
             "elapsed_s": elapsed_s,
             "world_size": self.ranks.world,
+            **{name: kept.state_dict() for name, kept in self.stateful.items()},
             "rng": {
                 "torch": torch.get_rng_state(),
                 "python": random.getstate(),
@@ -122,6 +126,9 @@ class Checkpointer:
             str(folder), self.model, self.optimizer if state["optimizer_saved"] else None
         )
         self.scheduler.load_state_dict(state["scheduler"])
+        for name, kept in self.stateful.items():
+            if name in state:  # absent from a checkpoint of a run in another dtype
+                kept.load_state_dict(state[name])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])

@@ -137,6 +137,8 @@ class Learner:
         self.checkpointer = Checkpointer(
             self.dir, self.model, self.optimizer, self.scheduler, self.ranks, run.keep_checkpoints
         )
+        if self.train_step.loss_scaler is not None:  # FP16: a resume keeps the scale it reached
+            self.checkpointer.stateful["loss_scale"] = self.train_step.loss_scaler
         self.heldout = None
         if cfg.eval.every:
             self.heldout = HeldOut(

@@ -220,6 +220,17 @@ class TrainStep:
                 totals[key] += value
             for key in ("policy", "total"):
                 totals[f"{key}_loss"] += sums[key] / max(sums["denominator"], 1.0)
+            # Non-finite first: a starved update must not hide a NaN gradient.
+            if not torch.isfinite(grad_norm):
+                if self.loss_scaler is None:
+                    raise FloatingPointError(f"step {step}: gradient norm is {grad_norm.item()}")
+                # An FP16 overflow: this update is skipped, the scale halved (or the run
+                # stopped when it keeps overflowing). Not clipped first: clipping by a NaN
+                # norm would make every gradient NaN, and hide where it started.
+                self.loss_scaler.overflowed(self.model, step)
+                self.optimizer.zero_grad(set_to_none=True)
+                totals["loss_scale_skipped"] += 1
+                continue
             # Too little kept evidence: the update shrunk or skipped (correction/calibration.py)
             lr_scale = starved_scale(
                 sums["kept"], sums["real_tokens"], self.min_kept, str(self.starved)
@@ -231,16 +242,6 @@ class TrainStep:
             if lr_scale == 0.0:
                 self.optimizer.zero_grad(set_to_none=True)
                 totals["starved_skipped"] += 1
-                continue
-            if not torch.isfinite(grad_norm):
-                if self.loss_scaler is None:
-                    raise FloatingPointError(f"step {step}: gradient norm is {grad_norm.item()}")
-                # An FP16 overflow: this update is skipped, the scale halved (or the run
-                # stopped when it keeps overflowing). Not clipped first: clipping by a NaN
-                # norm would make every gradient NaN, and hide where it started.
-                self.loss_scaler.overflowed(self.model, step)
-                self.optimizer.zero_grad(set_to_none=True)
-                totals["loss_scale_skipped"] += 1
                 continue
             torch.nn.utils.clip_grads_with_norm_(parameters, optim.grad_clip, total_norm)
             if self.loss_scaler is not None:
@@ -317,7 +318,8 @@ class TrainStep:
             logp = self.logprobs(self.model, b)[0]
             batch = make_batch(logp, b["rollout_logp"], mask)
             values.append(calibration_values(self.correction.name, batch))
-        gathered = distributed.gather(torch.cat(values))
+        # on the CPU: rank 0 concatenates what every rank's GPU measured
+        gathered = distributed.gather(torch.cat(values).cpu())
         measured = None
         if gathered is not None:
             measured = self.calibration.measure(torch.cat(gathered))
