@@ -40,15 +40,6 @@ all_settings=(
   "fp8_from_master precision=fp8 correction=token_tis run.compute_dtype=bfloat16 precision.quantize_from=master"
   "fp8_from_compute precision=fp8 correction=token_tis run.compute_dtype=bfloat16 precision.quantize_from=compute"
 )
-chosen=()
-for setting in "${all_settings[@]}"; do
-  name=${setting%% *}
-  if [[ -z "${SETTINGS:-}" || " $SETTINGS " == *" $name "* ]]; then chosen+=("$setting"); fi
-done
-if [[ ${#chosen[@]} -eq 0 ]]; then
-  echo "SETTINGS=\"$SETTINGS\" names none of: ${all_settings[*]%% *}" >&2
-  exit 2
-fi
 # shellcheck source=scripts/run_settings.sh
 source scripts/run_settings.sh
-run_settings "$out" "$seeds" "${chosen[@]}"
+run_chosen "$out" "$seeds" "${all_settings[@]}"

@@ -28,15 +28,6 @@ all_settings=(
   "fp8_mis_version precision=fp8 correction=token_mis correction.proximal=version"
   "fp8_mis precision=fp8 correction=token_mis"
 )
-chosen=()
-for setting in "${all_settings[@]}"; do
-  name=${setting%% *}
-  if [[ -z "${SETTINGS:-}" || " $SETTINGS " == *" $name "* ]]; then chosen+=("$setting"); fi
-done
-if [[ ${#chosen[@]} -eq 0 ]]; then
-  echo "SETTINGS=\"$SETTINGS\" names none of: ${all_settings[*]%% *}" >&2
-  exit 2
-fi
 # shellcheck source=scripts/run_settings.sh
 source scripts/run_settings.sh
-run_settings "$out" "$seeds" "${chosen[@]}"
+run_chosen "$out" "$seeds" "${all_settings[@]}"

@@ -1,4 +1,4 @@
-# Sourced by the study scripts (parity_runs.sh, learner_forward_runs.sh): one launcher run
+# Sourced by the study scripts (parity_runs.sh, rejection_runs.sh, learner_forward_runs.sh): one launcher run
 # per setting and seed, then one report over them all.
 #   run_settings OUT_DIR "SEEDS" "name overrides..." ...
 # A finished run (its summary.json written) is kept, so a stopped study continues where it
@@ -25,4 +25,21 @@ run_settings() {
   done
   echo "[runs] all runs done in $(( (SECONDS - started) / 60 )) min"
   "$py" -m asyncfp8.report "$out"/*_seed* --out "$out/compare.png" --json "$out/summaries.json"
+}
+
+# run_chosen OUT_DIR "SEEDS" "name overrides..." ...: run_settings on the settings $SETTINGS
+# names (all of them when it is unset); exit 2 when it names none of them.
+run_chosen() {
+  local out=$1 seeds=$2 setting
+  shift 2
+  local chosen=()
+  for setting in "$@"; do
+    if [[ -z "${SETTINGS:-}" || " $SETTINGS " == *" ${setting%% *} "* ]]; then chosen+=("$setting"); fi
+  done
+  if [[ ${#chosen[@]} -eq 0 ]]; then
+    local all=("$@")
+    echo "SETTINGS=\"$SETTINGS\" names none of: ${all[*]%% *}" >&2
+    exit 2
+  fi
+  run_settings "$out" "$seeds" "${chosen[@]}"
 }

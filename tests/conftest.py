@@ -73,3 +73,32 @@ def armed(monkeypatch):
         monkeypatch.setattr(failpoints, "_hits", failpoints.Counter())
 
     return arm
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_model_dir):
+    """Groups the tiny model sampled, three steps of 4 groups of 4 (a module may record its
+    own under this name), for learners trained in this process (tests/recorded.py)."""
+    from tests.recorded import record_groups
+
+    return record_groups(tiny_model_dir, steps=3, groups=4, group_size=4)
+
+
+@pytest.fixture
+def make_learner(tmp_path, tiny_model_dir):
+    """make(*overrides): an in-process learner on the tiny model, at version 0, in a run
+    directory of its own; every one made is closed after the test."""
+    from asyncfp8.learner import Learner
+    from tests.recorded import learner_config
+
+    made = []
+
+    def make(*overrides):
+        learner = Learner(learner_config(tiny_model_dir, tmp_path / f"run{len(made)}", *overrides))
+        learner.version = 0
+        made.append(learner)
+        return learner
+
+    yield make
+    for learner in made:
+        learner.close()

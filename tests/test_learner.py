@@ -23,7 +23,7 @@ from asyncfp8.leases import LeaseBook
 from asyncfp8.logprobs import completion_logprobs, install_logprob_head
 from asyncfp8.models import load_model
 from asyncfp8.sync import Trajectory
-from tests.recorded import learner_config, record_groups, save_groups, train
+from tests.recorded import learner_config, save_groups, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,26 +136,6 @@ def test_a_world_size_the_step_cannot_be_split_over_is_refused():
 
 
 # --- the train step on recorded groups ----------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def recorded(tiny_model_dir):
-    return record_groups(tiny_model_dir, steps=3, groups=4, group_size=4)
-
-
-@pytest.fixture
-def make_learner(tmp_path, tiny_model_dir):
-    made = []
-
-    def make(*overrides):
-        learner = Learner(learner_config(tiny_model_dir, tmp_path / f"run{len(made)}", *overrides))
-        learner.version = 0
-        made.append(learner)
-        return learner
-
-    yield make
-    for learner in made:
-        learner.close()
 
 
 def gradients(learner):

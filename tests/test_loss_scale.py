@@ -19,29 +19,9 @@ from asyncfp8.learner import Learner, TrainStep, lr_lambda, plan_shares
 from asyncfp8.logprobs import install_logprob_head
 from asyncfp8.loss_scale import LossScaleOverflow, LossScaler, LossScaleSettings
 from asyncfp8.models import load_model, load_tokenizer
-from tests.recorded import learner_config, record_groups, train
+from tests.recorded import learner_config, train
 
 WEIGHT = "model.layers.1.mlp.down_proj.weight"
-
-
-@pytest.fixture(scope="module")
-def recorded(tiny_model_dir):
-    return record_groups(tiny_model_dir, steps=3, groups=4, group_size=4)
-
-
-@pytest.fixture
-def make_learner(tmp_path, tiny_model_dir):
-    made = []
-
-    def make(*overrides):
-        learner = Learner(learner_config(tiny_model_dir, tmp_path / f"run{len(made)}", *overrides))
-        learner.version = 0
-        made.append(learner)
-        return learner
-
-    yield make
-    for learner in made:
-        learner.close()
 
 
 def plain_step(model_dir: Path, settings: LossScaleSettings, *overrides: str):
