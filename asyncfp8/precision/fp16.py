@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .policy import PrecisionPolicy, dtype_name, register_policy
+from .policy import PrecisionPolicy, register_policy
 from .storage import Storage
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
@@ -51,9 +51,6 @@ class FP16Policy(PrecisionPolicy):
 
     name = "fp16"
     engine_dtype = torch.float16
-
-    def engine_config(self) -> dict:
-        return {"dtype": dtype_name(self.engine_dtype)}
 
     def passthrough(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if not tensor.is_floating_point():
