@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from asyncfp8.precision.export import COPIED_FILES
+from asyncfp8.run_files import CHECKPOINT_DIR, LEARNER_STATE
 
 MODEL_DIR = "model"  # <run.dir>/model: the exported policy
 EXPORT_INFO = "asyncfp8_export.json"
@@ -87,8 +88,6 @@ def save_model(
 
 def checkpoint_dir(run_dir: Path, step: int | None) -> Path:
     """The run's checkpoint at `step` (None: its latest), refused clearly when absent."""
-    from asyncfp8.learner import CHECKPOINT_DIR, LEARNER_STATE
-
     folder = run_dir / CHECKPOINT_DIR
     saved = sorted(p.parent for p in folder.glob(f"step_*/{LEARNER_STATE}"))
     if not saved:

@@ -37,12 +37,12 @@ import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra comp
 from asyncfp8.checks import auto_placement, check_config, placement_of
 from asyncfp8.export import MODEL_DIR
 from asyncfp8.failpoints import worker_environment
-from asyncfp8.learner import CHECKPOINT_DIR, LEARNER_STATE, ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
 from asyncfp8.metrics import METRICS_FILE, loggers_of, wandb_sync_hint
 from asyncfp8.models import run_model_dir
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.process import die_with_parent, usable_cores, worker_count
-from asyncfp8.report import LAST_STEPS, plot_runs, summarize
+from asyncfp8.report import LAST_STEPS, ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW, plot_runs, summarize
+from asyncfp8.run_files import CHECKPOINT_DIR, LEARNER_STATE
 from asyncfp8.runconfig import restore_on_resume
 from asyncfp8.slurm import SlurmTask, role_of, slurm_task
 

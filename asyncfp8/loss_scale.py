@@ -25,8 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncfp8 import distributed
-
 log = logging.getLogger("asyncfp8.learner")
 
 
@@ -65,6 +63,10 @@ class LossScaleSettings:
 def first_nonfinite_gradient(model: torch.nn.Module) -> tuple[str | None, int]:
     """(the first parameter, in the model's order, with a non-finite gradient on any rank,
     or None; how many parameters have one). Collective: every rank calls it."""
+    # Here, not at the top: the launcher checks LossScaleSettings without paying 0.7 s
+    # for importing torch.distributed's checkpoint, FSDP and DTensor modules.
+    from asyncfp8 import distributed
+
     names = [name for name, _ in model.named_parameters()]
     first, count = len(names), 0
     for index, (_, param) in enumerate(model.named_parameters()):

@@ -57,9 +57,9 @@ from asyncfp8.launch import (
     report_end,
     resume_hint,
 )
-from asyncfp8.learner import CHECKPOINT_DIR, LEARNER_STATE
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.process import worker_count
+from asyncfp8.run_files import CHECKPOINT_DIR, LEARNER_STATE
 from asyncfp8.sync.security import CLIENT, CLIENTS_DIR, SERVER
 
 RAY_INSTALL = 'pip install -c constraints.txt -e ".[ray]"'

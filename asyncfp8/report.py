@@ -70,8 +70,10 @@ def _mean(records: list[dict], key: str) -> float:
 # The precision-only KL rests on the steps that trained current-version tokens; in an
 # asynchronous run those are few. Below this many steps it is left out of summaries.
 MIN_FRESH_STEPS = 10
-# Warn when more than this share of all groups had no reward spread.
-ZERO_SPREAD_WARN = 0.5
+# Warn when more than this share of groups had no reward spread: of the whole run in its
+# summary, and of the last ZERO_SPREAD_WINDOW steps while it runs (the learner's log and
+# the launcher's progress bar).
+ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW = 0.5, 20
 
 
 def summarize(run_dir: str | Path) -> dict[str, Any]:

@@ -251,6 +251,17 @@ def test_bad_settings_fail_at_start_with_the_setting_named(
     assert seconds < 60  # before any learner or worker process starts
 
 
+def test_the_launcher_imports_neither_the_learner_nor_the_engines():
+    # The launcher checks the config and starts processes; each learner and worker
+    # imports transformers, the decode loop and torch.distributed's FSDP and DTensor
+    # itself. In the launcher they cost 2-3 s of CPU before a refusal or a start.
+    heavy = ("transformers", "torch.distributed.tensor", "asyncfp8.learner.loop")
+    probe = f"import sys, asyncfp8.launch; print([m for m in {heavy!r} if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
+
+
 @pytest.mark.slow
 def test_tensorboard_without_tensorboard_names_the_install_command(tmp_path, tiny_model_dir):
     import importlib.util

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from asyncfp8.learner import CHECKPOINT_DIR, LEARNER_STATE
 from asyncfp8.ledger import read_ledger
+from asyncfp8.run_files import CHECKPOINT_DIR, LEARNER_STATE
 
 
 @dataclass

@@ -23,10 +23,10 @@ import torch
 import zmq
 
 from asyncfp8.failpoints import ENV as FAILPOINTS_ENV
-from asyncfp8.learner import LATEST_VERSION_FILE
 from asyncfp8.ledger import read_ledger
 from asyncfp8.metrics import read_metrics
 from asyncfp8.report import per_step, summarize
+from asyncfp8.run_files import LATEST_VERSION_FILE
 from asyncfp8.sync import Curve, TrajectorySender, VersionPublisher, VersionSubscriber
 from asyncfp8.sync.keys import make_keys
 from asyncfp8.sync.security import stop_authenticators

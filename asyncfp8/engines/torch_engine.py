@@ -32,10 +32,11 @@ from asyncfp8.precision.manifest import (
 )
 from asyncfp8.precision.modules import QuantizedLinear, apply_policy
 from asyncfp8.refit import next_token_logprobs, recording_layer_rms, rows_by_length
-from asyncfp8.speculative import DrafterTrainer, SpeculationController
+from asyncfp8.speculative.adaptive import SpeculationController
 from asyncfp8.speculative.drafter import Drafter
 from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
 from asyncfp8.speculative.slots import SlotSpeculation
+from asyncfp8.speculative.training import DrafterTrainer
 
 from .base import EngineUnsupported, Sample, SamplingParams, Scores, check_slots
 from .decode import ATTENTION, LAYER_KINDS, Prefill, forward_static, processed_logprobs

@@ -7,14 +7,12 @@ from .hub import Hub, Preempted, RankHub
 from .loop import Learner
 from .publisher import Publisher
 from .step import Share, StepSums, TrainStep, lr_lambda, plan_shares
-from .step_metrics import ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW, StepMetrics
+from .step_metrics import StepMetrics
 
 __all__ = [
     "CHECKPOINT_DIR",
     "LATEST_VERSION_FILE",
     "LEARNER_STATE",
-    "ZERO_SPREAD_WARN",
-    "ZERO_SPREAD_WINDOW",
     "Checkpointer",
     "Hub",
     "Learner",

@@ -24,15 +24,9 @@ import torch
 
 from asyncfp8 import distributed
 from asyncfp8.export import MODEL_DIR, save_model
+from asyncfp8.run_files import CHECKPOINT_DIR, LATEST_VERSION_FILE, LEARNER_STATE
 
 log = logging.getLogger("asyncfp8.learner")
-CHECKPOINT_DIR = "checkpoints"
-LEARNER_STATE = "learner.pt"  # in a checkpoint directory, beside the sharded model and optimizer
-# The newest version number ever used in this run dir, written before the version goes
-# out. A learner killed after its last checkpoint may have published beyond it (or died
-# halfway through sending one), and workers ignore a version number they have passed: a
-# resumed learner numbers its versions after this one.
-LATEST_VERSION_FILE = "latest_version"
 
 
 @dataclass

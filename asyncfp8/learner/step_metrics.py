@@ -15,12 +15,11 @@ from asyncfp8.correction.metrics import mismatch_metrics
 from asyncfp8.correction.registry import Correction, make_batch
 from asyncfp8.inbox import Group
 from asyncfp8.refit import refit_summary
+from asyncfp8.report import ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
 
 from .step import StepSums, all_rewards_equal
 
 log = logging.getLogger("asyncfp8.learner")
-# Warn when more than this share of groups had no reward spread over this many steps.
-ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW = 0.5, 20
 
 
 class StepMetrics:
