@@ -63,6 +63,27 @@ def taught_model_dir(tiny_model_dir, tmp_path_factory):
     return teach(tiny_model_dir, tmp_path_factory.mktemp("models") / "taught")
 
 
+# The vLLM job in turns that a worker process runs and the colocated engine must match:
+# one lease of the step's 4 groups at a time, as the colocated engine leases them.
+VLLM_TURNS = (
+    "run.mode=sync",
+    "run.steps=4",
+    "run.workers=1",
+    "run.lease_groups=4",
+    "engine=vllm",
+)
+
+
+@pytest.fixture(scope="session")
+def vllm_worker_turns(tiny_model_dir, vllm_module, tmp_path_factory):
+    """(run dir, launcher output) of VLLM_TURNS with a vLLM worker process, launched once
+    per session (about 30 s): test_e2e checks the vLLM worker's run on it, and
+    test_colocated compares the colocated vLLM engine with it."""
+    from tests.test_e2e import launch
+
+    return launch(tmp_path_factory.mktemp("vllm_worker"), tiny_model_dir, *VLLM_TURNS, timeout=500)
+
+
 @pytest.fixture
 def armed(monkeypatch):
     """Arms fail points in this process as ASYNCFP8_FAILPOINTS would at import."""

@@ -34,7 +34,7 @@ from asyncfp8.ledger import read_ledger
 from asyncfp8.models import load_model
 from asyncfp8.precision import extra_roles, get_policy, version_weights
 from asyncfp8.precision.manifest import decoder_layers
-from asyncfp8.report import per_step
+from asyncfp8.report import evaluations, per_step
 from asyncfp8.rollout import roll_out, split_lease
 from asyncfp8.sync import (
     BackgroundPublisher,
@@ -43,6 +43,7 @@ from asyncfp8.sync import (
     VersionSubscriber,
 )
 from asyncfp8.tasks import build_task
+from tests.conftest import VLLM_TURNS
 from tests.test_e2e import launch
 from tests.test_run_lifecycle import compose
 
@@ -119,14 +120,17 @@ def test_turns_that_release_the_engines_memory_train_on_the_same_samples(
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_colocated_vllm_trains_on_the_samples_a_vllm_worker_makes(
-    tmp_path, tiny_model_dir, vllm_module
+    tmp_path, tiny_model_dir, vllm_worker_turns
 ):
     # vLLM in the learner's process, versions applied in memory (layerwise reload), the
     # refit probe checked: in turns, the same samples and steps as a vLLM worker process.
-    args = (*SYNC, "engine=vllm")
-    separate, _ = launch(tmp_path / "separate", tiny_model_dir, *args, timeout=500)
+    separate, _ = vllm_worker_turns  # the same job with a vLLM worker process
     colocated, out = launch(
-        tmp_path / "colocated", tiny_model_dir, *args, "run.placement=colocated", timeout=500
+        tmp_path / "colocated",
+        tiny_model_dir,
+        *VLLM_TURNS,
+        "run.placement=colocated",
+        timeout=500,
     )
     assert "run.placement=colocated; no worker processes" in out
     a, b = per_step(separate), per_step(colocated)
@@ -618,35 +622,12 @@ def test_two_colocated_ranks_in_turns_train_on_what_two_ranks_and_a_worker_train
 
 
 @pytest.mark.slow
-def test_two_colocated_ranks_overlapped_lose_nothing(tmp_path, tiny_model_dir):
-    run_dir, _ = launch(
-        tmp_path,
-        tiny_model_dir,
-        "run.placement=colocated",
-        "run.mode=async",
-        "run.learner_procs=2",
-        "run.steps=8",
-        "eval.every=4",
-        "eval.prompts=8",
-    )
-    done = per_step(run_dir)
-    assert [r["step"] for r in done] == list(range(1, 9))
-    assert max(r["staleness/max"] for r in done) == 1
-    assert sum(r["staleness/mean"] for r in done[1:]) > 0
-    result = audit(run_dir, group_size=4, max_staleness=1)
-    assert result.lost == 0 and not result.duplicate_samples and not result.duplicate_prompts
-    log = (run_dir / "learner.log").read_text()
-    made = re.search(r"learner rank 1's engine generated (\d+) samples", log)
-    assert made and int(made.group(1)) >= 8 * 16 // 2, log[-2000:]
-    # rank 1 applied and checked at least the versions the 8 steps trained on
-    checked = re.search(r"applied (\d+) versions, (\d+) refit probes checked, 0 failed", log)
-    assert checked and int(checked.group(1)) >= 8 and int(checked.group(2)) >= 8, log[-2000:]
-
-
-@pytest.mark.slow
-def test_a_stopped_two_rank_colocated_run_resumes_and_loses_nothing(tmp_path, tiny_model_dir):
-    # Ctrl-C: rank 0's rollout thread stops and tells rank 1's, both ranks checkpoint and
-    # exit; the resumed run trains every step once and loses no sample.
+def test_two_overlapped_colocated_ranks_stopped_and_resumed_lose_nothing(tmp_path, tiny_model_dir):
+    # Two ranks overlapped (run.mode=async): each rank's rollout thread generates its part
+    # of every lease while the learner trains, within one version of staleness, with an
+    # evaluation every 4 steps. Ctrl-C: rank 0's rollout thread stops and tells rank 1's,
+    # both ranks checkpoint and exit; the resumed run trains every step once and loses no
+    # sample, and rank 1's engine generated its half and checked every version it applied.
     run_dir = tmp_path / "run"
     command = [
         sys.executable,
@@ -659,7 +640,8 @@ def test_a_stopped_two_rank_colocated_run_resumes_and_loses_nothing(tmp_path, ti
         "run.learner_procs=2",
         "run.steps=400",
         "run.checkpoint_every=3",
-        "eval.every=0",
+        "eval.every=4",
+        "eval.prompts=8",
     ]
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -672,7 +654,10 @@ def test_a_stopped_two_rank_colocated_run_resumes_and_loses_nothing(tmp_path, ti
     finally:
         first.kill()
     assert first.returncode == 130, out[-3000:]
-    stopped_at = len(per_step(run_dir))
+    overlapped = per_step(run_dir)
+    stopped_at = len(overlapped)
+    assert max(r["staleness/max"] for r in overlapped) == 1
+    assert sum(r["staleness/mean"] for r in overlapped[1:]) > 0
     assert "stopped by signal" in (run_dir / "learner.log").read_text()
     resumed = subprocess.run(
         [*command, "run.resume=true", "run.steps=" + str(stopped_at + 6)],
@@ -686,6 +671,14 @@ def test_a_stopped_two_rank_colocated_run_resumes_and_loses_nothing(tmp_path, ti
     result = audit(run_dir, group_size=4, max_staleness=1)
     assert result.lost == 0 and not result.duplicate_samples and not result.duplicate_prompts
     assert len(result.senders) == 2  # the stopped process and the resumed one
+    # The resumed run's 6 steps of 4 groups of 4, two prompts a rank: rank 1's engine made
+    # at least half the samples, and applied and checked at least the 6 versions trained on.
+    log = (run_dir / "learner.log").read_text()
+    made = re.findall(r"learner rank 1's engine generated (\d+) samples", log)
+    assert made and int(made[-1]) >= 6 * 16 // 2, log[-2000:]
+    checked = re.findall(r"applied (\d+) versions, (\d+) refit probes checked, 0 failed", log)
+    assert checked and int(checked[-1][0]) >= 6 and int(checked[-1][1]) >= 6, log[-2000:]
+    assert {0, 4} <= {r["step"] for r in evaluations(run_dir)}  # every 4 steps, 2 ranks
 
 
 @pytest.mark.slow

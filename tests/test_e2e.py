@@ -159,19 +159,26 @@ def test_fp8_kv_run_with_the_torch_engine(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_vllm_engine_run(precision, tmp_path, tiny_model_dir, vllm_module):
+def test_vllm_engine_run_in_turns(vllm_worker_turns):
+    # BF16, run.mode=sync: the session's shared vLLM worker run (tests/conftest.py).
+    run_dir, _ = vllm_worker_turns
+    done = check_run(run_dir, 4, max_staleness=0)
+    # vLLM's logprobs of what it sampled reach the learner: finite, and close to its own.
+    assert all(0 <= r["mismatch/kl_k3"] < 0.05 for r in done), [r["mismatch/kl_k3"] for r in done]
+
+
+@pytest.mark.slow
+def test_vllm_engine_run_int8_overlapped(tmp_path, tiny_model_dir, vllm_module):
     run_dir, _ = launch(
         tmp_path,
         tiny_model_dir,
         "run.steps=3",
         "engine=vllm",
-        f"precision={precision}",
+        "precision=int8",
         "run.workers=1",
         timeout=500,
     )
     done = check_run(run_dir, 3, max_staleness=1)
-    # vLLM's logprobs of what it sampled reach the learner: finite, and close to its own.
     assert all(0 <= r["mismatch/kl_k3"] < 0.05 for r in done), [r["mismatch/kl_k3"] for r in done]
 
 
