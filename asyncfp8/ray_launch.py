@@ -74,7 +74,7 @@ POLL_RESEND_S = 2.0
 ACTOR_START_TIMEOUT = 300.0
 WORKER_EXIT_WAIT = 30.0
 # s between an actor's checks that the cluster still counts its node alive (RayProcess.fence)
-FENCE_EVERY = 2.0  # s the workers get to exit once the learner has finished
+FENCE_EVERY = 2.0
 
 
 def import_ray(address_named: str):

@@ -2,12 +2,13 @@
 this machine: Ray's overhead in trained samples per second, and the time from submit
 to the first trained step.
 
-    python bench/cluster.py [--model-path DIR] [--steps 60] [--repeats 2] [--out bench/results/cluster-cpu.json]
+    python bench/cluster.py [--model-path DIR] [--steps 60] [--repeats 4] [--out bench/results/cluster-cpu.json]
 
 The Ray cluster is one node made here (`ray.cluster_utils.Cluster`, with as many CPUs
 as the launcher's processes use), so both runs have the same cores and the workers use
 shared memory in both (they share the learner's node). Runs alternate (launcher, Ray,
-launcher, Ray, ...) so that a machine whose load drifts weighs on both alike. Trained
+Ray, launcher, ...) so that a machine whose load drifts weighs on both alike, and each
+repeat's pair gives one ratio (their mean with its 95% interval is printed). Trained
 samples/s counts the steady state (the first `--skip` steps, start-up included, left
 out); submit-to-first-step is from the command's start to the first step in the
 learner's ledger (the cluster's own start is not in it: it is running before a job is
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from asyncfp8.ledger import read_ledger
 from asyncfp8.report import per_step
+from asyncfp8.stats import mean_ci
 from bench.common import write_json
 
 MODES = {"launcher": [], "ray": ["run.ray=true"]}
@@ -80,7 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--skip", type=int, default=10, help="warm-up steps left out")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--model", default="small")
     parser.add_argument("--model-path", default=None, help="a model made already (model.path)")
     parser.add_argument("--out", default="bench/results/cluster-cpu.json")
@@ -96,7 +98,8 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as root:
             for repeat in range(args.repeats):
-                for mode in MODES:
+                # the order swaps every repeat, so neither mode always runs on a warmer machine
+                for mode in list(MODES)[:: 1 if repeat % 2 == 0 else -1]:
                     row = measure(mode, args, Path(root) / f"{mode}-{repeat}", env)
                     rows.append({**row, "repeat": repeat})
                     print(
@@ -121,8 +124,18 @@ def main() -> None:
         summary["ray"]["trained_samples_per_s_median"]
         / summary["launcher"]["trained_samples_per_s_median"]
     )
+    # Each repeat's Ray run against the launcher run beside it: the pairs share the load
+    # the machine had at the time, so their ratios spread less than the medians' ratio.
+    by_repeat = {(r["repeat"], r["mode"]): r["trained_samples_per_s"] for r in rows}
+    paired = [
+        by_repeat[(repeat, "ray")] / by_repeat[(repeat, "launcher")]
+        for repeat in range(args.repeats)
+    ]
+    paired_mean, paired_half = mean_ci(paired)
+    interval = "n=1, no CI" if paired_half is None else f"95% CI ±{paired_half:.3f}"
     print(
-        f"\nRay / launcher, trained samples/s: {ratio:.3f} (overhead {1 - ratio:+.1%}); first step "
+        f"\nRay / launcher, trained samples/s: {ratio:.3f} of the medians (overhead "
+        f"{1 - ratio:+.1%}); per repeat {paired_mean:.3f} ({interval}); first step "
         f"{summary['ray']['submit_to_first_step_s_median']:.1f} s vs "
         f"{summary['launcher']['submit_to_first_step_s_median']:.1f} s after submit"
     )
@@ -137,6 +150,11 @@ def main() -> None:
             "load_average_at_end": os.getloadavg(),
             "summary": summary,
             "ray_over_launcher_samples_per_s": ratio,
+            "ray_over_launcher_paired": {
+                "ratios": paired,
+                "mean": paired_mean,
+                "ci95_half_width": paired_half,
+            },
             "rows": rows,
         },
     )
