@@ -258,16 +258,17 @@ def test_a_colocated_fp8_version_is_what_a_worker_would_have_received(tiny_model
 
 
 @pytest.mark.slow
-def test_colocated_async_generates_the_next_step_while_the_learner_trains(tmp_path, tiny_model_dir):
-    run_dir, _ = launch(
-        tmp_path,
-        tiny_model_dir,
-        "run.placement=colocated",
-        "run.mode=async",
-        "run.max_staleness=1",
-        "run.steps=8",
-        "eval.every=0",
+def test_auto_on_one_device_is_colocated_and_generates_the_next_step_while_the_learner_trains(
+    tmp_path, tiny_model_dir
+):
+    # run.placement=auto (the default) with run.mode=async (the default) on a CPU or one GPU.
+    run_dir, out = launch(
+        tmp_path, tiny_model_dir, "run.max_staleness=1", "run.steps=8", "eval.every=0"
     )
+    assert "run.placement=auto: colocated (one device (" in out
+    assert not list(run_dir.glob("worker-*.log"))
+    # The learner ran (and saved) what the launcher resolved: a resume keeps it.
+    assert "placement: colocated" in (run_dir / "config.yaml").read_text()
     done = per_step(run_dir)
     assert [r["step"] for r in done] == list(range(1, 9))
     # Overlapped: some step trained on groups generated with the version before its own
@@ -305,15 +306,6 @@ def test_auto_placement_is_colocated_on_one_device_unless_the_run_asks_for_worke
     assert placement == expected and why in reason
     # A learner or worker started by hand is a separate process whatever auto would pick.
     assert placement_of(cfg.run) == "separate"
-
-
-@pytest.mark.slow
-def test_the_launcher_resolves_auto_and_says_so(tmp_path, tiny_model_dir):
-    run_dir, out = launch(tmp_path, tiny_model_dir, "run.steps=2", "eval.every=0")
-    assert "run.placement=auto: colocated (one device (" in out  # a CPU, or one GPU
-    assert not list(run_dir.glob("worker-*.log"))
-    # The learner ran (and saved) what the launcher resolved: a resume keeps it.
-    assert "placement: colocated" in (run_dir / "config.yaml").read_text()
 
 
 class FailingEngine:
