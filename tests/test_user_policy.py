@@ -219,6 +219,7 @@ def _quant_methods(worker):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_vllm_runs_a_user_policy_with_its_edge_layers_unquantized(
     four_layer_model_dir, vllm_module
 ):
