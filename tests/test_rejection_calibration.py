@@ -196,6 +196,21 @@ def test_hydra_refuses_bad_settings_at_compose_naming_the_key():
             build_correction(cfg.correction)
 
 
+def test_a_rolled_back_step_still_reports_the_bounds_it_calibrated():
+    # The step calibrates before the guard judges its batch: when the guard rolls the step
+    # back, the bounds stay set, so its metrics must still say what they are.
+    from types import SimpleNamespace
+
+    from asyncfp8.learner.step import StepSums
+    from asyncfp8.learner.step_metrics import StepMetrics
+
+    group = SimpleNamespace(trajectories=[SimpleNamespace(reward=r) for r in (0.0, 1.0)])
+    calibrated = {"correction/calibrated_lower": 0.9, "correction/calibrated_upper": 1.1}
+    sums = StepSums(seen=None, rolled_back=True, rejection=calibrated)
+    metrics = StepMetrics(None, pad_token_id=0).of_step([group], sums, 3, 1e-5, kl_ref=False)
+    assert metrics["optim/updates"] == 0 and calibrated.items() <= metrics.items()
+
+
 @pytest.fixture(scope="module")
 def recorded(tiny_model_dir):
     from tests.recorded import record_groups
@@ -242,6 +257,35 @@ def test_the_learner_calibrates_once_on_its_first_step_and_scales_a_starved_upda
         assert learner.correction.params == {"lower": lower, "upper": upper}
     finally:
         learner.close()
+
+
+@pytest.mark.slow
+def test_a_resumed_learner_keeps_the_bounds_its_first_step_measured(
+    tmp_path, tiny_model_dir, recorded
+):
+    """Checkpointed with the run: the resumed learner's geo_rs bounds are the first step's,
+    and it does not measure them again on its own first step."""
+    from asyncfp8.learner import Learner
+    from tests.recorded import learner_config, train
+
+    learner = learner_with(tiny_model_dir, tmp_path / "run", "correction=geo_rs")
+    try:
+        first = train(learner, recorded[0])
+        bounds = {"lower": first["correction/calibrated_lower"]}
+        bounds |= {"upper": first["correction/calibrated_upper"]}
+        learner.checkpoint()
+    finally:
+        learner.close()
+    resumed = Learner(
+        learner_config(tiny_model_dir, tmp_path / "run", "correction=geo_rs", "run.resume=true")
+    )
+    try:
+        assert resumed.correction.params == bounds
+        assert resumed.train_step.calibration.done
+        assert "correction/calibrated_lower" not in train(resumed, recorded[1])
+        assert resumed.correction.params == bounds
+    finally:
+        resumed.close()
 
 
 @pytest.mark.slow

@@ -139,3 +139,19 @@ class BoundCalibration:
             upper=measured["correction/calibrated_upper"],
         )
         self.done = True
+
+    # Checkpointed (learner/checkpoints.py, Checkpointer.stateful): a resumed run keeps the
+    # bounds its first step measured, as a run that never stopped does. Measured again at
+    # the first step after a resume they would come from the trained policy's mismatch,
+    # and the correction would change under the run.
+    def state_dict(self) -> dict[str, float | bool]:
+        state: dict[str, float | bool] = {"done": self.done}
+        if self.done:
+            state |= {"lower": self.correction.params["lower"]}
+            state |= {"upper": self.correction.params["upper"]}
+        return state
+
+    def load_state_dict(self, state) -> None:
+        if state["done"]:
+            self.correction.rebind(lower=float(state["lower"]), upper=float(state["upper"]))
+            self.done = True

@@ -139,6 +139,8 @@ class Learner:
         )
         if self.train_step.loss_scaler is not None:  # FP16: a resume keeps the scale it reached
             self.checkpointer.stateful["loss_scale"] = self.train_step.loss_scaler
+        if self.train_step.calibration is not None:  # and the bounds its first step measured
+            self.checkpointer.stateful["bound_calibration"] = self.train_step.calibration
         self.heldout = None
         if cfg.eval.every:
             self.heldout = HeldOut(
@@ -313,7 +315,7 @@ class Learner:
 
     def _bound_calibration(self) -> BoundCalibration | None:
         """correction.target_rejected: the correction's unset bounds set on the first step
-        (asyncfp8/correction/calibration.py); again after a resume."""
+        (asyncfp8/correction/calibration.py); a resume keeps them (checkpointed)."""
         correction = self.cfg.correction
         target = correction.get("target_rejected")
         if target is None:

@@ -101,6 +101,7 @@ class StepMetrics:
             }
             | sums.guard
             | sums.loss_scale
+            | sums.rejection  # bounds calibrated before the guard judged the batch stay set
         )
 
     def throughput(self, counts: dict, seconds: float) -> dict[str, float]:
