@@ -1,7 +1,7 @@
 """The suite's time budget, defended at every run: a pytest plugin (loaded by
 tests/conftest.py) that sums each test's setup, call and teardown time and, at the end,
 
-- with `ASYNCFP8_TEST_BUDGET_S` set (CI sets 1500, 25 minutes on the 2-core dev VM),
+- with `ASYNCFP8_TEST_BUDGET_S` set (CI sets it: .ci/run, docs/testing.md),
   fails the session when the whole run took longer, naming its slowest tests;
 - lists every test not marked `slow` that took more than `FAST_LIMIT_S`, since `make
   test-fast` (`-m "not slow"`) is the inner loop and must stay within 3 minutes.
