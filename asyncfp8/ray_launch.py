@@ -285,6 +285,18 @@ def actor_options(spec: DictConfig) -> dict[str, Any]:
     }
 
 
+def reclaim_ctrl_c() -> bool:
+    """Puts Python's own SIGINT handler back when something replaced it; True if it had
+    to. Ray's DeferSigint (ray/_private/utils.py), entered twice on the driver's main
+    thread, leaves its deferring handler installed for good, and Ctrl-C then only sets a
+    flag inside Ray: a CI run of a Ray job whose worker node had come back ran on for
+    4 minutes after SIGINT. The driver calls this at every poll."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        return False
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return True
+
+
 class RayRun:
     """One incarnation of the run on the cluster: the learner's placement group and rank
     actors, then the worker actors. A resumed learner gets a new incarnation."""
@@ -375,6 +387,7 @@ class RayRun:
         polls = {i: actor.poll.remote() for i, actor in enumerate(actors)}
         sent = dict.fromkeys(polls, time.monotonic())
         while True:
+            reclaim_ctrl_c()
             time.sleep(POLL_S)
             progress.update()
             done, _ = ray.wait(list(polls.values()), num_returns=len(polls), timeout=0)

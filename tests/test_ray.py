@@ -4,6 +4,7 @@ driver is made of, without a cluster (tests/test_ray_cluster.py runs on one)."""
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from asyncfp8.ray_launch import (
     curve_keys,
     import_ray,
     private_keys_dir,
+    reclaim_ctrl_c,
     shortfall,
 )
 from asyncfp8.sync.keys import make_keys
@@ -169,3 +171,20 @@ def test_the_rayjob_example_composes_and_asks_what_its_groups_offer():
     assert offered["rollout"] == (run.workers, run.workers * run.ray_worker.num_gpus)
     assert dict(run.ray_learner.resources) == {"learner": 1}
     assert dict(run.ray_worker.resources) == {"rollout": 1}
+
+
+def test_ctrl_c_is_reclaimed_after_ray_leaves_its_deferring_handler_behind():
+    """Ray's DeferSigint entered twice on the main thread (as nested deserialization on
+    the driver can) leaves SIGINT deferred for good; the driver's poll loop puts Python's
+    handler back, so Ctrl-C stops a Ray run again."""
+    ray_utils = pytest.importorskip("ray._private.utils")
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with ray_utils.DeferSigint(), ray_utils.DeferSigint():
+            pass
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler  # Ray's bug
+        assert reclaim_ctrl_c() is True
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert reclaim_ctrl_c() is False
+    finally:
+        signal.signal(signal.SIGINT, before)
