@@ -271,8 +271,7 @@ def test_a_resumed_learner_keeps_the_bounds_its_first_step_measured(
     learner = learner_with(tiny_model_dir, tmp_path / "run", "correction=geo_rs")
     try:
         first = train(learner, recorded[0])
-        bounds = {"lower": first["correction/calibrated_lower"]}
-        bounds |= {"upper": first["correction/calibrated_upper"]}
+        bounds = {key: first[f"correction/calibrated_{key}"] for key in ("lower", "upper")}
         learner.checkpoint()
     finally:
         learner.close()

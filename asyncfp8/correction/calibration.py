@@ -145,11 +145,10 @@ class BoundCalibration:
     # the first step after a resume they would come from the trained policy's mismatch,
     # and the correction would change under the run.
     def state_dict(self) -> dict[str, float | bool]:
-        state: dict[str, float | bool] = {"done": self.done}
-        if self.done:
-            state |= {"lower": self.correction.params["lower"]}
-            state |= {"upper": self.correction.params["upper"]}
-        return state
+        if not self.done:
+            return {"done": False}
+        params = self.correction.params
+        return {"done": True, "lower": params["lower"], "upper": params["upper"]}
 
     def load_state_dict(self, state) -> None:
         if state["done"]:
