@@ -123,3 +123,44 @@ def make_learner(tmp_path, tiny_model_dir):
     yield make
     for learner in made:
         learner.close()
+
+
+# test_e2e's reporting run, FP8 weights and an FP8 KV cache: also the run that
+# test_wandb_logger reads its W&B offline run from, where wandb is installed.
+REPORTING_STEPS = 8
+REPORTING_RUN = (
+    f"run.steps={REPORTING_STEPS}",
+    "run.max_staleness=1",
+    "run.workers=2",
+    "run.export_every=4",
+    "precision=fp8+fp8_kv",  # the torch engine's FP8 weights and FP8 KV cache
+)
+
+
+def wandb_offline_env(home) -> dict[str, str]:
+    """W&B offline, its caches and settings under `home`, no key anywhere: nothing reaches
+    the network or the home directory."""
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "NETRC": str(home / "netrc")}
+    for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        env[name] = str(home / name.lower())
+    return env
+
+
+@pytest.fixture(scope="session")
+def reporting_run(tiny_model_dir, tmp_path_factory):
+    """(run dir, launcher output, whether W&B logged it) of REPORTING_RUN, launched once per
+    session (about 20 s): test_e2e checks its run, report, plots and export, and
+    test_wandb_logger its W&B offline run (one launch instead of two)."""
+    import importlib.util
+
+    from tests.test_e2e import launch
+
+    root = tmp_path_factory.mktemp("reporting")
+    logged = importlib.util.find_spec("wandb") is not None
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+    loggers = ()
+    if logged:
+        env |= wandb_offline_env(root / "wandb-home")
+        loggers = ("run.loggers=[jsonl,wandb]",)
+    run_dir, out = launch(root, tiny_model_dir, *REPORTING_RUN, *loggers, env=env)
+    return run_dir, out, logged

@@ -34,7 +34,7 @@ def cluster(tmp_path, tiny_model_dir):
         c.stop()
 
 
-def launch(tmp_path, model_dir, *overrides, timeout=400):
+def launch(tmp_path, model_dir, *overrides, timeout=400, env=None):
     run_dir = tmp_path / "launched"
     result = subprocess.run(
         [
@@ -49,6 +49,7 @@ def launch(tmp_path, model_dir, *overrides, timeout=400):
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return run_dir, result.stdout
@@ -70,16 +71,8 @@ def check_run(run_dir, steps, max_staleness):
 
 
 @pytest.mark.slow
-def test_launcher_runs_an_asynchronous_fp8_kv_run_and_reports(tmp_path, tiny_model_dir):
-    run_dir, out = launch(
-        tmp_path,
-        tiny_model_dir,
-        "run.steps=8",
-        "run.max_staleness=1",
-        "run.workers=2",
-        "run.export_every=4",
-        "precision=fp8+fp8_kv",  # the torch engine's FP8 weights and FP8 KV cache
-    )
+def test_launcher_runs_an_asynchronous_fp8_kv_run_and_reports(reporting_run):
+    run_dir, out, _ = reporting_run  # REPORTING_RUN: FP8 weights and an FP8 KV cache
     done = check_run(run_dir, 8, max_staleness=1)
     assert any(r["staleness/max"] == 1 for r in done)  # asynchronous: it did run ahead
     # FP8 rollouts differ from the FP32 learner: the mismatch is there, and bounded.

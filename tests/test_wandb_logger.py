@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from asyncfp8.chaos.cluster import SMALL_RUN
 from asyncfp8.metrics import WANDB_DIR, WANDB_ID_FILE, MetricsLog, loggers_of, wandb_mode
 from asyncfp8.report import per_step
+from tests.conftest import REPORTING_STEPS, wandb_offline_env
 
 # A mark, not importorskip: a module that skips when imported fails the GPU machine's
 # check that every test module loads with its packages (tests/gpu_machine_check.py).
@@ -30,13 +30,9 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 def wandb_offline(tmp_path, monkeypatch):
     """W&B offline, its caches and settings in tmp_path, no key anywhere."""
-    home = tmp_path / "wandb-home"
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("NETRC", str(home / "netrc"))  # none: no `wandb login` key either
-    for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
-        monkeypatch.setenv(name, str(home / name.lower()))
+    for name, value in wandb_offline_env(tmp_path / "wandb-home").items():
+        monkeypatch.setenv(name, value)  # NETRC names none: no `wandb login` key either
     yield
     wandb.teardown()  # stops this process's W&B service: the next test starts its own
 
@@ -184,34 +180,18 @@ def test_a_run_saved_before_run_loggers_keeps_its_tensorboard_setting():
 
 
 @pytest.mark.slow
-def test_launcher_run_logs_metrics_summary_and_plots_to_wandb(tmp_path, tiny_model_dir):
-    run_dir = tmp_path / "launched"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncfp8.launch",
-            f"model.path={tiny_model_dir}",
-            f"run.dir={run_dir}",
-            *SMALL_RUN,
-            "run.steps=3",
-            "run.workers=1",
-            "eval.prompts=8",
-            "run.loggers=[jsonl,wandb]",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-3000:]
+def test_launcher_run_logs_metrics_summary_and_plots_to_wandb(reporting_run):
+    """test_e2e's reporting run (tests/conftest.py), launched with run.loggers=[jsonl,wandb]
+    where wandb is installed, as here."""
+    run_dir, out, logged = reporting_run
+    assert logged
     assert f"wandb sync {run_dir / WANDB_DIR}/offline-run-*" in out
     assert "wandb sync" in (run_dir / "learner.log").read_text()  # said at start too
 
     (folder,) = offline_runs(run_dir)
     run = offline_run(folder)
     steps = per_step(run_dir)
-    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["step"] for r in steps] == list(range(1, REPORTING_STEPS + 1))
     for record in steps:
         assert run["history"][record["step"]]["reward/mean"] == record["reward/mean"]
     # The learner's summary is the launcher's summary.json, less the launcher's wall time.
@@ -220,7 +200,7 @@ def test_launcher_run_logs_metrics_summary_and_plots_to_wandb(tmp_path, tiny_mod
         assert run["summary"][f"summary/{key}"] == launcher_summary[key], key
     assert {"summary.json", "plots.png"} <= set(run["files"])
     assert (folder / "files" / "plots.png").stat().st_size > 0
-    assert run["config"]["run"]["steps"] == 3
+    assert run["config"]["run"]["steps"] == REPORTING_STEPS
 
 
 # --- refused at start ------------------------------------------------------------------------
