@@ -149,7 +149,7 @@ def wandb_offline_env(home) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def reporting_run(tiny_model_dir, tmp_path_factory):
     """(run dir, launcher output, whether W&B logged it) of REPORTING_RUN, launched once per
-    session (about 20 s): test_e2e checks its run, report, plots and export, and
+    session (about 30 s, W&B's service included): test_e2e checks its run, report, plots and export, and
     test_wandb_logger its W&B offline run (one launch instead of two)."""
     import importlib.util
 

@@ -19,6 +19,7 @@ from asyncfp8.launch import free_ports
 from asyncfp8.ledger import read_ledger
 from asyncfp8.metrics import read_metrics
 from asyncfp8.report import evaluations, per_step
+from tests.conftest import REPORTING_STEPS
 
 
 @pytest.fixture
@@ -73,21 +74,22 @@ def check_run(run_dir, steps, max_staleness):
 @pytest.mark.slow
 def test_launcher_runs_an_asynchronous_fp8_kv_run_and_reports(reporting_run):
     run_dir, out, _ = reporting_run  # REPORTING_RUN: FP8 weights and an FP8 KV cache
-    done = check_run(run_dir, 8, max_staleness=1)
+    done = check_run(run_dir, REPORTING_STEPS, max_staleness=1)
     assert any(r["staleness/max"] == 1 for r in done)  # asynchronous: it did run ahead
     # FP8 rollouts differ from the FP32 learner: the mismatch is there, and bounded.
     fresh = [r["fresh/kl_k3"] for r in done if r.get("fresh/kl_k3") is not None]
     assert fresh and 0 < max(fresh) < 0.1
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 8 and summary["samples"] >= 8 * 16
+    assert summary["steps"] == REPORTING_STEPS and summary["samples"] >= REPORTING_STEPS * 16
     assert (run_dir / "plots.png").stat().st_size > 10_000
     assert "reward" in out and "done in" in out
     # The trained policy, out: a Hugging Face model the launcher names.
     assert f"[launch] the trained model (Hugging Face, BF16): {run_dir / 'model'}\n" in out
-    assert json.loads((run_dir / "model" / "asyncfp8_export.json").read_text())["step"] == 8
+    export = json.loads((run_dir / "model" / "asyncfp8_export.json").read_text())
+    assert export["step"] == REPORTING_STEPS
     learner_log = (run_dir / "learner.log").read_text()
     assert "exported the step-4 policy" in learner_log  # run.export_every
-    assert "exported the step-8 policy" in learner_log  # and at the end
+    assert f"exported the step-{REPORTING_STEPS} policy" in learner_log  # and at the end
     last = done[-1]
     # Workers report their rates with their next lease request: one that started late
     # and got a single lease before the end (seen under CI load) reports nothing, so the
