@@ -79,7 +79,7 @@ def vllm_worker_turns(tiny_model_dir, vllm_module, tmp_path_factory):
     """(run dir, launcher output) of VLLM_TURNS with a vLLM worker process, launched once
     per session (about 30 s): test_e2e checks the vLLM worker's run on it, and
     test_colocated compares the colocated vLLM engine with it."""
-    from tests.test_e2e import launch
+    from tests.launched import launch
 
     return launch(tmp_path_factory.mktemp("vllm_worker"), tiny_model_dir, *VLLM_TURNS, timeout=500)
 
@@ -148,12 +148,12 @@ def wandb_offline_env(home) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def reporting_run(tiny_model_dir, tmp_path_factory):
-    """(run dir, launcher output, whether W&B logged it) of REPORTING_RUN, launched once per
-    session (about 30 s, W&B's service included): test_e2e checks its run, report, plots and export, and
-    test_wandb_logger its W&B offline run (one launch instead of two)."""
+    """(run dir, launcher output, whether W&B logged it) of REPORTING_RUN, launched once
+    per session (about 30 s, W&B's service included): test_e2e checks its run, report,
+    plots and export, and test_wandb_logger its W&B offline run (one launch, not two)."""
     import importlib.util
 
-    from tests.test_e2e import launch
+    from tests.launched import launch
 
     root = tmp_path_factory.mktemp("reporting")
     logged = importlib.util.find_spec("wandb") is not None

@@ -44,7 +44,7 @@ from asyncfp8.sync import (
 )
 from asyncfp8.tasks import build_task
 from tests.conftest import VLLM_TURNS
-from tests.test_e2e import launch
+from tests.launched import launch
 from tests.test_run_lifecycle import compose
 
 REPO = Path(__file__).resolve().parents[1]

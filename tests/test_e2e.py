@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from asyncfp8.chaos.audit import audit
-from asyncfp8.chaos.cluster import SMALL_RUN, Cluster
+from asyncfp8.chaos.cluster import Cluster
 from asyncfp8.launch import free_ports
 from asyncfp8.ledger import read_ledger
 from asyncfp8.metrics import read_metrics
 from asyncfp8.report import evaluations, per_step
 from tests.conftest import REPORTING_STEPS
+from tests.launched import launch
 
 
 @pytest.fixture
@@ -33,27 +34,6 @@ def cluster(tmp_path, tiny_model_dir):
     yield make
     for c in made:
         c.stop()
-
-
-def launch(tmp_path, model_dir, *overrides, timeout=400, env=None):
-    run_dir = tmp_path / "launched"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncfp8.launch",
-            f"model.path={model_dir}",
-            f"run.dir={run_dir}",
-            *SMALL_RUN,
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return run_dir, result.stdout
 
 
 def check_run(run_dir, steps, max_staleness):
