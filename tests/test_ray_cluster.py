@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def nodes():
+def cluster():
+    """One head for the module (a cluster takes seconds to start)."""
     cluster = RayNodes()
     try:
         yield cluster
@@ -41,37 +42,46 @@ def nodes():
         cluster.shutdown()
 
 
+@pytest.fixture
+def nodes(cluster):
+    """The module's cluster, left with its head alone after each test, passed or not."""
+    try:
+        yield cluster
+    finally:
+        cluster.remove_all()
+
+
 def test_a_worker_node_removed_mid_run_loses_nothing(nodes, tmp_path, tiny_model_dir):
-    """30 steps: the learner on its node, two workers on two others. At step 8 a spare
-    node joins and one worker's node is removed: Ray starts that worker again on the
-    spare, the learner re-leases what it held, the run ends with every prompt trained
-    once."""
-    learner_node = nodes.add(learner=1)
+    """The learner on its node, two workers on two others. At step 8 a spare node joins
+    and one worker's node is removed: Ray starts that worker again on the spare, the
+    learner re-leases what it held, and the run trains on with both. It is then stopped
+    as Ctrl-C stops it: every prompt handed out was trained once or is still open in the
+    checkpoint. (A run of a fixed 30 steps once ended, on the one worker left, before
+    the restarted actor had answered the driver: the test must wait for the restart.)"""
+    nodes.add(learner=1)
     worker_nodes = [nodes.add(rollout=1) for _ in range(2)]
     run_dir = tmp_path / "run"
-    driver = ray_launch(run_dir, tiny_model_dir, nodes.address, "run.steps=30", "run.workers=2")
+    driver = ray_launch(run_dir, tiny_model_dir, nodes.address, "run.steps=100000", "run.workers=2")
     try:
         wait_for_step(run_dir, 8, driver)
         spare = nodes.add(rollout=1)
         nodes.remove(worker_nodes[0])
         driver.wait_for_output("actor died and Ray started it again (1/3)", timeout=180)
+        assert len(processes_under(spare, "asyncfp8.worker")) == 1  # restarted there
+        step = read_ledger(run_dir)[-1]["step"]
+        wait_for_step(run_dir, step + 5, driver)  # the run goes on with the new copy
+        driver.send_signal(signal.SIGINT)
         output = finish(driver)
     finally:
         driver.kill()
-    assert driver.returncode == 0, output[-3000:]
-    assert "actor died and Ray started it again (1/3)" in output, output[-3000:]
-    assert "[launch] done in" in output
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 30
+    assert driver.returncode == 130, output[-3000:]
     result = audit(run_dir, group_size=4, max_staleness=1)
-    assert result.steps == 30 and result.lost == 0, result
+    assert result.steps >= step + 5 and result.lost == 0, result
     # the worker that lost its node started twice (its log is appended to), the other once
     starts = sorted(
         (run_dir / f"worker-{i}.log").read_text().count("engine torch") for i in range(2)
     )
     assert starts == [1, 2]
-    for node in (learner_node, worker_nodes[1], spare):
-        nodes.remove(node)
 
 
 def test_the_learner_node_killed_the_run_resumes_on_another(nodes, tmp_path, tiny_model_dir):
@@ -80,7 +90,8 @@ def test_the_learner_node_killed_the_run_resumes_on_another(nodes, tmp_path, tin
     on the spare, starts the workers again at its address, and the run ends with every
     prompt trained once."""
     first = nodes.add(learner=1)
-    worker_nodes = [nodes.add(rollout=1) for _ in range(2)]
+    nodes.add(rollout=1)
+    nodes.add(rollout=1)
     run_dir = tmp_path / "run"
     driver = ray_launch(
         run_dir,
@@ -92,7 +103,7 @@ def test_the_learner_node_killed_the_run_resumes_on_another(nodes, tmp_path, tin
     )
     try:
         wait_for_step(run_dir, 12, driver)
-        second = nodes.add(learner=1)
+        nodes.add(learner=1)  # the spare
         nodes.remove(first)
         output = finish(driver)
     finally:
@@ -104,8 +115,6 @@ def test_the_learner_node_killed_the_run_resumes_on_another(nodes, tmp_path, tin
     assert len(resumed) == 1 and resumed[0] % 5 == 0 and 10 <= resumed[0] < 60, resumed
     result = audit(run_dir, group_size=4, max_staleness=1)
     assert result.steps == 60 and result.lost == 0, result
-    for node in (second, *worker_nodes):
-        nodes.remove(node)
 
 
 def test_two_ranks_on_two_nodes_train_like_two_torchrun_ranks(nodes, tmp_path, tiny_model_dir):
@@ -137,7 +146,8 @@ def test_two_ranks_on_two_nodes_train_like_two_torchrun_ranks(nodes, tmp_path, t
     )
     assert torchrun.returncode == 0, torchrun.stdout[-3000:] + torchrun.stderr[-3000:]
 
-    added = [nodes.add(learner=1) for _ in range(2)]
+    nodes.add(learner=1)
+    nodes.add(learner=1)
     # the actors run `python -m tests.train_recorded` from this checkout
     ray.init(
         address=nodes.address,
@@ -165,8 +175,6 @@ def test_two_ranks_on_two_nodes_train_like_two_torchrun_ranks(nodes, tmp_path, t
         codes = ray.get([rank.wait.remote(300) for rank in ranks])
     finally:
         ray.shutdown()
-        for node in added:
-            nodes.remove(node)
     assert codes == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
     on_ray = torch.load(tmp_path / "ray.pt", weights_only=False)
     on_torchrun = torch.load(tmp_path / "torchrun.pt", weights_only=False)
@@ -181,7 +189,8 @@ def test_more_than_the_cluster_has_is_refused_at_start(nodes, tmp_path, tiny_mod
     """A GPU the cluster lacks: refused at once, naming asked and free. Resources free
     in sum that cannot be placed as asked (two ranks STRICT_PACK, one `learner` per
     node): refused after run.ray_timeout, naming what is free; nothing left pending."""
-    added = [nodes.add(learner=1), nodes.add(learner=1), nodes.add(rollout=1)]
+    for resources in ({"learner": 1}, {"learner": 1}, {"rollout": 1}):
+        nodes.add(**resources)
     gpu = ray_launch(tmp_path / "gpu", tiny_model_dir, nodes.address, "run.ray_learner.num_gpus=1")
     output = finish(gpu, timeout=120)
     assert gpu.returncode == 2, output[-3000:]
@@ -206,8 +215,6 @@ def test_more_than_the_cluster_has_is_refused_at_start(nodes, tmp_path, tiny_mod
         assert ray.available_resources().get("learner") == 2
     finally:
         ray.shutdown()
-    for node in added:
-        nodes.remove(node)
 
 
 def test_a_node_that_leaves_and_comes_back_brings_no_second_copy(nodes, tmp_path, tiny_model_dir):
@@ -216,7 +223,7 @@ def test_a_node_that_leaves_and_comes_back_brings_no_second_copy(nodes, tmp_path
     node comes back, its old copy of the worker ends and one copy is left. The run is
     then stopped as Ctrl-C stops it (the learner checkpoints): every prompt handed out
     was trained once or is still open in the checkpoint."""
-    learner_node = nodes.add(learner=1)
+    nodes.add(learner=1)
     away, other = nodes.add(rollout=1), nodes.add(rollout=1)
     run_dir = tmp_path / "run"
     driver = ray_launch(run_dir, tiny_model_dir, nodes.address, "run.steps=100000", "run.workers=2")
@@ -245,5 +252,3 @@ def test_a_node_that_leaves_and_comes_back_brings_no_second_copy(nodes, tmp_path
     assert "actor died and Ray started it again (1/3)" in output, output[-3000:]
     result = audit(run_dir, group_size=4, max_staleness=1)
     assert result.steps >= step + 5 and result.lost == 0, result
-    for node in (learner_node, away, other, spare):
-        nodes.remove(node)

@@ -31,7 +31,10 @@ PLACED = (
 
 class RayNodes:
     """The head holds no CPU (nothing is placed there, as on a KubeRay head); the
-    nodes added are the ones the run uses and the test removes."""
+    nodes added are the ones the run uses and the test removes. `remove_all` leaves the
+    head alone again, so that a failed test's nodes cannot hold the next test's run
+    (in one CI run they did: the next test's learner started on the failed test's
+    learner node, and removing the node the test had added removed nothing in use)."""
 
     def __init__(self):
         from ray.cluster_utils import Cluster
@@ -45,10 +48,12 @@ class RayNodes:
             },
         )
         self.address = self.cluster.address
+        self.added: list = []
 
     def add(self, **resources: float):
         node = self.cluster.add_node(num_cpus=1, resources=resources)
         self.cluster.wait_for_nodes()
+        self.added.append(node)
         return node
 
     def remove(self, node) -> None:
@@ -59,6 +64,14 @@ class RayNodes:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.cluster.remove_node(node, allow_graceful=False)
+        self.added.remove(node)
+
+    def remove_all(self) -> None:
+        """Every node added and not yet removed, then until the cluster counts the head
+        alone (a removed node's resources are gone from what the next run sees)."""
+        for node in list(self.added):
+            self.remove(node)
+        self.cluster.wait_for_nodes()
 
     def shutdown(self) -> None:
         self.cluster.shutdown()
