@@ -30,7 +30,7 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 from tqdm import tqdm
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
@@ -234,6 +234,29 @@ def check_start(cfg: DictConfig) -> PrecisionPolicy:
             "run stopped before its first one; start it again without run.resume"
         )
     return checked.policy
+
+
+def settle_layout(
+    cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy, slurm: bool
+) -> tuple[DictConfig, PrecisionPolicy]:
+    """precision=mixed without precision.keep: the layout measured here, once, and added
+    to `overrides`, so that the learner and every worker start with the same one (Slurm
+    starts one launcher per task, each would measure: it must be given the layout)."""
+    from asyncfp8.precision.sensitivity import keep_override, measure_for_run, unmeasured_mixed
+
+    if unmeasured_mixed(policy) is None:
+        return cfg, policy
+    if slurm:
+        raise ValueError(
+            "precision=mixed under srun needs its layout given (every task would measure its "
+            "own): run `python -m asyncfp8.precision.sensitivity` once with the same model, "
+            "task and precision settings, and add the precision.keep=[...] it prints"
+        )
+    layout = measure_for_run(cfg, run_model_dir(cfg), cfg.run.dir)
+    overrides.append(keep_override(layout))
+    with open_dict(cfg):
+        cfg.precision.keep = sorted(layout.keep)
+    return cfg, check_start(cfg)
 
 
 def chosen_ports(cfg: DictConfig, overrides: list[str]) -> list[int]:
@@ -525,6 +548,7 @@ def main(cfg: DictConfig) -> None:
             )
         policy = check_start(cfg)
         task = slurm_task(cfg.run.get("slurm", "auto"), os.environ)
+        cfg, policy = settle_layout(cfg, overrides, policy, slurm=task is not None)
         if cfg.run.get("ray"):
             if task is not None:
                 raise ValueError(

@@ -10,7 +10,7 @@ version_tensors(model, policy, batch)  # both, for one version of a model, with 
 check_received(number, tensors, manifest, expected)  # an engine's one check of a version
 """
 
-from . import bf16, fp8, fp8_kv, fp16, int8  # noqa: F401  (registers the built-in policies)
+from . import bf16, fp8, fp8_kv, fp16, int8, mixed  # noqa: F401  (registers the built-in policies)
 from .manifest import Role, TensorRole, TensorSpec, check_received
 from .policy import (
     ComposedPolicy,

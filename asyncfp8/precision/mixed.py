@@ -1,0 +1,146 @@
+"""A mixed precision: one weight format (FP8 or INT8) on most linear layers, the engine
+dtype (BF16) on the layers where quantizing adds the most mismatch.
+
+    python -m asyncfp8.launch precision=mixed precision.base=int8 precision.budget=1.3
+
+`keep` lists the linear layers left in BF16 (module names, `model.layers.3.mlp.down_proj`).
+Left out, the launcher measures it once, on the model the run starts from
+(`asyncfp8.precision.sensitivity.plan_layout`: the smallest set of the most sensitive
+layers whose layout stays within `budget` times BF16's own mismatch, or that quantizes
+`quantized_share` of the linear FLOPs), and starts the learner and every worker with that
+list. The layout is then frozen for the run: it is part of the policy's spec, which every
+version's header carries and every worker checks, so no engine ever has to rebuild a
+layer between versions (the torch engine, vLLM and SGLang alike). Measuring it again as
+RL moves the weights (`sensitivity.layout_kl` on a checkpoint) is not done by the
+learner yet.
+
+Everything else is the base format's: `quantizes` is the one decision, so the learner's
+fake quantization, the torch engine's modules, exported checkpoints and vLLM's
+`ignored_layers` all leave the same layers in BF16.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .policy import PrecisionPolicy, get_policy, register_policy
+
+MIXED_BASES = ("fp8", "int8")
+
+
+def layer_of(weight_name: str) -> str:
+    """The linear layer a weight belongs to: `model.layers.0.mlp.up_proj.weight` ->
+    `model.layers.0.mlp.up_proj`."""
+    return weight_name.removesuffix(".weight")
+
+
+@register_policy("mixed")
+class MixedPolicy(PrecisionPolicy):
+    """`base` (fp8 or int8) on every linear layer it quantizes but those in `keep`."""
+
+    name = "mixed"
+    quantizes_weights = True
+
+    def __init__(
+        self,
+        base: str = "fp8",
+        keep: list[str] | None = None,
+        budget: float | None = 1.3,
+        quantized_share: float | None = None,
+        calibration_prompts: int = 64,
+    ):
+        if base not in MIXED_BASES:
+            raise ValueError(
+                f"precision=mixed: base must be one of {', '.join(MIXED_BASES)}, got {base!r}"
+            )
+        if quantized_share is not None:
+            if not 0 < quantized_share <= 1:
+                raise ValueError(
+                    f"precision.quantized_share must be in (0, 1], got {quantized_share}"
+                )
+            budget = None  # a share replaces the default budget
+        elif budget is None:
+            raise ValueError("precision=mixed needs precision.budget or precision.quantized_share")
+        elif budget < 1:
+            raise ValueError(
+                f"precision.budget={budget} is below BF16's own mismatch (1.0 = every layer "
+                "in BF16, the floor no layout can go under); use a budget >= 1"
+            )
+        if calibration_prompts < 1:
+            raise ValueError(
+                f"precision.calibration_prompts must be >= 1, got {calibration_prompts}"
+            )
+        self.base = get_policy(base)
+        self.keep = None if keep is None else frozenset(keep)
+        self.budget, self.quantized_share = budget, quantized_share
+        self.calibration_prompts = calibration_prompts
+        self.engine_dtype = self.base.engine_dtype
+        self.name = f"mixed_{base}"
+
+    # -- the per-tensor decision -------------------------------------------------------------
+
+    def require_layout(self) -> frozenset[str]:
+        if self.keep is None:
+            raise ValueError(
+                "precision=mixed has no layout yet (precision.keep): `python -m asyncfp8.launch` "
+                "measures it before it starts the learner and the workers; to start them by "
+                "hand, measure it with `python -m asyncfp8.precision.sensitivity` and pass "
+                "precision.keep=[...] to every process"
+            )
+        return self.keep
+
+    def quantizes(self, name: str, tensor: torch.Tensor) -> bool:
+        return self.base.quantizes(name, tensor) and layer_of(name) not in self.require_layout()
+
+    # -- the base format's, unchanged --------------------------------------------------------
+
+    def quantize_tensor(self, name, tensor):
+        return self.base.quantize_tensor(name, tensor)
+
+    def passthrough(self, name, tensor):
+        return self.base.passthrough(name, tensor)
+
+    def output_role(self, source, output):
+        return self.base.output_role(source, output)
+
+    def engine_config(self) -> dict[str, Any]:
+        return self.base.engine_config()
+
+    def linear_module(self, name, tensors, bias, real=True):
+        return self.base.linear_module(name, tensors, bias, real)
+
+    def storage(self):
+        return self.base.storage()
+
+    def checkpoint_config(self, unquantized_layers=()):
+        return self.base.checkpoint_config(unquantized_layers)
+
+    def fake_quantize_weight(self, name, weight):
+        return self.base.fake_quantize_weight(name, weight)
+
+    def fake_quantize_input(self, name, x):
+        return self.base.fake_quantize_input(name, x)
+
+    def reference_matmul(self, name, x, weight):
+        return self.base.reference_matmul(name, x, weight)
+
+    def bind_model(self, config):
+        """Also refuses a `keep` naming a layer the model lacks (a typo would quantize
+        the layer it meant): checked on the model built on the meta device, no memory."""
+        if self.keep:
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+            linear = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+            unknown = sorted(self.keep - linear)
+            if unknown:
+                raise ValueError(
+                    f"precision.keep names {len(unknown)} layer(s) this model does not have: "
+                    f"{', '.join(unknown[:5])} (its linear layers are named like "
+                    f"{min(linear)})"
+                )
+        self.base.bind_model(config)
+        return super().bind_model(config)

@@ -1,0 +1,311 @@
+"""Which linear layers a weight format hurts most, measured, and the layout that keeps the
+mismatch within a budget (`precision=mixed`).
+
+The mismatch of a layout is the exact KL(engine || learner), averaged over the token
+positions of calibration texts (the task's prompts with their reference completions): the
+engine is the model in its engine dtype (BF16) with the layout's layers quantized as the
+torch engine quantizes them (the policy's fake-quant modules: the same rounding), the
+learner is the FP32 model. It is the quantity a run's `mismatch/kl_k3` estimates from
+samples, computed over the whole vocabulary instead, so two layouts compare without
+sampling noise. BF16 everywhere is the floor: no layout can go under it.
+
+A layer's sensitivity is what quantizing it alone adds to the floor. `plan_layout` keeps
+the most sensitive layers in BF16, one at a time, until the layout is within `budget`
+times the floor (each candidate measured whole: sensitivities do not simply add), or
+quantizes the least sensitive layers up to `quantized_share` of the linear FLOPs.
+
+    python -m asyncfp8.precision.sensitivity model=small precision.base=int8 precision.budget=1.3
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from .mixed import MixedPolicy, layer_of
+from .policy import PrecisionPolicy
+
+
+@dataclasses.dataclass
+class Layout:
+    """A measured layout: which layers stay in BF16, and what each choice costs."""
+
+    keep: list[str]  # left in BF16, most sensitive first
+    floor: float  # KL with every layer in BF16
+    full: float  # KL with every layer the base format takes quantized
+    kl: float  # KL of this layout
+    sensitivity: dict[str, float]  # KL added by quantizing that layer alone
+    flops: dict[str, int]  # multiply-adds per token of each layer the format takes
+
+    @property
+    def ratio(self) -> float:
+        """This layout's KL over the floor's (1.0: as good as BF16)."""
+        return self.kl / self.floor if self.floor > 0 else float("inf")
+
+    @property
+    def quantized_share(self) -> float:
+        """The share of those layers' FLOPs that run quantized."""
+        total = sum(self.flops.values())
+        return sum(f for name, f in self.flops.items() if name not in self.keep) / total
+
+    def summary(self) -> str:
+        return (
+            f"{len(self.flops) - len(self.keep)}/{len(self.flops)} linear layers quantized "
+            f"({self.quantized_share:.0%} of their FLOPs); KL {self.kl:.2e} = {self.ratio:.2f}x "
+            f"BF16's {self.floor:.2e} (every layer quantized: {self.full:.2e}, "
+            f"{self.full / self.floor if self.floor > 0 else float('inf'):.2f}x)"
+        )
+
+    def to_json(self) -> str:
+        fields = dataclasses.asdict(self)
+        return json.dumps(
+            {**fields, "ratio": self.ratio, "quantized_share": self.quantized_share}, indent=1
+        )
+
+
+class Switch(nn.Module):
+    """One linear layer of the engine twin: its BF16 copy, or the policy's fake-quant
+    module of the FP32 master weight, as `quantized` says."""
+
+    def __init__(self, plain: nn.Linear, quantized: nn.Module):
+        super().__init__()
+        self.plain, self.fake_quant, self.quantized = plain, quantized, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fake_quant(x) if self.quantized else self.plain(x)
+
+
+class EngineTwin:
+    """The engine's model with any layout of `base`'s quantized layers, switched per
+    forward: the model in the engine dtype, each layer `base` quantizes a `Switch`."""
+
+    def __init__(self, model: nn.Module, base: PrecisionPolicy):
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            for name, param in twin.named_parameters():
+                param.data = base.passthrough(name, param.detach())
+        masters = dict(model.named_parameters())
+        self.switches: dict[str, Switch] = {}
+        for prefix, parent in list(twin.named_modules()):
+            for child_name, child in list(parent.named_children()):
+                weight = f"{prefix}.{child_name}.weight".lstrip(".")
+                if type(child) is not nn.Linear or not base.quantizes(weight, masters[weight]):
+                    continue
+                master = masters[weight].detach()
+                produced = dict(base.quantize_tensor(weight, master))
+                bias = child.bias.detach() if child.bias is not None else None
+                switch = Switch(child, base.linear_module(weight, produced, bias, real=False))
+                setattr(parent, child_name, switch)
+                self.switches[layer_of(weight)] = switch
+        if not self.switches:
+            raise ValueError(f"precision {base.name!r} quantizes no linear layer of this model")
+        self.model = twin.eval()
+
+    def flops(self) -> dict[str, int]:
+        return {
+            name: s.plain.in_features * s.plain.out_features for name, s in self.switches.items()
+        }
+
+    def logits(self, batch: Mapping[str, torch.Tensor], quantized: set[str]) -> torch.Tensor:
+        for name, switch in self.switches.items():
+            switch.quantized = name in quantized
+        with torch.no_grad():
+            return self.model(**batch).logits.float()
+
+
+def mean_kl(engine_logits: torch.Tensor, learner_logits: torch.Tensor, mask: torch.Tensor) -> float:
+    """Exact KL(engine || learner) over the vocabulary, averaged over `mask`'s positions."""
+    engine = torch.log_softmax(engine_logits.double(), -1)
+    learner = torch.log_softmax(learner_logits.double(), -1)
+    per_position = (engine.exp() * (engine - learner)).sum(-1)
+    return float(per_position[mask].mean())
+
+
+def calibration_batch(
+    task, tokenizer, prompts: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The task's first `prompts` prompts with their reference completions, and the mask
+    of the positions measured (each real token that predicts a real next token)."""
+    texts = []
+    for i in range(prompts):
+        prompt = task.prompt(i)
+        texts.append(prompt.text + task.completion(prompt))
+    batch = dict(tokenizer(texts, return_tensors="pt", padding=True))
+    attention = batch["attention_mask"].bool()
+    mask = torch.zeros_like(attention)
+    mask[:, :-1] = attention[:, :-1] & attention[:, 1:]
+    return batch, mask
+
+
+def layout_kl(
+    model: nn.Module, policy: MixedPolicy, batch: Mapping[str, torch.Tensor], mask: torch.Tensor
+) -> tuple[float, float]:
+    """(the KL of `policy`'s layout, BF16's floor) for `model` now: the learner's
+    measure of a frozen layout as the weights move."""
+    twin = EngineTwin(model, policy.base)
+    with torch.no_grad():
+        learner = model(**batch).logits.float()
+    quantized = set(twin.switches) - set(policy.require_layout())
+    return (
+        mean_kl(twin.logits(batch, quantized), learner, mask),
+        mean_kl(twin.logits(batch, set()), learner, mask),
+    )
+
+
+def plan_layout(
+    model: nn.Module,
+    base: PrecisionPolicy,
+    batch: Mapping[str, torch.Tensor],
+    mask: torch.Tensor,
+    budget: float | None = None,
+    quantized_share: float | None = None,
+    progress=None,
+) -> Layout:
+    """The layout of `base` over `model` within `budget` x BF16's KL, or quantizing
+    `quantized_share` of the FLOPs (exactly one of the two). `progress(text)` hears of
+    each measurement (one forward pass per layer, then one per layer kept)."""
+    if (budget is None) == (quantized_share is None):
+        raise ValueError("plan_layout needs a budget or a quantized_share, not both")
+    if budget is not None and budget < 1:
+        raise ValueError(f"a budget below 1.0 is below BF16's own mismatch: {budget}")
+    twin = EngineTwin(model, base)
+    say = progress or (lambda text: None)
+    with torch.no_grad():
+        learner = model(**batch).logits.float()
+    layers = list(twin.switches)
+
+    def measure(quantized) -> float:
+        return mean_kl(twin.logits(batch, set(quantized)), learner, mask)
+
+    floor, full = measure(()), measure(layers)
+    if floor <= 0:
+        raise ValueError(
+            "BF16's measured mismatch on the calibration texts is 0: nothing to budget against"
+        )
+    sensitivity = {}
+    for i, name in enumerate(layers):
+        sensitivity[name] = measure([name]) - floor
+        say(f"sensitivity {i + 1}/{len(layers)}: {name} +{sensitivity[name]:.2e}")
+    by_harm = sorted(layers, key=lambda name: sensitivity[name], reverse=True)
+    flops = twin.flops()
+    keep: list[str] = []
+    if quantized_share is not None:
+        total, quantized = sum(flops.values()), sum(flops.values())
+        for name in by_harm:  # keep the worst while the rest still make the share
+            if (quantized - flops[name]) / total < quantized_share - 1e-12:
+                break
+            keep.append(name)
+            quantized -= flops[name]
+        kl = measure([n for n in layers if n not in keep])
+    else:
+        kl = full
+        for name in by_harm:
+            if kl <= budget * floor:
+                break
+            keep.append(name)
+            kl = measure([n for n in layers if n not in keep])
+            say(f"kept {name} in BF16: {kl / floor:.2f}x BF16's KL")
+    return Layout(keep, floor, full, kl, sensitivity, flops)
+
+
+def plan_for(policy: MixedPolicy, model: nn.Module, task, tokenizer, progress=None) -> Layout:
+    """`policy`'s layout, measured on `model` and `task` as its parameters say."""
+    batch, mask = calibration_batch(task, tokenizer, policy.calibration_prompts)
+    return plan_layout(
+        model, policy.base, batch, mask, policy.budget, policy.quantized_share, progress
+    )
+
+
+def keep_override(layout: Layout) -> str:
+    """The override that starts a process with this layout."""
+    return "precision.keep=[" + ",".join(f"'{name}'" for name in sorted(layout.keep)) + "]"
+
+
+def unmeasured_mixed(policy: PrecisionPolicy) -> MixedPolicy | None:
+    """The `mixed` part of `policy` when it has no layout yet (no precision.keep)."""
+    parts = getattr(policy, "parts", [policy])
+    return next((p for p in parts if isinstance(p, MixedPolicy) and p.keep is None), None)
+
+
+def measure_for_run(cfg, model_dir, run_dir) -> Layout | None:
+    """The launcher's step before any process starts: with precision=mixed and no
+    precision.keep, the layout measured on the model the run starts from (and written to
+    `run_dir/precision_layout.json`); None when there is nothing to measure."""
+    from pathlib import Path
+
+    from asyncfp8.models import load_model, load_tokenizer
+    from asyncfp8.tasks import build_task
+
+    from .policy import build_policy
+
+    mixed = unmeasured_mixed(build_policy(cfg.precision, model_dir))
+    if mixed is None:
+        return None
+    rule = (
+        f"within {mixed.budget}x BF16's KL"
+        if mixed.budget is not None
+        else f"quantizing {mixed.quantized_share:.0%} of the linear FLOPs"
+    )
+    print(
+        f"[launch] precision=mixed: measuring each linear layer's {mixed.base.name} mismatch on "
+        f"{mixed.calibration_prompts} calibration prompts ({rule})",
+        flush=True,
+    )
+    model = load_model(model_dir, dtype=torch.float32).eval()
+    layout = plan_for(mixed, model, build_task(cfg.task, model_dir), load_tokenizer(model_dir))
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / "precision_layout.json").write_text(layout.to_json())
+    print(f"[launch] precision=mixed: {layout.summary()}", flush=True)
+    return layout
+
+
+def main() -> None:
+    import hydra
+
+    import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
+
+    @hydra.main(version_base="1.3", config_path="../conf", config_name="sensitivity")
+    def run(cfg) -> None:
+        from asyncfp8.models import load_model, load_tokenizer, run_model_dir
+        from asyncfp8.tasks import build_task
+
+        from .policy import build_policy
+
+        model_dir = run_model_dir(cfg)
+        policy = build_policy(cfg.precision, model_dir)
+        weights = policy.parts[0] if hasattr(policy, "parts") else policy
+        if not isinstance(weights, MixedPolicy):
+            raise SystemExit(f"precision must be mixed (precision=mixed), got {policy.name!r}")
+        model = load_model(model_dir, dtype=torch.float32).eval()
+        layout = plan_for(
+            weights,
+            model,
+            build_task(cfg.task, model_dir),
+            load_tokenizer(model_dir),
+            progress=lambda text: print(f"[sensitivity] {text}", flush=True),
+        )
+        print("| layer | KL added alone | share of FLOPs | kept in BF16 |")
+        print("|---|---|---|---|")
+        total = sum(layout.flops.values())
+        for name in sorted(layout.sensitivity, key=layout.sensitivity.get, reverse=True):
+            print(
+                f"| {name} | {layout.sensitivity[name]:.2e} | {layout.flops[name] / total:.1%} "
+                f"| {'yes' if name in layout.keep else ''} |"
+            )
+        print(f"[sensitivity] {weights.base.name}: {layout.summary()}")
+        print(f"[sensitivity] start every process with: {keep_override(layout)}")
+        if cfg.out:
+            with open(cfg.out, "w") as out:
+                out.write(layout.to_json())
+            print(f"[sensitivity] written: {cfg.out}")
+
+    run()
+
+
+if __name__ == "__main__":
+    main()

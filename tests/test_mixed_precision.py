@@ -1,0 +1,139 @@
+"""precision=mixed (issue 46): each linear layer's mismatch measured, the most sensitive
+kept in BF16 within a budget, and the one decision (`quantizes`) honoured by the torch
+engine, exported checkpoints and a launched run's learner and workers."""
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+import asyncfp8.conf  # noqa: F401
+from asyncfp8.models import load_model, load_tokenizer
+from asyncfp8.precision import get_policy
+from asyncfp8.precision.export import unquantized_layers
+from asyncfp8.precision.modules import apply_policy
+from asyncfp8.precision.sensitivity import (
+    EngineTwin,
+    calibration_batch,
+    layout_kl,
+    mean_kl,
+    plan_layout,
+)
+from asyncfp8.tasks import build_task
+from tests.launched import launch
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_model_dir):
+    """(model, calibration batch, mask) of the tiny model on the default task."""
+    with initialize_config_module("asyncfp8.conf", version_base="1.3"):
+        cfg = compose("sensitivity", [f"model.path={tiny_model_dir}"])
+    model = load_model(tiny_model_dir, dtype=torch.float32).eval()
+    task = build_task(cfg.task, tiny_model_dir)
+    batch, mask = calibration_batch(task, load_tokenizer(tiny_model_dir), 16)
+    return model, batch, mask
+
+
+def test_mean_kl_is_the_exact_kl_of_the_two_distributions():
+    torch.manual_seed(0)
+    engine, learner = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    mask = torch.tensor([[True, True, False, True, False], [False, True, True, True, True]])
+    reference = torch.distributions.kl_divergence(
+        torch.distributions.Categorical(logits=engine.double()),
+        torch.distributions.Categorical(logits=learner.double()),
+    )[mask].mean()
+    assert mean_kl(engine, learner, mask) == pytest.approx(float(reference), rel=1e-12)
+    assert mean_kl(learner, learner, mask) == 0
+
+
+@pytest.mark.parametrize("base", ["fp8", "int8"])
+def test_the_twin_is_the_torch_engine_of_the_layout(measured, tiny_model_dir, base):
+    """The model that measures a layout computes what the torch engine's modules of
+    `precision=mixed` with that layout compute, bit for bit: what is measured is what
+    will run (and kept layers are left as plain BF16 layers)."""
+    model, batch, _ = measured
+    policy = get_policy("mixed", base=base, keep=["model.layers.0.mlp.down_proj"])
+    policy.bind_model(model.config)
+    engine = apply_policy(load_model(tiny_model_dir, dtype=torch.bfloat16).eval(), policy)
+    assert type(engine.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    assert type(engine.model.layers[0].mlp.up_proj) is not torch.nn.Linear
+    twin = EngineTwin(model, policy.base)
+    with torch.no_grad():
+        expected = engine(**batch).logits.float()
+    quantized = set(twin.switches) - {"model.layers.0.mlp.down_proj"}
+    assert torch.equal(twin.logits(batch, quantized), expected)
+
+
+def test_a_budget_is_met_by_keeping_the_most_sensitive_layers(measured):
+    model, batch, mask = measured
+    base = get_policy("int8")
+    layout = plan_layout(model, base, batch, mask, budget=1.5)
+    assert layout.full > 1.5 * layout.floor  # the budget binds: INT8 everywhere is past it
+    assert layout.kl <= 1.5 * layout.floor and 0 < len(layout.keep) < len(layout.flops)
+    ranked = sorted(layout.sensitivity, key=layout.sensitivity.get, reverse=True)
+    assert layout.keep == ranked[: len(layout.keep)]
+    # the run's own measure of the frozen layout agrees with the planner's
+    policy = get_policy("mixed", base="int8", keep=layout.keep)
+    assert layout_kl(model, policy, batch, mask) == pytest.approx((layout.kl, layout.floor))
+    # one layer fewer kept is over the budget: none was kept that it did not need
+    fewer = get_policy("mixed", base="int8", keep=layout.keep[:-1])
+    assert layout_kl(model, fewer, batch, mask)[0] > 1.5 * layout.floor
+
+
+def test_a_share_of_the_flops_is_quantized_least_sensitive_first(measured):
+    model, batch, mask = measured
+    layout = plan_layout(model, get_policy("fp8"), batch, mask, quantized_share=0.5)
+    assert 0.5 <= layout.quantized_share < 1
+    quantized = [name for name in layout.flops if name not in layout.keep]
+    assert max(layout.sensitivity[n] for n in quantized) <= min(
+        layout.sensitivity[n] for n in layout.keep
+    )
+
+
+def test_bad_settings_are_refused_naming_them(measured):
+    with pytest.raises(ValueError, match="below BF16's own mismatch"):
+        get_policy("mixed", budget=0.9)
+    with pytest.raises(ValueError, match="base must be one of fp8, int8"):
+        get_policy("mixed", base="fp16")
+    with pytest.raises(ValueError, match="quantized_share must be in"):
+        get_policy("mixed", quantized_share=1.5)
+    model = measured[0]
+    unset = get_policy("mixed")
+    with pytest.raises(ValueError, match=r"python -m asyncfp8\.precision\.sensitivity"):
+        unset.quantizes("model.layers.0.mlp.up_proj.weight", torch.zeros(4, 4))
+    typo = get_policy("mixed", keep=["model.layers.0.mlp.up_prj"])
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_prj"):
+        typo.bind_model(model.config)  # as every process's build_policy(cfg, model_dir)
+
+
+def test_an_exported_checkpoint_lists_the_kept_layers_as_ignored(tiny_model_dir):
+    for base, key in (("fp8", "ignored_layers"), ("int8", "ignore")):
+        policy = get_policy("mixed", base=base, keep=["model.layers.1.self_attn.q_proj"])
+        config = policy.checkpoint_config(unquantized_layers(policy, tiny_model_dir))
+        assert "model.layers.1.self_attn.q_proj" in config[key], config
+
+
+@pytest.mark.slow
+def test_a_launched_mixed_run_measures_once_and_every_process_runs_the_layout(
+    tmp_path, tiny_model_dir
+):
+    """The launcher measures the layout, writes it beside the run and starts the learner
+    and the workers with it: the workers check every version's policy spec against
+    their own, so a run that ends had one layout everywhere."""
+    run_dir, output = launch(
+        tmp_path,
+        tiny_model_dir,
+        "precision=mixed",
+        "precision.name=mixed+fp8_kv",
+        "precision.quantized_share=0.5",
+        "precision.calibration_prompts=8",
+        "run.steps=3",
+        "eval.every=0",
+    )
+    layout = json.loads((run_dir / "precision_layout.json").read_text())
+    assert layout["quantized_share"] >= 0.5 and layout["keep"]
+    assert "[launch] precision=mixed:" in output and "[launch] done in" in output
+    saved = (run_dir / "config.yaml").read_text()
+    for name in layout["keep"]:
+        assert name in saved
