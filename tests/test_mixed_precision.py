@@ -15,6 +15,7 @@ from asyncfp8.precision.export import unquantized_layers
 from asyncfp8.precision.modules import apply_policy
 from asyncfp8.precision.sensitivity import (
     EngineTwin,
+    LayoutDrift,
     calibration_batch,
     layout_kl,
     mean_kl,
@@ -81,6 +82,38 @@ def test_a_budget_is_met_by_keeping_the_most_sensitive_layers(measured):
     assert layout_kl(model, fewer, batch, mask)[0] > 1.5 * layout.floor
 
 
+def test_the_learner_measures_the_frozen_layout_again_on_a_versions_weights(
+    measured, tiny_model_dir
+):
+    """LayoutDrift loads a version's gathered state into its own copy of the model and
+    measures the frozen layout there: weights that moved give another KL, and a layout
+    past its budget is named."""
+    model = measured[0]
+    keep = ["model.layers.0.self_attn.q_proj"]
+    policy = get_policy("mixed", base="int8", keep=keep, budget=1.1, remeasure_every=5)
+    with initialize_config_module("asyncfp8.conf", version_base="1.3"):
+        cfg = compose("sensitivity", [f"model.path={tiny_model_dir}"])
+    drift = LayoutDrift(
+        policy,
+        load_model(tiny_model_dir, dtype=torch.float32),
+        build_task(cfg.task, tiny_model_dir),
+        load_tokenizer(tiny_model_dir),
+    )
+    assert [v for v in range(12) if drift.due(v)] == [5, 10]
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    first = drift.measure(state)
+    expected = layout_kl(model, policy, drift.batch, drift.mask)
+    assert (first["precision/layout_kl"], first["precision/layout_kl_bf16"]) == expected
+    moved = dict(state)
+    moved["model.layers.1.mlp.up_proj.weight"] = state["model.layers.1.mlp.up_proj.weight"] * 3
+    assert drift.measure(moved)["precision/layout_kl"] != first["precision/layout_kl"]
+    assert first["precision/layout_kl_ratio"] > 1.1  # INT8 on 13 of 14 layers: past 1.1x
+    assert "past precision.budget=1.1" in drift.over_budget(first)
+    assert drift.over_budget({**first, "precision/layout_kl_ratio": 1.05}) is None
+    with pytest.raises(ValueError, match="lacks 1 parameter"):
+        drift.measure({k: v for k, v in state.items() if k != "lm_head.weight"})
+
+
 def test_a_share_of_the_flops_is_quantized_least_sensitive_first(measured):
     model, batch, mask = measured
     layout = plan_layout(model, get_policy("fp8"), batch, mask, quantized_share=0.5)
@@ -128,12 +161,16 @@ def test_a_launched_mixed_run_measures_once_and_every_process_runs_the_layout(
         "precision.name=mixed+fp8_kv",
         "precision.quantized_share=0.5",
         "precision.calibration_prompts=8",
-        "run.steps=3",
+        "precision.remeasure_every=2",
+        "run.steps=4",
         "eval.every=0",
     )
     layout = json.loads((run_dir / "precision_layout.json").read_text())
     assert layout["quantized_share"] >= 0.5 and layout["keep"]
     assert "[launch] precision=mixed:" in output and "[launch] done in" in output
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    drift = [r["sync/version"] for r in records if "precision/layout_kl_ratio" in r]
+    assert drift == [2, 4], drift  # the learner measured the frozen layout again
     saved = (run_dir / "config.yaml").read_text()
     for name in layout["keep"]:
         assert name in saved

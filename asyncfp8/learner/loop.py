@@ -43,6 +43,7 @@ from asyncfp8.logprobs import install_logprob_head
 from asyncfp8.loss_scale import LossScaler, LossScaleSettings
 from asyncfp8.models import load_model, load_tokenizer, run_model_dir
 from asyncfp8.precision.fp8_kv import kv_scale_names
+from asyncfp8.precision.sensitivity import LayoutDrift, mixed_part
 from asyncfp8.process import StopFlag, endpoints, set_threads, worker_count
 from asyncfp8.refit import ReferenceForward
 
@@ -133,6 +134,7 @@ class Learner:
             self.hub.sender,
             self._probe_reference(),
             every_rank=self.colocated_placement,
+            drift=self._layout_drift(),
         )
         self.checkpointer = Checkpointer(
             self.dir, self.model, self.optimizer, self.scheduler, self.ranks, run.keep_checkpoints
@@ -192,6 +194,8 @@ class Learner:
                 due = self.step % self.cfg.sync.every == 0 or self.step == run.steps
                 due = due or self.rolled_back
                 published = self._publish() if due else {}
+                if warning := self._drift_warning(published):
+                    hub.say("warning: %s", warning)
                 metrics |= published | self._evaluation()
                 hub.record(self.step, metrics, len(groups or ()), published, self._times(waited))
                 if self.rolled_back and self.train_step.guard.exhausted:
@@ -283,6 +287,10 @@ class Learner:
         if self.version_weights is not None:
             self.version_weights.record(self.version)
         return published
+
+    def _drift_warning(self, published: dict[str, Any]) -> str | None:
+        drift = self.publisher.drift
+        return drift.over_budget(published) if drift is not None else None
 
     def checkpoint(self) -> Path:
         elapsed = self.elapsed_before + time.perf_counter() - self.started
@@ -422,6 +430,15 @@ class Learner:
             frozen=frozen,
             activation_checkpointing=self.cfg.optim.activation_checkpointing and not frozen,
         )
+
+    def _layout_drift(self) -> LayoutDrift | None:
+        """precision=mixed: the watch over its frozen layout, on rank 0 (a plain FP32 copy
+        of the model, loaded with each measured version's gathered weights)."""
+        mixed = mixed_part(self.policy)
+        if mixed is None or not mixed.remeasure_every or not self.ranks.main:
+            return None
+        model = load_model(self.model_dir, dtype=torch.float32)
+        return LayoutDrift(mixed, model, self.task, self.tokenizer)
 
     def _prompt_batch(self) -> dict[str, torch.Tensor]:
         """Calibration data before the first step: the task's first prompts."""

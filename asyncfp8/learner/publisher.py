@@ -25,6 +25,7 @@ from asyncfp8.batches import batch_tensors
 from asyncfp8.logprobs import without_logits
 from asyncfp8.precision import PrecisionPolicy, calibrate_version, extra_roles, version_weights
 from asyncfp8.precision.manifest import decoder_layers
+from asyncfp8.precision.sensitivity import LayoutDrift
 from asyncfp8.refit import Probe, ReferenceForward, probe_sequences
 from asyncfp8.run_files import LATEST_VERSION_FILE
 from asyncfp8.sync import BackgroundPublisher, Trajectory
@@ -46,10 +47,13 @@ class Publisher:
         sender: BackgroundPublisher | None,
         probe_reference: ReferenceForward | None,
         every_rank: bool = False,
+        drift: LayoutDrift | None = None,
     ):
         self.model, self.policy, self.sync, self.ranks = model, policy, sync, ranks
         self.run_dir, self.dtype, self.pad_token_id = run_dir, dtype, pad_token_id
         self.sender, self.probe_reference = sender, probe_reference
+        #: precision=mixed: its frozen layout measured again every few versions (rank 0)
+        self.drift = drift
         #: colocated: every rank gathers the whole model (its own engine takes it)
         self.every_rank = every_rank
         #: the rows the next version's KV scales (and its refit probe) come from
@@ -82,8 +86,11 @@ class Publisher:
             with without_logits(self.model):
                 extra = calibrate_version(self.model, self.policy, self.calibration_batch)
         self.latest_extra = extra
+        drifted = {}
+        if self.drift is not None and self.ranks.main and self.drift.due(self.version):
+            drifted = self.drift.measure(full)
         if self.sender is None:
-            return {}
+            return drifted
         # By parameter name, so that tied weights are sent once. The sender snapshots them
         # (with one rank on the CPU the gathered tensors are the parameters themselves,
         # which the next step updates in place) before this returns. With
@@ -112,6 +119,7 @@ class Publisher:
             "sync/publish_wait_s": waited,
             "sync/probe_s": self.sender.annotate_s,
             "sync/seconds": time.perf_counter() - started,
+            **drifted,
         }
 
     def _refit_probe(self):

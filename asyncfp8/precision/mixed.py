@@ -10,9 +10,10 @@ layers whose layout stays within `budget` times BF16's own mismatch, or that qua
 `quantized_share` of the linear FLOPs), and starts the learner and every worker with that
 list. The layout is then frozen for the run: it is part of the policy's spec, which every
 version's header carries and every worker checks, so no engine ever has to rebuild a
-layer between versions (the torch engine, vLLM and SGLang alike). Measuring it again as
-RL moves the weights (`sensitivity.layout_kl` on a checkpoint) is not done by the
-learner yet.
+layer between versions (the torch engine, vLLM and SGLang alike). The learner measures
+the frozen layout again every `remeasure_every` versions (`precision/layout_kl_ratio`,
+`asyncfp8.precision.sensitivity.LayoutDrift`) and warns when it has left its budget: RL
+moves the weights, and a layout chosen at the start may drift.
 
 Everything else is the base format's: `quantizes` is the one decision, so the learner's
 fake quantization, the torch engine's modules, exported checkpoints and vLLM's
@@ -50,6 +51,7 @@ class MixedPolicy(PrecisionPolicy):
         budget: float | None = 1.3,
         quantized_share: float | None = None,
         calibration_prompts: int = 64,
+        remeasure_every: int = 50,
     ):
         if base not in MIXED_BASES:
             raise ValueError(
@@ -68,14 +70,15 @@ class MixedPolicy(PrecisionPolicy):
                 f"precision.budget={budget} is below BF16's own mismatch (1.0 = every layer "
                 "in BF16, the floor no layout can go under); use a budget >= 1"
             )
-        if calibration_prompts < 1:
+        if calibration_prompts < 1 or remeasure_every < 0:
             raise ValueError(
-                f"precision.calibration_prompts must be >= 1, got {calibration_prompts}"
+                "precision.calibration_prompts must be >= 1 and precision.remeasure_every >= 0 "
+                f"(0: never), got {calibration_prompts} and {remeasure_every}"
             )
         self.base = get_policy(base)
         self.keep = None if keep is None else frozenset(keep)
         self.budget, self.quantized_share = budget, quantized_share
-        self.calibration_prompts = calibration_prompts
+        self.calibration_prompts, self.remeasure_every = calibration_prompts, remeasure_every
         self.engine_dtype = self.base.engine_dtype
         self.name = f"mixed_{base}"
 

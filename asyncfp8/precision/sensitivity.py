@@ -213,6 +213,49 @@ def plan_layout(
     return Layout(keep, floor, full, kl, sensitivity, flops)
 
 
+class LayoutDrift:
+    """The learner's watch over a frozen layout: every `policy.remeasure_every` versions,
+    its KL and BF16's measured again on the version's weights (rank 0's gathered FP32
+    state, loaded into a plain copy of the model kept for it), as metrics
+    `precision/layout_kl`, `precision/layout_kl_bf16` and `precision/layout_kl_ratio`.
+    RL moves the weights: a layout chosen within budget at the start may leave it."""
+
+    def __init__(self, policy: MixedPolicy, model: nn.Module, task, tokenizer):
+        self.policy, self.model = policy, model.eval()
+        self.batch, self.mask = calibration_batch(task, tokenizer, policy.calibration_prompts)
+
+    def due(self, version: int) -> bool:
+        every = self.policy.remeasure_every
+        return bool(every) and version > 0 and version % every == 0
+
+    def measure(self, state: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        missing = [name for name, _ in self.model.named_parameters() if name not in state]
+        if missing:
+            raise ValueError(
+                f"the version's state lacks {len(missing)} parameter(s): {missing[:3]}"
+            )
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                param.copy_(state[name])
+        kl, floor = layout_kl(self.model, self.policy, self.batch, self.mask)
+        return {
+            "precision/layout_kl": kl,
+            "precision/layout_kl_bf16": floor,
+            "precision/layout_kl_ratio": kl / floor if floor > 0 else float("inf"),
+        }
+
+    def over_budget(self, metrics: Mapping[str, float]) -> str | None:
+        """A warning when the layout measured past its budget, else None."""
+        ratio, budget = metrics.get("precision/layout_kl_ratio"), self.policy.budget
+        if ratio is None or budget is None or ratio <= budget:
+            return None
+        return (
+            f"precision=mixed: the layout's KL is now {ratio:.2f}x BF16's, past "
+            f"precision.budget={budget} (measured {metrics['precision/layout_kl']:.2e}); the "
+            "layout is frozen for the run: a new run measures a new one"
+        )
+
+
 def plan_for(policy: MixedPolicy, model: nn.Module, task, tokenizer, progress=None) -> Layout:
     """`policy`'s layout, measured on `model` and `task` as its parameters say."""
     batch, mask = calibration_batch(task, tokenizer, policy.calibration_prompts)
@@ -226,10 +269,16 @@ def keep_override(layout: Layout) -> str:
     return "precision.keep=[" + ",".join(f"'{name}'" for name in sorted(layout.keep)) + "]"
 
 
+def mixed_part(policy: PrecisionPolicy) -> MixedPolicy | None:
+    """The `mixed` part of `policy` (itself, or a part of a composition), if any."""
+    parts = getattr(policy, "parts", [policy])
+    return next((p for p in parts if isinstance(p, MixedPolicy)), None)
+
+
 def unmeasured_mixed(policy: PrecisionPolicy) -> MixedPolicy | None:
     """The `mixed` part of `policy` when it has no layout yet (no precision.keep)."""
-    parts = getattr(policy, "parts", [policy])
-    return next((p for p in parts if isinstance(p, MixedPolicy) and p.keep is None), None)
+    mixed = mixed_part(policy)
+    return mixed if mixed is not None and mixed.keep is None else None
 
 
 def measure_for_run(cfg, model_dir, run_dir) -> Layout | None:
@@ -278,8 +327,8 @@ def main() -> None:
 
         model_dir = run_model_dir(cfg)
         policy = build_policy(cfg.precision, model_dir)
-        weights = policy.parts[0] if hasattr(policy, "parts") else policy
-        if not isinstance(weights, MixedPolicy):
+        weights = mixed_part(policy)
+        if weights is None:
             raise SystemExit(f"precision must be mixed (precision=mixed), got {policy.name!r}")
         model = load_model(model_dir, dtype=torch.float32).eval()
         layout = plan_for(
