@@ -17,7 +17,7 @@ shift || true
 seeds="${*:-0 1 2 3 4}"
 export PYTHONPATH="$PWD/examples${PYTHONPATH:+:$PYTHONPATH}"
 # 200 steps, not make run's 300: every setting has learned or failed by then (docs/results.md),
-# and 14 settings x 5 seeds fit in ~2.5 h on 2 cores. Overrides in EXTRA come after (and win).
+# and 16 settings x 5 seeds fit in ~3 h on 2 cores. Overrides in EXTRA come after (and win).
 export EXTRA="run.steps=${STEPS:-200} ${EXTRA:-}"
 harsh="precision._target_=harsh_int4_policy.IntWeightOnlyPolicy"
 all_settings=(
@@ -39,6 +39,10 @@ all_settings=(
   # and the rollout weights quantized from its FP32 masters or from their BF16 rounding.
   "fp8_from_master precision=fp8 correction=token_tis run.compute_dtype=bfloat16 precision.quantize_from=master"
   "fp8_from_compute precision=fp8 correction=token_tis run.compute_dtype=bfloat16 precision.quantize_from=compute"
+  # precision=mixed (issue 46; docs/precision.md): the launcher measures the layout first.
+  # INT8 at budget 1.3 (67% of the linear FLOPs on `small`), FP8 at 2 (50%).
+  "mixed_int8_tis precision=mixed precision.base=int8 precision.budget=1.3 correction=token_tis"
+  "mixed_fp8_tis precision=mixed precision.base=fp8 precision.budget=2 correction=token_tis"
 )
 # shellcheck source=scripts/run_settings.sh
 source scripts/run_settings.sh

@@ -587,3 +587,35 @@ def test_the_planner_reads_each_precision_from_its_policy():
     assert get_precision("fp8").scale_bytes(200, 300) == 2 * 3 * 4  # per 128x128 block
     with pytest.raises(PlanInputError, match="precision 'fp4': unknown precision policy 'fp4'"):
         get_precision("fp4")
+
+
+def test_a_mixed_layout_is_priced_as_its_two_parts():
+    """`mixed_<base>@<share>` (precision=mixed's measured share of the linear FLOPs):
+    its weights, GEMM FLOPs and kernel launches split between the base format and BF16,
+    so its decode step lies between the two, and at share 1 it is the base exactly."""
+    model, gpu, eff = load_model_facts("qwen2.5-1.5b"), get_gpu("h100"), Efficiency()
+    bf16, fp8 = get_precision("bf16"), get_precision("fp8")
+    half = get_precision("mixed_fp8@0.5")
+    assert weight_bytes(model, half) == pytest.approx(
+        (weight_bytes(model, bf16) + weight_bytes(model, fp8)) / 2
+    )
+    ops = decode_ops(model, half, 64, 64 * 2000.0)
+    assert step_flops(ops) == pytest.approx(step_flops(decode_ops(model, fp8, 64, 64 * 2000.0)))
+    fp8_gemm = sum(o.flops for o in ops if o.kind == "gemm" and o.dtype == "fp8")
+    bf16_gemm = sum(
+        o.flops for o in ops if o.kind == "gemm" and o.dtype == "bf16" and o.name != "lm_head"
+    )
+    assert fp8_gemm == pytest.approx(bf16_gemm)
+    for batch in (1, 256):
+        seconds = [
+            decode_step(model, p, gpu, eff, batch, batch * 2000.0).seconds
+            for p in (bf16, half, fp8)
+        ]
+        assert seconds[0] > seconds[1] > seconds[2], seconds
+    whole = get_precision("mixed_fp8@1")
+    assert decode_step(model, whole, gpu, eff, 64, 1e5).seconds == pytest.approx(
+        decode_step(model, fp8, gpu, eff, 64, 1e5).seconds
+    )
+    for bad in ("mixed_bf16@0.5", "mixed_int8@1.5", "mixed_int8@0"):
+        with pytest.raises(PlanInputError, match="mixed_<base>@<share>"):
+            get_precision(bad)

@@ -35,7 +35,7 @@ class Op:
     weight_bytes: float  # weights read (at the precision's storage size, scales included)
     io_bytes: float  # everything else read or written: activations, KV cache, logits
     dtype: str  # what the math runs in: bf16, fp8, int8 (GEMMs) or the KV type (attention)
-    launches: int = 0  # GEMM kernels this op stands for in one step
+    launches: float = 0  # GEMM kernels this op stands for in one step (a share: mixed)
 
 
 def kv_bytes_per_token(model: ModelFacts, precision: Precision) -> int:
@@ -60,7 +60,7 @@ def _layer_linear_bytes(model: ModelFacts, precision: Precision, moe: bool) -> t
     return attention + shared, expert
 
 
-def weight_bytes(model: ModelFacts, precision: Precision) -> int:
+def weight_bytes(model: ModelFacts, precision: Precision) -> float:
     """Bytes of the whole model as the engine holds it: quantized linears with their
     scales, BF16 embeddings, LM head, norms, biases and routers."""
     total = model.embedding_params() * ACTIVATION_BYTES
@@ -85,7 +85,39 @@ def decode_ops(
     model: ModelFacts, precision: Precision, batch: int, context_tokens: float, tp: int = 1
 ) -> list[Op]:
     """The primitives of one decode step of `batch` sequences whose KV caches hold
-    `context_tokens` tokens in all (the new token included), on one of `tp` GPUs."""
+    `context_tokens` tokens in all (the new token included), on one of `tp` GPUs. A
+    mixed layout's GEMMs are two ops each: its quantized share in the format, the rest
+    in BF16 (FLOPs, bytes and kernel launches split alike)."""
+    share = precision.quantized_share
+    if share == 1:
+        return _decode_ops(model, precision, batch, context_tokens, tp)
+    whole = Precision(precision.name, precision.storage)
+    quantized = _decode_ops(model, whole, batch, context_tokens, tp)
+    plain = _decode_ops(model, precision.unquantized(), batch, context_tokens, tp)
+    ops = []
+    for q, b in zip(quantized, plain, strict=True):
+        if q.kind != "gemm" or q.dtype == b.dtype:
+            ops.append(q)
+            continue
+        ops += [_scaled(q, share), _scaled(b, 1 - share)]
+    return ops
+
+
+def _scaled(op: Op, share: float) -> Op:
+    return Op(
+        op.name,
+        op.kind,
+        op.flops * share,
+        op.weight_bytes * share,
+        op.io_bytes * share,
+        op.dtype,
+        op.launches * share,
+    )
+
+
+def _decode_ops(
+    model: ModelFacts, precision: Precision, batch: int, context_tokens: float, tp: int = 1
+) -> list[Op]:
     b, h = batch, model.hidden_size
     weights = precision.weights
     ops: list[Op] = []

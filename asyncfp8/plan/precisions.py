@@ -9,18 +9,26 @@ are what the policies export (checked in tests/test_plan.py against
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 from asyncfp8.precision import get_policy
 from asyncfp8.precision.storage import Storage
 
 from .errors import PlanInputError
 
+#: `mixed_int8@0.67`: precision=mixed over INT8 with 67% of the linear FLOPs quantized
+#: (the share a measured layout reports: RUN_DIR/precision_layout.json, docs/precision.md)
+MIXED = re.compile(r"mixed_(\w+)@([0-9.]+)")
+
 
 @dataclass(frozen=True)
 class Precision:
     name: str
     storage: Storage
+    #: the share of the linear layers (FLOPs and weights alike) in the quantized format;
+    #: the rest run in BF16 (a mixed layout priced as its two parts)
+    quantized_share: float = 1.0
 
     @property
     def weights(self) -> str:
@@ -40,14 +48,35 @@ class Precision:
         """Bytes of the scales stored beside one quantized weight [out, in]."""
         return self.storage.scale_bytes(out_features, in_features)
 
-    def linear_bytes(self, out_features: int, in_features: int) -> int:
-        """Bytes of one linear weight as the engine holds it (scales included)."""
-        return self.storage.linear_bytes(out_features, in_features)
+    def linear_bytes(self, out_features: int, in_features: int) -> float:
+        """Bytes of one linear weight as the engine holds it (scales included); of a mixed
+        layout, its quantized share at the format's size and the rest in BF16."""
+        quantized = self.storage.linear_bytes(out_features, in_features)
+        if self.quantized_share == 1:
+            return quantized
+        bf16 = out_features * in_features * 2
+        return self.quantized_share * quantized + (1 - self.quantized_share) * bf16
+
+    def unquantized(self) -> Precision:
+        """The same precision with every linear layer in BF16 (the KV cache kept)."""
+        return Precision(
+            f"{self.name} (bf16 part)", replace(Storage(), kv_dtype=self.storage.kv_dtype)
+        )
 
 
 def get_precision(name: str) -> Precision:
     """The precision of policy `name` (registered, or composed with '+'), with its
-    default parameters."""
+    default parameters; `mixed_<base>@<share>` is `base` on that share of the linear
+    layers and BF16 on the rest."""
+    mixed = MIXED.fullmatch(name)
+    if mixed:
+        base, share = get_precision(mixed.group(1)), float(mixed.group(2))
+        if base.weights == "bf16" or not 0 < share <= 1:
+            raise PlanInputError(
+                f"precision {name!r}: mixed_<base>@<share> takes a quantizing base (fp8, int8) "
+                f"and a share in (0, 1], got {mixed.group(1)!r} and {share}"
+            )
+        return Precision(name, base.storage, share)
     try:
         policy = get_policy(name)
     except (KeyError, ValueError) as err:

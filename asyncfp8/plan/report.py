@@ -60,19 +60,20 @@ def table(plan: dict[str, Any]) -> str:
         "cannot hold that batch)",
     ]
     batches = plan["batch_sizes"]
-    header = f"{'precision':<11}" + "".join(f"{b:>10}" for b in batches)
+    w = max(11, *(len(name) + 2 for name in plan["precisions"]))  # mixed_int8@0.67 is long
+    header = f"{'precision':<{w}}" + "".join(f"{b:>10}" for b in batches)
     lines += [header]
     for name, row in plan["precisions"].items():
-        lines.append(f"{name:<11}" + "".join(f"{_num(v):>10}" for v in row["decode_tokens_per_s"]))
+        lines.append(f"{name:<{w}}" + "".join(f"{_num(v):>10}" for v in row["decode_tokens_per_s"]))
     lines += [
         "",
-        f"{'precision':<11}{'weights GB':>11}{'KV tokens':>12}{'running':>9}{'rollout s':>11}"
+        f"{'precision':<{w}}{'weights GB':>11}{'KV tokens':>12}{'running':>9}{'rollout s':>11}"
         f"{'vs bf16':>9}{'tail':>6}{'sync GB':>9}{'step sync':>11}{'step async':>11}",
     ]
     for name, row in plan["precisions"].items():
         fits = row["fits"]
         lines.append(
-            f"{name:<11}{row['weight_gb']:>11.3g}{row['kv_capacity_tokens']:>12,}"
+            f"{name:<{w}}{row['weight_gb']:>11.3g}{row['kv_capacity_tokens']:>12,}"
             f"{row['running_sequences_at_mean_context']:>9}"
             + (
                 f"{row['rollout_seconds']:>11.1f}{_times(row['rollout_speedup_vs_bf16']):>9}"

@@ -115,7 +115,12 @@ def prefill_seconds(
     """Compute time of prefilling `tokens` prompt tokens; engines chunk prefills into
     the decode steps, whose weight reads they share, so only the FLOPs are added."""
     dtype = precision.weights if gpu.has_tensor_cores_for(precision.weights) else "bf16"
-    return prefill_flops(model, tokens) / (tp * gpu.peak_flops(dtype) * eff.gemm_compute[dtype])
+    share = precision.quantized_share  # a mixed layout: the rest at the BF16 rate
+
+    def rate(kind: str) -> float:
+        return tp * gpu.peak_flops(kind) * eff.gemm_compute[kind]
+
+    return prefill_flops(model, tokens) * (share / rate(dtype) + (1 - share) / rate("bf16"))
 
 
 def kv_capacity_tokens(
