@@ -1,4 +1,5 @@
-# Sourced by the study scripts (parity_runs.sh, rejection_runs.sh, learner_forward_runs.sh): one launcher run
+# Sourced by the study scripts (parity_runs.sh, rejection_runs.sh, learner_forward_runs.sh,
+# stability_runs.sh): one launcher run
 # per setting and seed, then one report over them all.
 #   run_settings OUT_DIR "SEEDS" "name overrides..." ...
 # A finished run (its summary.json written) is kept, so a stopped study continues where it
