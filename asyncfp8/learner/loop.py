@@ -433,12 +433,12 @@ class Learner:
 
     def _layout_drift(self) -> LayoutDrift | None:
         """precision=mixed: the watch over its frozen layout, on rank 0 (a plain FP32 copy
-        of the model, loaded with each measured version's gathered weights)."""
+        of the model on its device, loaded with each measured version's gathered weights)."""
         mixed = mixed_part(self.policy)
         if mixed is None or not mixed.remeasure_every or not self.ranks.main:
             return None
         model = load_model(self.model_dir, dtype=torch.float32)
-        return LayoutDrift(mixed, model, self.task, self.tokenizer)
+        return LayoutDrift(mixed, model, self.task, self.tokenizer, self.ranks.device)
 
     def _prompt_batch(self) -> dict[str, torch.Tensor]:
         """Calibration data before the first step: the task's first prompts."""

@@ -220,9 +220,15 @@ class LayoutDrift:
     `precision/layout_kl`, `precision/layout_kl_bf16` and `precision/layout_kl_ratio`.
     RL moves the weights: a layout chosen within budget at the start may leave it."""
 
-    def __init__(self, policy: MixedPolicy, model: nn.Module, task, tokenizer):
-        self.policy, self.model = policy, model.eval()
-        self.batch, self.mask = calibration_batch(task, tokenizer, policy.calibration_prompts)
+    def __init__(self, policy: MixedPolicy, model: nn.Module, task, tokenizer, device=None):
+        # on the learner's device: on a GPU a measure is three forward passes of the
+        # calibration texts and one quantization of the model, which a CPU would take
+        # minutes over for billions of parameters; it holds the copy (FP32) and, while it
+        # measures, its BF16 twin
+        self.policy, self.model = policy, model.to(device).eval()
+        batch, mask = calibration_batch(task, tokenizer, policy.calibration_prompts)
+        self.batch = {key: value.to(device) for key, value in batch.items()}
+        self.mask = mask.to(device)
 
     def due(self, version: int) -> bool:
         every = self.policy.remeasure_every
