@@ -10,7 +10,7 @@ are what the policies export (checked in tests/test_plan.py against
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from asyncfp8.precision import get_policy
 from asyncfp8.precision.storage import Storage
@@ -59,9 +59,7 @@ class Precision:
 
     def unquantized(self) -> Precision:
         """The same precision with every linear layer in BF16 (the KV cache kept)."""
-        return Precision(
-            f"{self.name} (bf16 part)", replace(Storage(), kv_dtype=self.storage.kv_dtype)
-        )
+        return Precision(f"{self.name} (bf16 part)", Storage(kv_dtype=self.storage.kv_dtype))
 
 
 def get_precision(name: str) -> Precision:
