@@ -42,7 +42,7 @@ from asyncfp8.models import run_model_dir
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.process import die_with_parent, usable_cores, worker_count
 from asyncfp8.report import LAST_STEPS, ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW, plot_runs, summarize
-from asyncfp8.run_files import CHECKPOINT_DIR, LEARNER_STATE
+from asyncfp8.run_files import CHECKPOINT_DIR, GUARD_STOPPED, LEARNER_STATE
 from asyncfp8.runconfig import restore_on_resume
 from asyncfp8.slurm import SlurmTask, role_of, slurm_task
 
@@ -343,6 +343,8 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
     if failed is not None:
         process, code = failed
         stop_all(learner, workers)
+        if process is learner and code == GUARD_STOPPED:
+            return report_guard_stop(run_dir, started, learner)
         print(
             f"[launch] {process.name} exited with {code} "
             f"({'a configuration error: restarting cannot help' if code == CONFIG_ERROR else 'failed'}); "
@@ -357,6 +359,15 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
             worker.signal(signal.SIGTERM)
     stop_all(learner, workers)
     return report_end(run_dir, started)
+
+
+def report_guard_stop(run_dir: Path, started: float, learner: Process) -> int:
+    """A run the guard stopped is an outcome, not a crash: its summary.json and plots as a
+    finished run's (with `guard_stopped`), the learner's reason, and how to go on."""
+    report_end(run_dir, started)
+    print(f"[launch] the guard stopped the run. learner.log ends:\n{learner.tail(1)}")
+    print(resume_hint(run_dir))
+    return GUARD_STOPPED
 
 
 def report_end(run_dir: Path, started: float) -> int:

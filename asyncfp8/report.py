@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from asyncfp8.collapse import run_collapse
 from asyncfp8.metrics import METRICS_FILE, read_metrics
+from asyncfp8.run_files import GUARD_STOP_FILE
 from asyncfp8.runconfig import CONFIG_FILE, RESUME_KEYS, SAFE_ON_RESUME
 from asyncfp8.stats import binomial_se, mean_ci, wilson_interval
 
@@ -142,8 +143,15 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "collapse_step": collapse.step,
         "collapse_reason": collapse.reason,
         "fell_and_recovered": collapse.fell_and_recovered,
+        # the guard's stop ({step, signal, detail, setting, good_step, checkpoint}), or None
+        "guard_stopped": _guard_stop(run_dir),
         "warnings": warnings,
     }
+
+
+def _guard_stop(run_dir: str | Path) -> dict[str, Any] | None:
+    path = Path(run_dir) / GUARD_STOP_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _rollbacks(records: list[dict]) -> int | None:
@@ -567,6 +575,18 @@ def _collapses(rows: list[dict], seeds: list[int]) -> dict[str, Any]:
             for seed, s in collapsed
         ],
         "fell_and_recovered": sum(bool(s["fell_and_recovered"]) for s in rows),
+        # runs the guard stopped (its rollbacks in a row exhausted): they did not finish,
+        # collapsed or not (summaries written before the guard wrote its stop lack the key)
+        "guard_stops": sum(bool(s.get("guard_stopped")) for s in rows),
+        "guard_stopped_runs": [
+            {
+                "seed": seed,
+                "step": s["guard_stopped"]["step"],
+                "signal": s["guard_stopped"]["signal"],
+            }
+            for seed, s in zip(seeds, rows, strict=True)
+            if s.get("guard_stopped")
+        ],
     }
 
 
@@ -576,11 +596,16 @@ def _collapse_line(g: dict[str, Any]) -> str:
         f"seed {c['seed']} at step {c['step']} ({c['signal']})" for c in g["collapsed_runs"]
     )
     dips = g["fell_and_recovered"]
+    stops = ", ".join(
+        f"seed {c['seed']} at step {c['step']} ({c['signal']})"
+        for c in g.get("guard_stopped_runs", [])
+    )
     return (
         f"  {'collapsed':<17} {g['collapses']} of {g['n']} (rate 95% CI {low:.2f}-{high:.2f}, "
         f"Wilson)"
         + (f": {which}" if which else "")
         + (f"; {dips} more fell below half their best held-out and recovered" if dips else "")
+        + (f"\n  {'guard stopped':<17} {g['guard_stops']} of {g['n']}: {stops}" if stops else "")
     )
 
 

@@ -20,9 +20,10 @@ run_settings() {
       rm -rf "$dir"
       echo "[runs] $name seed $seed ($(( (SECONDS - started) / 60 )) min so far)"
       # shellcheck disable=SC2086
-      # A run that ends non-zero (the guard stopped it: 3 rollbacks in a row) is an outcome,
-      # not a reason to stop the study; it writes no summary.json, so the next call of the
-      # study runs it again, and the report leaves it out (issue 45: count it)
+      # A run the guard stopped (guard.max_rollbacks in a row; exit status 3) is an
+      # outcome: its summary.json is written and kept, and the report counts it under
+      # "guard stopped". Any other non-zero end (a crash) leaves no summary.json, is
+      # printed, and runs again at the next call of the study.
       "$py" -m asyncfp8.launch ${PLACEMENT:-run.placement=separate run.workers=2} $overrides \
         ${EXTRA:-} run.seed="$seed" run.dir="$dir" | tail -n 3 \
         || echo "[runs] $name seed $seed ended with a non-zero status: $dir"

@@ -4,6 +4,7 @@ root-finding, and the report's count per group over synthetic run directories.""
 
 import json
 import math
+from pathlib import Path
 from statistics import NormalDist
 
 import pytest
@@ -12,6 +13,7 @@ from omegaconf import OmegaConf
 from asyncfp8.collapse import collapse_of, heldout_collapse, reward_collapse
 from asyncfp8.metrics import MetricsLog
 from asyncfp8.report import main
+from asyncfp8.run_files import GUARD_STOP_FILE
 from asyncfp8.stats import wilson_interval
 
 
@@ -149,3 +151,25 @@ def test_the_report_counts_collapses_per_group_with_a_wilson_interval(tmp_path, 
     assert "1 more fell below half their best held-out and recovered" in printed
     summaries = {s["run"]: s for s in json.loads(table.read_text())["runs"]}
     assert summaries[runs[1]]["collapsed"] and not summaries[runs[0]]["collapsed"]
+
+
+def test_the_report_counts_the_runs_the_guard_stopped(tmp_path, capsys):
+    """A run the guard stopped (its learner wrote guard_stop.json) ended early: the group
+    names it beside its collapses, whatever its held-out said before."""
+    learned = [0.5] * 40
+    runs = [
+        synthetic_run(tmp_path / f"s{seed}", seed, {0: 0.2, 40: 0.8}, learned) for seed in (0, 1)
+    ]
+    stopped = synthetic_run(tmp_path / "s2", 2, {0: 0.2}, learned[:30])
+    stop = {"step": 30, "signal": "far_tokens", "detail": "19 of 2182 tokens", "good_step": 27}
+    (Path(stopped) / GUARD_STOP_FILE).write_text(json.dumps(stop))
+    table = tmp_path / "compare.json"
+    main([*runs, stopped, "--out", str(tmp_path / "compare.png"), "--json", str(table)])
+    printed = capsys.readouterr().out
+    (group,) = json.loads(table.read_text())["groups"]
+    assert group["guard_stops"] == 1
+    assert group["guard_stopped_runs"] == [{"seed": 2, "step": 30, "signal": "far_tokens"}]
+    assert "guard stopped     1 of 3: seed 2 at step 30 (far_tokens)" in printed
+    summaries = {s["run"]: s for s in json.loads(table.read_text())["runs"]}
+    assert summaries[stopped]["guard_stopped"]["good_step"] == 27
+    assert summaries[runs[0]]["guard_stopped"] is None

@@ -4,7 +4,9 @@ the tiny model: a clean run never rolls back and trains exactly as without the g
 poison fail point breaks a run without the guard and is undone with it; rollbacks in a
 row stop the run with a checkpoint that a resume continues from."""
 
+import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,7 +265,7 @@ def test_rollbacks_in_a_row_stop_the_run_and_a_resume_continues(
     tiny_model_dir, recorded, tmp_path, caplog
 ):
     from asyncfp8.learner import Learner
-    from asyncfp8.learner.loop import GUARD_STOPPED
+    from asyncfp8.run_files import GUARD_STOP_FILE, GUARD_STOPPED
     from tests.recorded import learner_config, train
 
     caplog.set_level(logging.INFO, logger="asyncfp8.learner")
@@ -289,13 +291,44 @@ def test_rollbacks_in_a_row_stop_the_run_and_a_resume_continues(
     assert "signal far_tokens" in message and "guard.log_ratio_bound" in message
     assert "the weights after step 1 (the oldest good state kept) in" in message
     assert "step_00000005" in message and "run.resume=true" in message
+    # ... and the stop is in the run dir, for the summary and the study reports to count
+    stop = json.loads((learner.dir / GUARD_STOP_FILE).read_text())
+    assert stop["step"] == 5 and stop["signal"] == "far_tokens" and stop["good_step"] == 1
+    assert stop["checkpoint"].endswith("step_00000005")
     # the checkpoint holds the last good weights; a resume continues from it
     resumed = Learner(learner_config(tiny_model_dir, tmp_path, *overrides, "run.resume=true"))
     try:
         assert resumed.step == 5
+        assert not (learner.dir / GUARD_STOP_FILE).exists()  # going on: no longer stopped
         restored = weights(resumed.model)
         assert all(torch.equal(a, b) for a, b in zip(restored, start, strict=True))
         metrics = train(resumed, recorded[5])
         assert metrics["guard/rolled_back"] == 0 and metrics["optim/updates"] == 1
     finally:
         resumed.close()
+
+
+def test_the_launcher_writes_the_summary_of_a_run_the_guard_stopped(tmp_path, capsys):
+    """The learner's exit status 3 is an outcome, not a crash: the launcher writes the
+    summary.json a study keeps and counts (a crash's run is run again), says why the run
+    stopped, and how to go on."""
+    import time
+
+    from asyncfp8.launch import Process, report_guard_stop
+    from asyncfp8.run_files import CHECKPOINT_DIR, GUARD_STOP_FILE, GUARD_STOPPED, LEARNER_STATE
+    from tests.test_collapse import synthetic_run
+
+    run_dir = Path(synthetic_run(tmp_path / "run", 0, {0: 0.2}, [0.5] * 12))
+    stop = {"step": 12, "signal": "far_tokens", "detail": "3 of 900 tokens", "good_step": 9}
+    (run_dir / GUARD_STOP_FILE).write_text(json.dumps(stop))
+    (run_dir / CHECKPOINT_DIR / "step_00000012").mkdir(parents=True)
+    (run_dir / CHECKPOINT_DIR / "step_00000012" / LEARNER_STATE).write_bytes(b"")
+    reason = "learner ERROR guard: 3 rollbacks in a row (guard.max_rollbacks=3); ..."
+    (run_dir / "learner.log").write_text(f"learner INFO step 11\n{reason}\n")
+    learner = Process("learner", "asyncfp8.learner", [], run_dir)
+    assert report_guard_stop(run_dir, time.perf_counter(), learner) == GUARD_STOPPED
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["guard_stopped"] == stop and summary["steps"] == 12
+    printed = capsys.readouterr().out
+    assert f"the guard stopped the run. learner.log ends:\n    {reason}" in printed
+    assert f"continue with: run.resume=true run.dir={run_dir}" in printed

@@ -16,6 +16,7 @@ The loop (`Learner.run`) is the algorithm; each part has its own module:
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -46,6 +47,7 @@ from asyncfp8.precision.fp8_kv import kv_scale_names
 from asyncfp8.precision.sensitivity import LayoutDrift, mixed_part
 from asyncfp8.process import StopFlag, endpoints, set_threads, worker_count
 from asyncfp8.refit import ReferenceForward
+from asyncfp8.run_files import GUARD_STOP_FILE, GUARD_STOPPED
 
 from .checkpoints import Checkpointer
 from .colocated import COLOCATED_VLLM_MEMORY, Colocated, kept_random_state
@@ -57,9 +59,6 @@ from .step_metrics import StepMetrics
 from .versions import VersionWeights
 
 log = logging.getLogger("asyncfp8.learner")
-# The exit status of a run the guard stopped (its rollbacks exhausted): not a crash (1),
-# not a bad setting (2), not a signal (128 + n).
-GUARD_STOPPED = 3
 
 
 class Learner:
@@ -394,6 +393,20 @@ class Learner:
             self.dir,
             verdict.setting,
         )
+        if self.ranks.main:
+            (self.dir / GUARD_STOP_FILE).write_text(
+                json.dumps(
+                    {
+                        "step": self.step,
+                        "signal": verdict.signal,
+                        "detail": verdict.detail,
+                        "setting": verdict.setting,
+                        "good_step": good,
+                        "checkpoint": str(folder) if folder is not None else None,
+                    },
+                    indent=2,
+                )
+            )
         self.hub.finish()
         self.close()
         return GUARD_STOPPED
@@ -510,6 +523,8 @@ class Learner:
 
     def _restore(self) -> None:
         restored = self.checkpointer.restore()
+        if self.ranks.main:  # a run the guard stopped goes on: no longer stopped
+            (self.dir / GUARD_STOP_FILE).unlink(missing_ok=True)
         self.step, self.version = restored.step, restored.version
         self.elapsed_before, self.resumed_from = restored.elapsed_s, restored.step
         self.hub.load_state_dict(restored.inbox)
