@@ -5,6 +5,7 @@ mid-publish; and publishing in the background (asyncfp8/sync/background.py)."""
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -467,3 +468,22 @@ def test_a_large_tensor_goes_in_aligned_pieces_and_a_spoiled_piece_is_refused():
     finally:
         reader.release()
         writer.close()
+
+
+def test_an_address_of_this_hosts_own_interface_is_local_whatever_its_name_resolves_to():
+    """`transport=auto` takes shared memory for a learner on this host. A learner named by
+    its LAN address (as a Ray node's is) is on this host too, though this machine's name
+    resolves to 127.0.0.1: it was taken for remote, and its workers were sent versions
+    over TCP. The address is the one the kernel would send from (Ray picks a node's IP so)."""
+    from asyncfp8.sync.version_pubsub import is_local
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("203.0.113.9", 9))  # TEST-NET-3: a route is looked up, nothing sent
+        except OSError:
+            pytest.skip("no route off this host: it has no interface but loopback")
+        own = probe.getsockname()[0]
+    assert is_local(f"tcp://{own}:5555")
+    assert is_local("tcp://127.0.0.1:5555") and is_local("tcp://localhost:5555")
+    assert not is_local("tcp://203.0.113.9:5555")  # not this host's
+    assert not is_local("tcp://no-such-host.invalid:5555")

@@ -88,13 +88,24 @@ def is_local(address: str) -> bool:
         return False
     host = rest.rsplit(":", 1)[0].strip("[]")
     try:
-        ip = ipaddress.ip_address(socket.gethostbyname(host))
-        if ip.is_loopback:
-            return True
-        own = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+        ip = ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0])
     except (OSError, ValueError):
         return False
-    return str(ip) in own
+    return ip.is_loopback or assigned_here(ip)
+
+
+def assigned_here(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether `ip` is an address of one of this host's interfaces: a socket binds to it
+    only then. (What the host name resolves to is not enough: on a machine whose name
+    resolves to 127.0.0.1, a Ray node's own LAN address looked remote, and its workers
+    took versions over TCP with deltas, 6% fewer trained samples/s.)"""
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((str(ip), 0))
+    except OSError:
+        return False
+    return True
 
 
 @dataclass
