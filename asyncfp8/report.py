@@ -576,8 +576,8 @@ def _collapses(rows: list[dict], seeds: list[int]) -> dict[str, Any]:
         ],
         "fell_and_recovered": sum(bool(s["fell_and_recovered"]) for s in rows),
         # runs the guard stopped (its rollbacks in a row exhausted): they did not finish,
-        # collapsed or not (summaries written before the guard wrote its stop lack the key)
-        "guard_stops": sum(bool(s.get("guard_stopped")) for s in rows),
+        # collapsed or not
+        "guard_stops": sum(bool(s["guard_stopped"]) for s in rows),
         "guard_stopped_runs": [
             {
                 "seed": seed,
@@ -585,7 +585,7 @@ def _collapses(rows: list[dict], seeds: list[int]) -> dict[str, Any]:
                 "signal": s["guard_stopped"]["signal"],
             }
             for seed, s in zip(seeds, rows, strict=True)
-            if s.get("guard_stopped")
+            if s["guard_stopped"]
         ],
     }
 
@@ -597,8 +597,7 @@ def _collapse_line(g: dict[str, Any]) -> str:
     )
     dips = g["fell_and_recovered"]
     stops = ", ".join(
-        f"seed {c['seed']} at step {c['step']} ({c['signal']})"
-        for c in g.get("guard_stopped_runs", [])
+        f"seed {c['seed']} at step {c['step']} ({c['signal']})" for c in g["guard_stopped_runs"]
     )
     return (
         f"  {'collapsed':<17} {g['collapses']} of {g['n']} (rate 95% CI {low:.2f}-{high:.2f}, "

@@ -2,7 +2,7 @@
 this machine: Ray's overhead in trained samples per second, and the time from submit
 to the first trained step.
 
-    python bench/cluster.py [--model-path DIR] [--steps 60] [--repeats 4] [--out bench/results/cluster-cpu.json]
+    python bench/cluster.py [--model-path DIR] [--steps 60] [--repeats 4] [--keep DIR] [--out bench/results/cluster-cpu.json]
 
 The Ray cluster is one node made here (`ray.cluster_utils.Cluster`, with as many CPUs
 as the launcher's processes use), so both runs have the same cores and the workers use
@@ -34,6 +34,22 @@ from asyncfp8.stats import mean_ci
 from bench.common import write_json
 
 MODES = {"launcher": [], "ray": ["run.ray=true"]}
+
+
+def machine_speed_s() -> float:
+    """Seconds for a fixed one-thread matmul: this VM's host slows it by a third at times
+    (two launcher runs 40 minutes apart: 311 and 209 trained samples/s), so each row
+    carries the machine's speed just before it, and a drifting repeat can be told."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a = torch.randn(512, 512)
+    started = time.perf_counter()
+    for _ in range(100):
+        a @ a
+    torch.set_num_threads(threads)
+    return time.perf_counter() - started
 
 
 def measure(mode: str, args, run_dir: Path, env: dict[str, str]) -> dict:
@@ -86,6 +102,9 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--model-path", default=None, help="a model made already (model.path)")
     parser.add_argument("--out", default="bench/results/cluster-cpu.json")
+    parser.add_argument(
+        "--keep", default=None, help="keep each run's directory under this one (default: none kept)"
+    )
     args = parser.parse_args()
     from ray.cluster_utils import Cluster
 
@@ -96,15 +115,19 @@ def main() -> None:
     env = {**os.environ, "RAY_ADDRESS": cluster.address}
     rows = []
     try:
-        with tempfile.TemporaryDirectory() as root:
+        with tempfile.TemporaryDirectory() as scratch:
+            root = Path(args.keep or scratch)
+            root.mkdir(parents=True, exist_ok=True)
             for repeat in range(args.repeats):
                 # the order swaps every repeat, so neither mode always runs on a warmer machine
                 for mode in list(MODES)[:: 1 if repeat % 2 == 0 else -1]:
-                    row = measure(mode, args, Path(root) / f"{mode}-{repeat}", env)
-                    rows.append({**row, "repeat": repeat})
+                    speed = machine_speed_s()
+                    row = measure(mode, args, root / f"{mode}-{repeat}", env)
+                    rows.append({**row, "repeat": repeat, "machine_matmul_s": speed})
                     print(
                         f"{mode:<9} #{repeat}: {row['trained_samples_per_s']:7.1f} trained samples/s, "
-                        f"first step {row['submit_to_first_step_s']:5.1f} s after submit",
+                        f"first step {row['submit_to_first_step_s']:5.1f} s after submit "
+                        f"(machine: matmul {speed:.3f} s)",
                         flush=True,
                     )
     finally:
