@@ -457,6 +457,8 @@ def launch_under_slurm(
         return 130
     if failed is not None:
         _, code = failed
+        if main_task and code == GUARD_STOPPED:
+            return report_guard_stop(run_dir, started, process)
         print(f"[launch] {name} exited with {code}; {name}.log ends:\n{process.tail(20)}")
         if main_task and code != CONFIG_ERROR:
             print(resume_hint(run_dir))

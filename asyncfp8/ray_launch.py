@@ -55,11 +55,12 @@ from asyncfp8.launch import (
     Progress,
     free_ports,
     report_end,
+    report_guard_stop,
     resume_hint,
 )
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.process import worker_count
-from asyncfp8.run_files import CHECKPOINT_DIR, LEARNER_STATE
+from asyncfp8.run_files import CHECKPOINT_DIR, GUARD_STOPPED, LEARNER_STATE
 from asyncfp8.sync.security import CLIENT, CLIENTS_DIR, SERVER
 
 RAY_INSTALL = 'pip install -c constraints.txt -e ".[ray]"'
@@ -575,6 +576,9 @@ def run_on_ray(ray, cfg: DictConfig, overrides: list[str], policy, workers: int)
             return report_end(run_dir, started)
         who, why = failed
         incarnation.teardown(learner_grace=60.0)
+        if who == "learner" and why == GUARD_STOPPED:  # an outcome: resuming would undo it
+            progress.close()
+            return report_guard_stop(run_dir, started, Process("learner", "", [], run_dir))
         if who == "learner" and why != CONFIG_ERROR and resumes < run.ray_learner_restarts:
             if has_checkpoint(run_dir):
                 resumes += 1

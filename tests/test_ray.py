@@ -188,3 +188,49 @@ def test_ctrl_c_is_reclaimed_after_ray_leaves_its_deferring_handler_behind():
         assert reclaim_ctrl_c() is False
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_learner_the_guard_stopped_is_not_resumed_on_ray(monkeypatch, tmp_path, capsys):
+    """The learner's exit status 3 on Ray is the guard's verdict, not a lost node: the
+    driver writes the run's summary and ends with 3 instead of resuming the learner
+    (a resume would take the guard's stop back and train into the same batches). The
+    cluster is faked: only the driver's decision is under test."""
+    from types import SimpleNamespace
+
+    from asyncfp8 import ray_launch
+    from asyncfp8.run_files import CHECKPOINT_DIR, GUARD_STOP_FILE, GUARD_STOPPED, LEARNER_STATE
+    from tests.test_collapse import compose, synthetic_run
+
+    class OneIncarnation:
+        started = 0
+
+        def __init__(self, *args):
+            pass
+
+        def start(self):
+            OneIncarnation.started += 1
+
+        def watch(self, progress):
+            return "learner", GUARD_STOPPED
+
+        def teardown(self, learner_grace):
+            pass
+
+    run_dir = Path(synthetic_run(tmp_path / "run", 0, {0: 0.2}, [0.5] * 12))
+    (run_dir / GUARD_STOP_FILE).write_text(json.dumps({"step": 12, "signal": "far_tokens"}))
+    (run_dir / CHECKPOINT_DIR / "step_00000012").mkdir(parents=True)
+    (run_dir / CHECKPOINT_DIR / "step_00000012" / LEARNER_STATE).write_bytes(b"")
+    (run_dir / "learner.log").write_text("learner ERROR guard: 3 rollbacks in a row\n")
+    monkeypatch.setattr(ray_launch, "RayRun", OneIncarnation)
+    cluster = SimpleNamespace(
+        available_resources=lambda: {"CPU": 8.0},
+        cluster_resources=lambda: {"CPU": 8.0},
+        get_runtime_context=lambda: SimpleNamespace(gcs_address="127.0.0.1:6379"),
+    )
+    cfg = compose(
+        f"run.dir={run_dir}", "run.ray=true", "run.steps=12", "run.ray_learner_restarts=2"
+    )
+    code = ray_launch.run_on_ray(cluster, cfg, [], SimpleNamespace(spec="bf16"), 2)
+    assert code == GUARD_STOPPED and OneIncarnation.started == 1  # not resumed
+    assert json.loads((run_dir / "summary.json").read_text())["guard_stopped"]["step"] == 12
+    assert "the guard stopped the run" in capsys.readouterr().out
