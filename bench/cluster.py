@@ -36,22 +36,6 @@ from bench.common import write_json
 MODES = {"launcher": [], "ray": ["run.ray=true"]}
 
 
-def machine_speed_s() -> float:
-    """Seconds for a fixed one-thread matmul: this VM's host slows it by a third at times
-    (two launcher runs 40 minutes apart: 311 and 209 trained samples/s), so each row
-    carries the machine's speed just before it, and a drifting repeat can be told."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    a = torch.randn(512, 512)
-    started = time.perf_counter()
-    for _ in range(100):
-        a @ a
-    torch.set_num_threads(threads)
-    return time.perf_counter() - started
-
-
 def measure(mode: str, args, run_dir: Path, env: dict[str, str]) -> dict:
     command = [
         sys.executable,
@@ -121,13 +105,11 @@ def main() -> None:
             for repeat in range(args.repeats):
                 # the order swaps every repeat, so neither mode always runs on a warmer machine
                 for mode in list(MODES)[:: 1 if repeat % 2 == 0 else -1]:
-                    speed = machine_speed_s()
                     row = measure(mode, args, root / f"{mode}-{repeat}", env)
-                    rows.append({**row, "repeat": repeat, "machine_matmul_s": speed})
+                    rows.append({**row, "repeat": repeat})
                     print(
                         f"{mode:<9} #{repeat}: {row['trained_samples_per_s']:7.1f} trained samples/s, "
-                        f"first step {row['submit_to_first_step_s']:5.1f} s after submit "
-                        f"(machine: matmul {speed:.3f} s)",
+                        f"first step {row['submit_to_first_step_s']:5.1f} s after submit",
                         flush=True,
                     )
     finally:
