@@ -110,6 +110,12 @@ def test_the_learner_measures_the_frozen_layout_again_on_a_versions_weights(
     assert first["precision/layout_kl_ratio"] > 1.1  # INT8 on 13 of 14 layers: past 1.1x
     assert "past precision.budget=1.1" in drift.over_budget(first)
     assert drift.over_budget({**first, "precision/layout_kl_ratio": 1.05}) is None
+    # an absolute target (precision.budget_kl) is held against the KL itself
+    kl = first["precision/layout_kl"]
+    drift.policy = get_policy("mixed", base="int8", keep=keep, budget_kl=kl / 2)
+    assert f"past precision.budget_kl={kl / 2:.2e}" in drift.over_budget(first)
+    drift.policy = get_policy("mixed", base="int8", keep=keep, budget_kl=kl * 2)
+    assert drift.over_budget(first) is None
     with pytest.raises(ValueError, match="lacks 1 parameter"):
         drift.measure({k: v for k, v in state.items() if k != "lm_head.weight"})
 
@@ -122,6 +128,28 @@ def test_a_share_of_the_flops_is_quantized_least_sensitive_first(measured):
     assert max(layout.sensitivity[n] for n in quantized) <= min(
         layout.sensitivity[n] for n in layout.keep
     )
+
+
+def test_an_absolute_budget_plans_as_its_multiple_of_bf16_and_below_the_floor_is_refused(
+    measured,
+):
+    """`precision.budget_kl`: a mean-KL target. Above BF16's own KL on the calibration
+    texts it is the relative budget it comes to; below it no layout can meet it, and it is
+    refused naming the floor measured."""
+    model, batch, mask = measured
+    base = get_policy("int8")
+    relative = plan_layout(model, base, batch, mask, budget=1.5)
+    absolute = plan_layout(model, base, batch, mask, budget_kl=1.5 * relative.floor)
+    assert absolute.keep == relative.keep and absolute.kl == pytest.approx(relative.kl)
+    floor = f"{relative.floor:.3e}"
+    with pytest.raises(ValueError, match=rf"budget_kl=.* below BF16's own .*, {floor} \(measured"):
+        plan_layout(model, base, batch, mask, budget_kl=0.5 * relative.floor)
+    policy = get_policy("mixed", base="int8", budget_kl=1e-3)
+    assert policy.budget is None and policy.budget_kl == 1e-3  # replaces the default budget
+    with pytest.raises(ValueError, match=r"budget_kl and precision\.quantized_share"):
+        get_policy("mixed", budget_kl=1e-3, quantized_share=0.5)
+    with pytest.raises(ValueError, match="budget_kl must be > 0"):
+        get_policy("mixed", budget_kl=0.0)
 
 
 def test_bad_settings_are_refused_naming_them(measured):

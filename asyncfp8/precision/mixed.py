@@ -6,8 +6,9 @@ dtype (BF16) on the layers where quantizing adds the most mismatch.
 `keep` lists the linear layers left in BF16 (module names, `model.layers.3.mlp.down_proj`).
 Left out, the launcher measures it once, on the model the run starts from
 (`asyncfp8.precision.sensitivity.plan_layout`: the smallest set of the most sensitive
-layers whose layout stays within `budget` times BF16's own mismatch, or that quantizes
-`quantized_share` of the linear FLOPs), and starts the learner and every worker with that
+layers whose layout stays within `budget` times BF16's own mismatch, or within an
+absolute mean KL `budget_kl`, or that quantizes `quantized_share` of the linear FLOPs),
+and starts the learner and every worker with that
 list. The layout is then frozen for the run: it is part of the policy's spec, which every
 version's header carries and every worker checks, so no engine ever has to rebuild a
 layer between versions (the torch engine, vLLM and SGLang alike). The learner measures
@@ -52,12 +53,21 @@ class MixedPolicy(PrecisionPolicy):
         quantized_share: float | None = None,
         calibration_prompts: int = 64,
         remeasure_every: int = 50,
+        budget_kl: float | None = None,
     ):
         if base not in MIXED_BASES:
             raise ValueError(
                 f"precision=mixed: base must be one of {', '.join(MIXED_BASES)}, got {base!r}"
             )
-        if quantized_share is not None:
+        if budget_kl is not None:
+            if quantized_share is not None:
+                raise ValueError(
+                    "precision.budget_kl and precision.quantized_share both given: one rule"
+                )
+            if not budget_kl > 0:
+                raise ValueError(f"precision.budget_kl must be > 0, got {budget_kl}")
+            budget = None  # an absolute target replaces the default relative budget
+        elif quantized_share is not None:
             if not 0 < quantized_share <= 1:
                 raise ValueError(
                     f"precision.quantized_share must be in (0, 1], got {quantized_share}"
@@ -77,7 +87,7 @@ class MixedPolicy(PrecisionPolicy):
             )
         self.base = get_policy(base)
         self.keep = None if keep is None else frozenset(keep)
-        self.budget, self.quantized_share = budget, quantized_share
+        self.budget, self.quantized_share, self.budget_kl = budget, quantized_share, budget_kl
         self.calibration_prompts, self.remeasure_every = calibration_prompts, remeasure_every
         self.engine_dtype = self.base.engine_dtype
         self.name = f"mixed_{base}"

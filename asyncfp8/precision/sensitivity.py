@@ -165,12 +165,15 @@ def plan_layout(
     budget: float | None = None,
     quantized_share: float | None = None,
     progress=None,
+    budget_kl: float | None = None,
 ) -> Layout:
-    """The layout of `base` over `model` within `budget` x BF16's KL, or quantizing
-    `quantized_share` of the FLOPs (exactly one of the two). `progress(text)` hears of
-    each measurement (one forward pass per layer, then one per layer kept)."""
-    if (budget is None) == (quantized_share is None):
-        raise ValueError("plan_layout needs a budget or a quantized_share, not both")
+    """The layout of `base` over `model` within `budget` x BF16's KL, within an absolute
+    mean KL `budget_kl`, or quantizing `quantized_share` of the FLOPs (exactly one of the
+    three). `progress(text)` hears of each measurement (one forward pass per layer, then
+    one per layer kept). A `budget_kl` below BF16's own KL on these texts (the floor: no
+    layout goes under it) is refused, naming the floor measured."""
+    if sum(rule is not None for rule in (budget, quantized_share, budget_kl)) != 1:
+        raise ValueError("plan_layout needs one of a budget, a budget_kl or a quantized_share")
     if budget is not None and budget < 1:
         raise ValueError(f"a budget below 1.0 is below BF16's own mismatch: {budget}")
     twin = EngineTwin(model, base)
@@ -187,6 +190,15 @@ def plan_layout(
         raise ValueError(
             "BF16's measured mismatch on the calibration texts is 0: nothing to budget against"
         )
+    if budget_kl is not None:
+        if budget_kl < floor:
+            raise ValueError(
+                f"precision.budget_kl={budget_kl:.3e} is below BF16's own mismatch on the "
+                f"calibration texts, {floor:.3e} (measured: every layer in BF16), the floor "
+                "no layout can go under; ask for at least that, or precision.budget (a "
+                "multiple of it)"
+            )
+        budget = budget_kl / floor
     sensitivity = {}
     for i, name in enumerate(layers):
         sensitivity[name] = measure([name]) - floor
@@ -252,13 +264,19 @@ class LayoutDrift:
 
     def over_budget(self, metrics: Mapping[str, float]) -> str | None:
         """A warning when the layout measured past its budget, else None."""
-        ratio, budget = metrics.get("precision/layout_kl_ratio"), self.policy.budget
-        if ratio is None or budget is None or ratio <= budget:
+        ratio, kl = metrics.get("precision/layout_kl_ratio"), metrics.get("precision/layout_kl")
+        budget, budget_kl = self.policy.budget, self.policy.budget_kl
+        if ratio is None or kl is None:
+            return None
+        if budget is not None and ratio > budget:
+            past = f"precision.budget={budget}"
+        elif budget_kl is not None and kl > budget_kl:
+            past = f"precision.budget_kl={budget_kl:.2e}"
+        else:
             return None
         return (
-            f"precision=mixed: the layout's KL is now {ratio:.2f}x BF16's, past "
-            f"precision.budget={budget} (measured {metrics['precision/layout_kl']:.2e}); the "
-            "layout is frozen for the run: a new run measures a new one"
+            f"precision=mixed: the layout's KL is now {ratio:.2f}x BF16's, past {past} "
+            f"(measured {kl:.2e}); the layout is frozen for the run: a new run measures a new one"
         )
 
 
@@ -266,7 +284,14 @@ def plan_for(policy: MixedPolicy, model: nn.Module, task, tokenizer, progress=No
     """`policy`'s layout, measured on `model` and `task` as its parameters say."""
     batch, mask = calibration_batch(task, tokenizer, policy.calibration_prompts)
     return plan_layout(
-        model, policy.base, batch, mask, policy.budget, policy.quantized_share, progress
+        model,
+        policy.base,
+        batch,
+        mask,
+        policy.budget,
+        policy.quantized_share,
+        progress,
+        budget_kl=policy.budget_kl,
     )
 
 
@@ -301,11 +326,12 @@ def measure_for_run(cfg, model_dir, run_dir) -> Layout | None:
     mixed = unmeasured_mixed(build_policy(cfg.precision, model_dir))
     if mixed is None:
         return None
-    rule = (
-        f"within {mixed.budget}x BF16's KL"
-        if mixed.budget is not None
-        else f"quantizing {mixed.quantized_share:.0%} of the linear FLOPs"
-    )
+    if mixed.budget is not None:
+        rule = f"within {mixed.budget}x BF16's KL"
+    elif mixed.budget_kl is not None:
+        rule = f"within a KL of {mixed.budget_kl:.2e}"
+    else:
+        rule = f"quantizing {mixed.quantized_share:.0%} of the linear FLOPs"
     print(
         f"[launch] precision=mixed: measuring each linear layer's {mixed.base.name} mismatch on "
         f"{mixed.calibration_prompts} calibration prompts ({rule})",
