@@ -98,7 +98,8 @@ def assigned_here(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     """Whether `ip` is an address of one of this host's interfaces: a socket binds to it
     only then. (What the host name resolves to is not enough: on a machine whose name
     resolves to 127.0.0.1, a Ray node's own LAN address looked remote, and its workers
-    took versions over TCP with deltas, 6% fewer trained samples/s.)"""
+    took versions over TCP with deltas: Ray ran at 0.905-0.941 of the launcher's trained
+    samples/s, 0.958 once they took shared memory; docs/running.md.)"""
     family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
