@@ -185,7 +185,7 @@ def plan_layout(
     def measure(quantized) -> float:
         return mean_kl(twin.logits(batch, set(quantized)), learner, mask)
 
-    floor, full = measure(()), measure(layers)
+    floor = measure(())
     if floor <= 0:
         raise ValueError(
             "BF16's measured mismatch on the calibration texts is 0: nothing to budget against"
@@ -199,6 +199,7 @@ def plan_layout(
                 "multiple of it)"
             )
         budget = budget_kl / floor
+    full = measure(layers)  # after the checks on the floor: a refusal costs one pass
     sensitivity = {}
     for i, name in enumerate(layers):
         sensitivity[name] = measure([name]) - floor
