@@ -35,7 +35,10 @@ from bench.common import write_json
 # Larger than the test suite's injections.
 SIZES = {
     "worker_kills": {"kills": 6},
-    "learner_kills": {"random_kills": 3, "steps": 120},
+    "learner_kills": {
+        "kinds": ("learner.mid_step", "publish.between_chunks", "random", "random", "random"),
+        "steps": 120,
+    },
     "corrupt_flood": {"frames": 2000},
     "impersonation": {"seconds": 10},
     "slow_worker": {"pauses": 5},

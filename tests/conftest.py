@@ -63,6 +63,22 @@ def taught_model_dir(tiny_model_dir, tmp_path_factory):
     return teach(tiny_model_dir, tmp_path_factory.mktemp("models") / "taught")
 
 
+# The job in turns (run.mode=sync) that worker processes run and the colocated engine
+# must match: one lease of the step's 4 groups at a time, as the colocated engine leases
+# them, so the lease's seed and version, not the process that takes it, fix the samples.
+TURNS = ("run.mode=sync", "run.steps=4", "run.lease_groups=4", "eval.every=0")
+
+
+@pytest.fixture(scope="session")
+def separate_turns(tiny_model_dir, tmp_path_factory):
+    """(run dir, launcher output) of TURNS with two worker processes, launched once per
+    session: test_e2e checks that sync mode trains only on the current version on it, and
+    test_colocated that the colocated engine makes the same samples and steps."""
+    from tests.launched import launch
+
+    return launch(tmp_path_factory.mktemp("separate"), tiny_model_dir, *TURNS, "run.workers=2")
+
+
 # The vLLM job in turns that a worker process runs and the colocated engine must match:
 # one lease of the step's 4 groups at a time, as the colocated engine leases them.
 VLLM_TURNS = (

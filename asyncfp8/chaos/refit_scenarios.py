@@ -15,8 +15,8 @@ import torch
 from asyncfp8.metrics import read_metrics
 
 from .cluster import Cluster
+from .fault_report import OPEN_ENDED, FaultReport, finish
 from .refit_faults import ENV, KINDS
-from .scenarios import OPEN_ENDED, FaultReport, _finish
 
 #: What each fault needs: a precision with KV scales, or one whose weight scales are 2-D
 #: grids of at least 2x2 (FP8 blocks of a model 256 wide: `wide_model`).
@@ -119,7 +119,7 @@ def refit_fault(
             "",
         )
         report.check("the worker kept running", worker.poll() is None, worker.poll())
-        _finish(c, learner, report)
+        finish(c, learner, report)
         last = read_metrics(c.run_dir)[-1]
         report.details |= {
             "probes": last.get("worker/0/refit/probes"),

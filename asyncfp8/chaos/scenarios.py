@@ -1,7 +1,8 @@
-"""The five faults of docs/reliability.md, each against a real learner and real
-workers on loopback (tiny model). A scenario injects its fault a bounded number of
-times, lets the run go on, stops the learner (SIGTERM: it checkpoints), audits the run
-and returns a `FaultReport`: what was injected, what was lost (must be 0), how long
+"""The faults of docs/reliability.md, each against a real learner and real workers on
+loopback (tiny model); the learner's own kills are in learner_kills.py, and SCENARIOS
+names them all. A scenario injects its fault a bounded number of times, lets the run go
+on, stops the learner (SIGTERM: it checkpoints), audits the run and returns a
+`FaultReport` (fault_report.py): what was injected, what was lost (must be 0), how long
 recovery took, and every check with what it saw."""
 
 from __future__ import annotations
@@ -11,22 +12,14 @@ import itertools
 import os
 import random
 import signal
-import statistics
-import subprocess
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import zmq
 
-from asyncfp8.failpoints import ENV as FAILPOINTS_ENV
 from asyncfp8.ledger import read_ledger
 from asyncfp8.metrics import read_metrics
-from asyncfp8.report import per_step, summarize
-from asyncfp8.run_files import LATEST_VERSION_FILE
 from asyncfp8.sync import Curve, TrajectorySender, VersionPublisher, VersionSubscriber
 from asyncfp8.sync.keys import make_keys
 from asyncfp8.sync.security import stop_authenticators
@@ -38,127 +31,22 @@ from .attacks import (
     lease_request,
     steps_per_second,
 )
-from .audit import Audit, applied_versions, audit, logged_rejections
+from .audit import applied_versions, logged_rejections
 from .cluster import Cluster
+from .fault_report import (
+    GROUP_SIZE,
+    OPEN_ENDED,
+    FaultReport,
+    alive,
+    finish,
+    first_trained_at,
+    latest_version,
+    trained_senders,
+    wait_for,
+)
 from .hosts import Hosts
 from .hosts import unavailable as hosts_unavailable
-
-GROUP_SIZE = 4  # the cluster's run.group_size
-PREEMPTED = 128 + signal.SIGTERM  # the learner's exit code after a SIGTERM checkpoint
-# A run that goes on until the scenario stops it (SIGTERM: the learner checkpoints then).
-OPEN_ENDED = ("run.steps=100000", "run.checkpoint_every=100000")
-
-
-@dataclass
-class FaultReport:
-    fault: str
-    injected: int
-    lost: int = 0
-    recovery_s: list[float] = field(default_factory=list)
-    checks: list[tuple[str, bool, str]] = field(default_factory=list)
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def check(self, name: str, ok: bool, seen: Any = "") -> None:
-        self.checks.append((name, bool(ok), str(seen)))
-
-    @property
-    def ok(self) -> bool:
-        return all(ok for _, ok, _ in self.checks) and self.lost == 0
-
-    def failures(self) -> str:
-        failed = [f"- {name}: {seen}" for name, ok, seen in self.checks if not ok]
-        return "\n".join([f"{self.fault}: lost {self.lost}", *failed])
-
-    def row(self) -> dict[str, Any]:
-        recovery = self.recovery_s
-        return {
-            "fault": self.fault,
-            "injected": self.injected,
-            "lost": self.lost,
-            "recovery_median_s": statistics.median(recovery) if recovery else None,
-            "recovery_max_s": max(recovery) if recovery else None,
-            "checks_passed": sum(ok for _, ok, _ in self.checks),
-            "checks": len(self.checks),
-        }
-
-
-def _finish(c: Cluster, learner: subprocess.Popen, report: FaultReport, max_staleness: int = 1):
-    """Stops the learner with SIGTERM (it checkpoints), then audits the whole run."""
-    learner.send_signal(signal.SIGTERM)
-    code = learner.wait(timeout=120)
-    report.check("learner stops cleanly on SIGTERM (checkpoint written)", code == PREEMPTED, code)
-    c.stop()
-    result = _audit(c, report, max_staleness)
-    report.details |= {
-        "dropped_stale_groups": result.dropped_stale_groups,
-        "max_step_gap_s": round(max(result.step_gaps_s, default=0.0), 2),
-    }
-    report.check(
-        "staleness bound held at every step", result.stale_samples == 0, result.stale_samples
-    )
-    return result
-
-
-def _audit(c: Cluster, report: FaultReport, max_staleness: int) -> Audit:
-    """Audits the run and records what was lost, with a check for each kind of loss."""
-    result = audit(c.run_dir, GROUP_SIZE, max_staleness)
-    report.lost = result.lost
-    report.details |= {"steps": result.steps, "trained_samples": result.trained_samples}
-    report.check("no sample trained twice", not result.duplicate_samples, result.duplicate_samples)
-    report.check("no prompt trained twice", not result.duplicate_prompts, result.duplicate_prompts)
-    report.check("no group trained half", not result.incomplete_groups, result.incomplete_groups)
-    report.check(
-        "every prompt handed out is accounted for", not result.lost_prompts, result.lost_prompts
-    )
-    return result
-
-
-def _wait(predicate, timeout: float, what: str, poll: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise TimeoutError(f"{what} within {timeout} s")
-
-
-def _kill_after_a_step(c: Cluster, learner: subprocess.Popen, delay_s: float) -> None:
-    """SIGKILLs `learner` `delay_s` after it has trained its first step (a random moment of
-    the scenario's choosing, once the incarnation is up and training)."""
-    started = time.time()
-    _wait(
-        lambda: (
-            _alive(learner, c) and any(r["time"] > started for r in read_ledger(c.run_dir)[-1:])
-        ),
-        120,
-        "the resumed learner to train a step",
-    )
-    time.sleep(delay_s)
-    learner.kill()
-
-
-def _alive(process: subprocess.Popen, c: Cluster) -> bool:
-    if process.poll() is not None:
-        raise RuntimeError(f"the learner exited with {process.returncode}:\n{c.log('learner')}")
-    return True
-
-
-def _senders(run_dir: Path) -> set[str]:
-    return {m[0] for r in read_ledger(run_dir) for _, _, members in r["groups"] for m in members}
-
-
-def _first_trained_at(run_dir: Path, sender_prefix: str, exclude: set[str]) -> float | None:
-    for record in read_ledger(run_dir):
-        for _, _, members in record["groups"]:
-            if any(s.startswith(sender_prefix) and s not in exclude for s, _, _ in members):
-                return record["time"]
-    return None
-
-
-def _latest_version(c: Cluster) -> int:
-    return int((c.run_dir / LATEST_VERSION_FILE).read_text())
-
+from .learner_kills import learner_kills, torn_writes
 
 # -- 1. workers killed --------------------------------------------------------------------------
 
@@ -187,17 +75,17 @@ def worker_kills(
         for kill in range(kills):
             time.sleep(rng.uniform(0.5, 3.0))
             index = rng.choice([0, 1])
-            before = {s for s in _senders(c.run_dir) if s.startswith(f"{index}/")}
+            before = {s for s in trained_senders(c.run_dir) if s.startswith(f"{index}/")}
             workers[index].kill()
             workers[index].wait()
-            killed_at, latest = time.time(), _latest_version(c)
+            killed_at, latest = time.time(), latest_version(c)
             name = f"worker-{index}.{kill + 1}"
             workers[index] = c.worker(index, log_name=name)
             replacements.append((index, name, killed_at, latest, before))
             # The replacement must be trained on before the next kill (else a kill could
             # hit a worker that never rejoined, and prove nothing).
-            back = _wait(
-                lambda i=index, b=before: _first_trained_at(c.run_dir, f"{i}/", b),
+            back = wait_for(
+                lambda i=index, b=before: first_trained_at(c.run_dir, f"{i}/", b),
                 120,
                 f"worker {index}'s replacement trained on",
             )
@@ -212,7 +100,7 @@ def worker_kills(
                 applied and applied[0] >= latest,
                 applied[:3],
             )
-        result = _finish(c, learner, report)
+        result = finish(c, learner, report)
         records = read_ledger(c.run_dir)
         gaps = [
             b["time"] - a["time"]
@@ -231,103 +119,6 @@ def worker_kills(
             len(result.senders) == 2 + kills,
             sorted(result.senders),
         )
-    finally:
-        c.stop()
-    return report
-
-
-# -- 2. learner killed --------------------------------------------------------------------------
-
-
-def learner_kills(
-    work_dir: Path, model_dir: Path, random_kills: int = 1, seed: int = 0, steps: int = 80
-) -> FaultReport:
-    """Kills the learner mid-step and mid-publish (fail points: a version half sent),
-    plus at random moments; resumes it each time from its last checkpoint."""
-    rng = random.Random(seed)
-    cycles = ["learner.mid_step", "publish.between_chunks"] + ["random"] * random_kills
-    c = Cluster(
-        work_dir,
-        model_dir,
-        f"run.steps={steps}",
-        "run.workers=2",
-        "run.checkpoint_every=4",
-        "sync.chunk_mb=0.02",  # several chunks per version, so one can be half sent
-        "run.lease_timeout=4",
-        "sync.resend_after=2",
-    )
-    report = FaultReport("learner SIGKILL mid-step / mid-publish / random + resume", len(cycles))
-    try:
-        deaths, half_sent, workers = [], [], []
-        for cycle, kind in enumerate(cycles):
-            resume = ["run.resume=true"] if cycle else []
-            if kind == "random":
-                learner = c.learner(*resume)
-                _kill_after_a_step(c, learner, rng.uniform(0.2, 1.5))
-            else:  # a fail point, armed for this incarnation only (counts are per process)
-                # Past the first versions of the incarnation (about 15 chunks each here),
-                # so that the workers have reconnected and receive part of the version.
-                hit = rng.randint(3, 12) if kind == "learner.mid_step" else rng.randint(35, 40)
-                learner = c.learner(*resume, env={FAILPOINTS_ENV: f"{kind}={hit}"})
-            if not workers:
-                workers = [c.worker(i) for i in (0, 1)]
-            code = learner.wait(timeout=240)
-            deaths.append(time.time())
-            report.check(f"cycle {cycle} ({kind}): the learner died by SIGKILL", code == -9, code)
-            if kind == "publish.between_chunks":
-                half_sent.append(_latest_version(c))  # or the one before: see below
-        learner = c.learner("run.resume=true")
-        code = learner.wait(timeout=300)
-        report.check("the resumed learner finished the run", code == 0, code)
-        for i, worker in enumerate(workers):
-            report.check(
-                f"worker {i} was never restarted and finished when told",
-                worker.wait(timeout=60) == 0,
-                worker.returncode,
-            )
-        records = read_ledger(c.run_dir)
-        report.recovery_s = [
-            min((r["time"] for r in records if r["time"] > died), default=float("nan")) - died
-            for died in deaths
-        ]
-        versions = [r["version"] for r in records]
-        report.check("trained versions never go back", versions == sorted(versions), versions)
-        worker_logs = [c.log(f"worker-{i}", tail=0) for i in (0, 1)]
-
-        def dropped(version: int) -> bool:
-            return any(f"dropped incomplete version {version} " in log for log in worker_logs)
-
-        # The learner reserves a version's number before its first chunk leaves and
-        # publishes in the background, so when it died the next number may already have
-        # been reserved while the version half sent was the one before it.
-        half_sent = [latest - 1 if dropped(latest - 1) else latest for latest in half_sent]
-        for i in (0, 1):
-            log = worker_logs[i]
-            applied = applied_versions(log)
-            report.check(
-                f"worker {i} applied increasing versions only",
-                applied == sorted(set(applied)),
-                applied,
-            )
-            for version in half_sent:
-                report.check(
-                    f"worker {i} never applied the half-sent version {version}",
-                    version not in applied,
-                    applied,
-                )
-        report.details["half_sent_versions"] = half_sent
-        report.check(
-            "the half-sent version reached a worker and was dropped incomplete",
-            all(dropped(v) for v in half_sent),
-            half_sent,
-        )
-        report.check(
-            "a resumed learner said where it resumed, data position included",
-            c.log("learner", tail=0).count("next prompt") == len(cycles),
-            c.log("learner", tail=0).count("next prompt"),
-        )
-        result = _audit(c, report, max_staleness=1)
-        report.check("all steps trained", result.steps == steps, result.steps)
     finally:
         c.stop()
     return report
@@ -399,7 +190,7 @@ def corrupt_flood(
         )
         next_step = min((r["time"] for r in records if r["time"] > flood_end), default=None)
         report.recovery_s = [next_step - flood_end] if next_step else []
-        _finish(c, learner, report)
+        finish(c, learner, report)
         last = read_metrics(c.run_dir)[-1]
         counted = {
             "trajectory message": last.get("total/rejected/trajectory_message", 0),
@@ -561,7 +352,7 @@ def impersonation(
             "handshake" in fooled_log,
             fooled_log[-300:],
         )
-        result = _finish(c, learner, report)
+        result = finish(c, learner, report)
         learner_log = c.log("learner", tail=0)
         report.check(
             "only the real worker was trained on",
@@ -672,7 +463,7 @@ def slow_worker(
                 r["time"] for r in records if stopped < r["time"] < stopped + pause_s + 1
             ]
             report.recovery_s.append(max(b - a for a, b in itertools.pairwise(times)))
-        _finish(c, learner, report)
+        finish(c, learner, report)
         last = read_metrics(c.run_dir)[-1]
         dropped = last["total/late_samples"] + last["total/stale_groups"] * GROUP_SIZE
         report.details |= {
@@ -756,7 +547,7 @@ def separate_hosts(
             )
             restored = time.time()
             hosts.restore("w0")
-            back = _wait(
+            back = wait_for(
                 lambda: _trained_from_after(c.run_dir, "0/", restored),
                 120,
                 "worker 0 trained on after its link came back",
@@ -767,10 +558,10 @@ def separate_hosts(
             hosts.cut("learner")
             report.injected += 1
             time.sleep(outage)
-            restored, latest = time.time(), _latest_version(c)
+            restored, latest = time.time(), latest_version(c)
             hosts.restore("learner")
             for prefix in ("0/", "1/"):
-                back = _wait(
+                back = wait_for(
                     lambda p=prefix, r=restored: _trained_from_after(c.run_dir, p, r),
                     120,
                     f"worker {prefix[0]} trained on after the learner's link came back",
@@ -784,8 +575,8 @@ def separate_hosts(
                     bool(applied) and applied[-1] > latest,
                     applied[-3:],
                 )
-            _alive(learner, c)
-            _finish(c, learner, report)
+            alive(learner, c)
+            finish(c, learner, report)
         finally:
             c.stop()
     return report
@@ -800,119 +591,6 @@ def _trained_from_after(run_dir: Path, sender_prefix: str, after: float) -> floa
             if any(sender.startswith(sender_prefix) for sender, _, _ in members):
                 return record["time"]
     return None
-
-
-# -- 7. kills that tear the run's own files, resumed again and again ----------------------------
-
-
-def torn_writes(
-    work_dir: Path, model_dir: Path, kills: int = 20, seed: int = 0, steps: int = 150
-) -> FaultReport:
-    """SIGKILLs the learner `kills` times in a row, resuming it each time: in the middle
-    of writing a line of metrics.jsonl, in the middle of a line of ledger.jsonl (fail
-    points that leave the line torn), and at random moments; meanwhile this process
-    follows the files as the launcher's progress bar, the report and the audit read them.
-    Nothing may crash, every step must be in each file once, and the audit be clean."""
-    rng = random.Random(seed)
-    kinds = ["metrics.mid_line", "ledger.mid_line", "random"]
-    c = Cluster(
-        work_dir,
-        model_dir,
-        f"run.steps={steps}",
-        "run.workers=2",
-        "run.checkpoint_every=2",
-        "run.lease_timeout=4",
-        "sync.resend_after=2",
-    )
-    report = FaultReport("learner SIGKILL mid-write (torn lines) + resume, again and again", kills)
-    reader = _Follower(c.run_dir, steps)
-    try:
-        reader.start()
-        workers: list[subprocess.Popen] = []
-        for cycle in range(kills):
-            kind = kinds[cycle % len(kinds)]
-            resume = ["run.resume=true"] if cycle else []
-            if kind == "random":
-                learner = c.learner(*resume)
-                _kill_after_a_step(c, learner, rng.uniform(0.05, 1.0))
-            else:  # the 2nd to 5th line this incarnation writes to that file, torn
-                learner = c.learner(*resume, env={FAILPOINTS_ENV: f"{kind}={rng.randint(2, 5)}"})
-            if not workers:
-                workers = [c.worker(i) for i in (0, 1)]
-            code = learner.wait(timeout=240)
-            report.check(f"cycle {cycle} ({kind}): the learner died by SIGKILL", code == -9, code)
-            if kind != "random":
-                name = "metrics.jsonl" if kind.startswith("metrics") else "ledger.jsonl"
-                text = (c.run_dir / name).read_bytes()
-                report.check(
-                    f"cycle {cycle}: {name} was left with a torn last line",
-                    bool(text) and not text.endswith(b"\n"),
-                    text[-80:],
-                )
-        learner = c.learner("run.resume=true")
-        code = learner.wait(timeout=300)
-        report.check("the last resumed learner finished the run", code == 0, code)
-        for i, worker in enumerate(workers):
-            report.check(f"worker {i} finished when told", worker.wait(timeout=60) == 0, i)
-    finally:
-        reader.stop()
-        c.stop()
-    report.check("the readers never failed", not reader.errors, reader.errors[:3])
-    report.check("the readers read throughout", reader.reads > kills, reader.reads)
-    report.check(
-        "the progress bar ended at the last step",
-        reader.progress_step == steps,
-        reader.progress_step,
-    )
-    for name, records in (("metrics", read_metrics(c.run_dir)), ("ledger", read_ledger(c.run_dir))):
-        trained = [r["step"] for r in records if r["step"] > 0]  # step 0: the first evaluation
-        report.check(
-            f"{name}.jsonl holds every step once", trained == list(range(1, steps + 1)), ""
-        )
-        lines = (c.run_dir / f"{name}.jsonl").read_text().splitlines()
-        report.check(f"{name}.jsonl has no torn line left", len(lines) == len(records), len(lines))
-    report.details["resumes"] = kills
-    _audit(c, report, max_staleness=1)
-    return report
-
-
-class _Follower:
-    """Reads a run's files the way its readers do (the launcher's progress bar, the
-    report's summary, the audit's ledger) every 50 ms on a thread, keeping any error."""
-
-    def __init__(self, run_dir: Path, steps: int):
-        from asyncfp8.launch import Progress
-
-        self.progress = Progress(run_dir, steps)
-        self.run_dir, self.reads, self.errors = run_dir, 0, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._follow, daemon=True)
-
-    @property
-    def progress_step(self) -> int:
-        return self.progress.bar.n
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        self._read()  # once more, after the last write
-
-    def _follow(self) -> None:
-        while not self._stop.wait(0.05):
-            self._read()
-
-    def _read(self) -> None:
-        try:
-            self.progress.update()
-            if per_step(self.run_dir):  # the report refuses a run with no trained step yet
-                summarize(self.run_dir)
-            read_ledger(self.run_dir)
-            self.reads += 1
-        except Exception as err:
-            self.errors.append(f"{type(err).__name__}: {err}")
 
 
 SCENARIOS = {
