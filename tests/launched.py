@@ -1,9 +1,12 @@
 """A run through the launcher, as a user starts it (`python -m asyncfp8.launch`), on the
 small job (`SMALL_RUN`): what test_e2e, test_colocated and the session's shared runs in
-tests/conftest.py launch."""
+tests/conftest.py launch; and the launcher's refusal of a config, checked in this
+process."""
 
 import subprocess
 import sys
+
+import pytest
 
 from asyncfp8.chaos.cluster import SMALL_RUN
 
@@ -28,3 +31,23 @@ def launch(tmp_path, model_dir, *overrides, timeout=400, env=None):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return run_dir, result.stdout
+
+
+def refusal(model_dir, run_dir, *overrides) -> str:
+    """The message of the launcher's refusal of these settings at start, before any process
+    starts: its own check (`asyncfp8.launch.check_start`) in this process, which costs
+    no Python start. What the launcher does with the message (exit 2, no traceback,
+    within seconds) is checked once, on a real launch, in
+    `tests/test_run_lifecycle.py::test_a_bad_setting_stops_the_launcher_at_start`."""
+    from hydra import compose, initialize_config_module
+
+    from asyncfp8.launch import check_start
+
+    with initialize_config_module(version_base="1.3", config_module="asyncfp8.conf"):
+        cfg = compose(
+            "config",
+            overrides=[f"model.path={model_dir}", f"run.dir={run_dir}", *SMALL_RUN, *overrides],
+        )
+    with pytest.raises((ValueError, FileNotFoundError)) as refused:
+        check_start(cfg)
+    return str(refused.value)

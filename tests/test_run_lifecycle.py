@@ -18,6 +18,7 @@ from asyncfp8.chaos.cluster import SMALL_RUN
 from asyncfp8.metrics import read_metrics
 from asyncfp8.process import worker_count
 from asyncfp8.runconfig import restore_on_resume
+from tests.launched import refusal
 
 
 def launch_command(model_dir, run_dir, *overrides):
@@ -241,14 +242,22 @@ def test_threads_and_workers_count_the_cores_the_process_may_use_not_the_machine
         (["engine.slots=0"], "engine.slots must be null (static batches) or an int >= 1"),
     ],
 )
-@pytest.mark.slow
 def test_bad_settings_fail_at_start_with_the_setting_named(
     overrides, message, tmp_path, tiny_model_dir
 ):
-    code, out, seconds = launch(tiny_model_dir, tmp_path / "run", *overrides, timeout=120)
-    assert code == 2 and message in out, out[-2000:]
+    assert message in refusal(tiny_model_dir, tmp_path / "run", *overrides)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_bad_setting_stops_the_launcher_at_start(tmp_path, tiny_model_dir):
+    # What the launcher does with a refusal that tests check in their own process
+    # (tests/launched.py: refusal): says it, exit 2, no traceback, nothing started.
+    code, out, seconds = launch(tiny_model_dir, tmp_path / "run", "run.workers=0", timeout=120)
+    assert code == 2 and "[launch] run.workers must be >= 1" in out, out[-2000:]
     assert "Traceback" not in out and "continue with" not in out
     assert seconds < 60  # before any learner or worker process starts
+    assert not list((tmp_path / "run").glob("*.log"))
 
 
 def test_the_launcher_imports_neither_the_learner_nor_the_engines():
