@@ -1,4 +1,6 @@
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +182,67 @@ def reporting_run(tiny_model_dir, tmp_path_factory):
         loggers = ("run.loggers=[jsonl,wandb]",)
     run_dir, out = launch(root, tiny_model_dir, *REPORTING_RUN, *loggers, env=env)
     return run_dir, out, logged
+
+
+# A user's precision policy (tests/user_policies.py: INT8 with its first layer in BF16),
+# importable by every process a run starts, as a user's package would be.
+USER_POLICY = ("precision._target_=user_policies.INT8EdgesBF16", "precision.keep_last=0")
+USER_POLICY_SPEC = "user_policies.INT8EdgesBF16:int8_edges_bf16(keep_first=1, keep_last=0)"
+USER_MODULES = [str(Path(__file__).parent), str(Path(__file__).parent.parent / "examples")]
+
+
+def user_modules_env() -> dict[str, str]:
+    path = [*USER_MODULES, *filter(None, [os.environ.get("PYTHONPATH")])]
+    return os.environ | {"PYTHONPATH": os.pathsep.join(path)}
+
+
+@pytest.fixture(scope="session")
+def vllm_user_policy_run(tiny_model_dir, vllm_module, tmp_path_factory):
+    """(run dir, launcher output) of 3 overlapped steps with a vLLM worker and the user's
+    INT8 policy, launched once per session: test_e2e checks vLLM's INT8 run overlapped on
+    it, test_user_policy that vLLM ran the user's policy."""
+    from tests.launched import launch
+
+    return launch(
+        tmp_path_factory.mktemp("vllm_user_policy"),
+        tiny_model_dir,
+        *USER_POLICY,
+        "engine=vllm",
+        "run.steps=3",
+        "run.workers=1",
+        env=user_modules_env(),
+        timeout=500,
+    )
+
+
+@pytest.fixture(scope="session")
+def chat_dataset_run(tiny_model_dir, tmp_path_factory):
+    """(run dir, launcher output) of 3 steps on a chat dataset (`task=dataset`, 64 rows of
+    messages) with the torch engine and the user's policy, launched once per session:
+    test_dataset_task checks the chat template's use on it, test_user_policy the policy."""
+    from tests.launched import launch
+
+    root = tmp_path_factory.mktemp("chat_dataset")
+    data = root / "chat.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+            )
+            + "\n"
+            for a in range(8)
+            for b in range(8)
+        )
+    )
+    return launch(
+        root,
+        tiny_model_dir,
+        "task=dataset",
+        f"task.path={data}",
+        *USER_POLICY,
+        "run.steps=3",
+        "run.workers=1",
+        "eval.every=3",
+        "eval.prompts=4",
+        env=user_modules_env(),
+    )

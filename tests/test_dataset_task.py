@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-from asyncfp8.chaos.cluster import SMALL_RUN
 from asyncfp8.tasks import DatasetTask, build_task
 from asyncfp8.tasks.dataset import read_rows
 
@@ -218,33 +217,8 @@ def test_dataset_class_is_the_registered_task(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_trains_on_a_chat_dataset_and_says_it_used_the_template(tmp_path, tiny_model_dir):
-    records = [
-        {"messages": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
-        for a in range(8)
-        for b in range(8)
-    ]
-    data = write_jsonl(tmp_path / "chat.jsonl", records)
-    run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncfp8.launch",
-            f"model.path={tiny_model_dir}",
-            f"run.dir={run_dir}",
-            *SMALL_RUN,
-            "task=dataset",
-            f"task.path={data}",
-            "run.steps=3",
-            "eval.every=3",
-            "eval.prompts=4",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+def test_a_run_trains_on_a_chat_dataset_and_says_it_used_the_template(chat_dataset_run):
+    run_dir, _ = chat_dataset_run  # 64 rows of messages (tests/conftest.py)
     log = (run_dir / "learner.log").read_text()
     assert "rendered with the model's chat template" in log
     assert re.search(r"task dataset: 64 rows of .*chat\.jsonl \(\d+ training, \d+ held out\)", log)

@@ -140,16 +140,10 @@ def test_vllm_engine_run_in_turns(vllm_worker_turns):
 
 
 @pytest.mark.slow
-def test_vllm_engine_run_int8_overlapped(tmp_path, tiny_model_dir, vllm_module):
-    run_dir, _ = launch(
-        tmp_path,
-        tiny_model_dir,
-        "run.steps=3",
-        "engine=vllm",
-        "precision=int8",
-        "run.workers=1",
-        timeout=500,
-    )
+def test_vllm_engine_run_int8_overlapped(vllm_user_policy_run):
+    # INT8 (a user's subclass of the built-in policy, its first layer in BF16) in a vLLM
+    # worker, overlapped: the session's shared run (tests/conftest.py).
+    run_dir, _ = vllm_user_policy_run
     done = check_run(run_dir, 3, max_staleness=1)
     assert all(0 <= r["mismatch/kl_k3"] < 0.05 for r in done), [r["mismatch/kl_k3"] for r in done]
 

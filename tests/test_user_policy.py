@@ -18,6 +18,7 @@ from asyncfp8.precision import build_policy, get_policy, version_tensors
 from asyncfp8.precision.export import export_checkpoint
 from asyncfp8.precision.fp8 import FP8BlockLinear
 from asyncfp8.report import per_step
+from tests.conftest import USER_POLICY_SPEC
 from tests.launched import refusal
 
 TESTS = Path(__file__).parent
@@ -246,24 +247,15 @@ def test_vllm_runs_a_user_policy_with_its_edge_layers_unquantized(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["torch", "vllm"])
-def test_a_user_policy_trains_end_to_end(engine, tmp_path, tiny_model_dir, request):
-    if engine == "vllm":
-        request.getfixturevalue("vllm_module")
-    code, out, run_dir = launch(
-        tmp_path,
-        tiny_model_dir,
-        EDGES,
-        "precision.keep_last=0",
-        f"engine={engine}",
-        "run.steps=3",
-        "run.workers=1",
-    )
-    assert code == 0, out[-3000:]
+def test_a_user_policy_trains_end_to_end(engine, request):
+    # The session's launched runs with the user's policy (tests/conftest.py): the torch
+    # engine's is also the chat-dataset run, vLLM's also test_e2e's INT8 run overlapped.
+    fixture = {"torch": "chat_dataset_run", "vllm": "vllm_user_policy_run"}[engine]
+    run_dir, _ = request.getfixturevalue(fixture)
     done = per_step(run_dir)
     assert [r["step"] for r in done] == [1, 2, 3]
     assert all(0 <= r["mismatch/kl_k3"] < 0.05 for r in done)
-    spec = "user_policies.INT8EdgesBF16:int8_edges_bf16(keep_first=1, keep_last=0)"
-    assert spec in (run_dir / "worker-0.log").read_text()
+    assert USER_POLICY_SPEC in (run_dir / "worker-0.log").read_text()
 
 
 @pytest.mark.slow
