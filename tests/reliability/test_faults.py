@@ -48,7 +48,7 @@ def test_impersonation_with_curve_on(tmp_path, tiny_model_dir):
 
 
 def test_a_slow_worker_cannot_break_the_staleness_bound(tmp_path, tiny_model_dir):
-    report = scenarios.slow_worker(tmp_path, tiny_model_dir, pauses=2)
+    report = scenarios.slow_worker(tmp_path, tiny_model_dir, pauses=1)
     check(report)
     assert report.details["late_samples_dropped"] + report.details["stale_groups_dropped"] > 0
 
