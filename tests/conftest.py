@@ -218,7 +218,8 @@ def vllm_user_policy_run(tiny_model_dir, vllm_module, tmp_path_factory):
 @pytest.fixture(scope="session")
 def chat_dataset_run(tiny_model_dir, tmp_path_factory):
     """(run dir, launcher output) of 3 steps on a chat dataset (`task=dataset`, 64 rows of
-    messages) with the torch engine and the user's policy, launched once per session:
+    messages) with the torch engine and the user's policy, placed as `make run` places a
+    run on one device (colocated, overlapped), launched once per session:
     test_dataset_task checks the chat template's use on it, test_user_policy the policy."""
     from tests.launched import launch
 
@@ -241,7 +242,6 @@ def chat_dataset_run(tiny_model_dir, tmp_path_factory):
         f"task.path={data}",
         *USER_POLICY,
         "run.steps=3",
-        "run.workers=1",
         "eval.every=3",
         "eval.prompts=4",
         env=user_modules_env(),

@@ -249,13 +249,17 @@ def test_vllm_runs_a_user_policy_with_its_edge_layers_unquantized(
 @pytest.mark.parametrize("engine", ["torch", "vllm"])
 def test_a_user_policy_trains_end_to_end(engine, request):
     # The session's launched runs with the user's policy (tests/conftest.py): the torch
-    # engine's is also the chat-dataset run, vLLM's also test_e2e's INT8 run overlapped.
-    fixture = {"torch": "chat_dataset_run", "vllm": "vllm_user_policy_run"}[engine]
+    # engine's (colocated: the learner's own engine) is also the chat-dataset run, vLLM's
+    # (a worker process) also test_e2e's INT8 run overlapped.
+    fixture, log = {
+        "torch": ("chat_dataset_run", "learner.log"),
+        "vllm": ("vllm_user_policy_run", "worker-0.log"),
+    }[engine]
     run_dir, _ = request.getfixturevalue(fixture)
     done = per_step(run_dir)
     assert [r["step"] for r in done] == [1, 2, 3]
     assert all(0 <= r["mismatch/kl_k3"] < 0.05 for r in done)
-    assert USER_POLICY_SPEC in (run_dir / "worker-0.log").read_text()
+    assert USER_POLICY_SPEC in (run_dir / log).read_text()
 
 
 @pytest.mark.slow
