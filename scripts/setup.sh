@@ -36,7 +36,7 @@ pip_install() {
 }
 # uv installs the same packages as pip (the same constraints, pip's find-links) in a
 # third of the time on two cores: it links from its cache and compiles bytecode in
-# parallel (`dev vllm wandb ray` on the 2-core VM: 140 s with pip, 42 s with uv). pip
+# parallel (`dev vllm wandb ray` on the 2-core VM: 140 s with pip, 41 s with uv). pip
 # stays in the venv (bench/gpu.sh's dry run uses it) and installs where uv cannot.
 "$venv/bin/uv" --version >/dev/null 2>&1 || pip_install uv || true
 if "$venv/bin/uv" --version >/dev/null 2>&1; then
