@@ -4,11 +4,9 @@
 vLLM engine, and what it decides per tensor honoured by both engines."""
 
 import json
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,24 +16,19 @@ from asyncfp8.precision import build_policy, get_policy, version_tensors
 from asyncfp8.precision.export import export_checkpoint
 from asyncfp8.precision.fp8 import FP8BlockLinear
 from asyncfp8.report import per_step
-from tests.conftest import USER_POLICY_SPEC
+from tests.conftest import USER_MODULES, USER_POLICY, USER_POLICY_SPEC, user_modules_env
 from tests.launched import refusal
 
-TESTS = Path(__file__).parent
-EXAMPLES = TESTS.parent / "examples"
-PYTHONPATH = os.pathsep.join(
-    [str(TESTS), str(EXAMPLES), *filter(None, [os.environ.get("PYTHONPATH")])]
-)
-EDGES = "precision._target_=user_policies.INT8EdgesBF16"
+EDGES = USER_POLICY[0]  # precision._target_=user_policies.INT8EdgesBF16
 EXAMPLE = "precision._target_=mixed_precision_policy.FP8EdgesBF16Policy"
 
 
 @pytest.fixture(autouse=True)
 def user_modules_importable(monkeypatch):
     """The user's modules on the path of this process and of every process it starts."""
-    monkeypatch.setenv("PYTHONPATH", PYTHONPATH)
-    monkeypatch.syspath_prepend(str(TESTS))
-    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.setenv("PYTHONPATH", user_modules_env()["PYTHONPATH"])
+    for path in USER_MODULES:
+        monkeypatch.syspath_prepend(path)
 
 
 @pytest.fixture(scope="module")

@@ -112,25 +112,10 @@ def learner_kills(
     ]
     versions = [r["version"] for r in records]
     report.check("trained versions never go back", versions == sorted(versions), versions)
-    _check_half_sent(c, report, half_sent)
-    _check_resumes(c, report, len(kinds), checkpoint_every, published[-1])
-    report.check("the readers never failed", not reader.errors, reader.errors[:3])
-    report.check("the readers read throughout", reader.reads > len(kinds), reader.reads)
-    report.check(
-        "the progress bar ended at the last step",
-        reader.progress_step == steps,
-        reader.progress_step,
-    )
     metrics = read_metrics(c.run_dir)
-    for name, lines in (("metrics", metrics), ("ledger", records)):
-        trained = [r["step"] for r in lines if r["step"] > 0]  # step 0: the first evaluation
-        report.check(
-            f"{name}.jsonl holds every step once", trained == list(range(1, steps + 1)), ""
-        )
-        on_disk = (c.run_dir / f"{name}.jsonl").read_text().splitlines()
-        report.check(
-            f"{name}.jsonl has no torn line left", len(on_disk) == len(lines), len(on_disk)
-        )
+    _check_half_sent(c, report, half_sent)
+    _check_resumes(c, report, metrics, len(kinds), checkpoint_every, published[-1])
+    _check_files(c, report, reader, metrics, records, steps, len(kinds))
     report.details["resumes"] = len(kinds)
     result = audit_run(c, report, max_staleness=1)
     report.check("all steps trained", result.steps == steps, result.steps)
@@ -177,7 +162,12 @@ def _check_half_sent(c: Cluster, report: FaultReport, half_sent: list[int]) -> N
 
 
 def _check_resumes(
-    c: Cluster, report: FaultReport, resumes: int, checkpoint_every: int, last_published: int
+    c: Cluster,
+    report: FaultReport,
+    metrics: list[dict],
+    resumes: int,
+    checkpoint_every: int,
+    last_published: int,
 ) -> None:
     """Each resumed learner said where it resumed (a checkpoint's step, the data position
     included), and the last one numbered its versions past every version published
@@ -194,7 +184,7 @@ def _check_resumes(
         all(s % checkpoint_every == 0 for s in steps),
         steps,
     )
-    marked = [r for r in read_metrics(c.run_dir) if "run/resumed_from_step" in r]
+    marked = [r for r in metrics if "run/resumed_from_step" in r]
     report.check(
         "metrics.jsonl marks the last resume at the step after its checkpoint",
         bool(marked) and steps and marked[-1]["step"] == steps[-1] + 1,
@@ -206,6 +196,35 @@ def _check_resumes(
         first is not None and first > last_published,
         (first, last_published),
     )
+
+
+def _check_files(
+    c: Cluster,
+    report: FaultReport,
+    reader: _Follower,
+    metrics: list[dict],
+    records: list[dict],
+    steps: int,
+    kills: int,
+) -> None:
+    """The readers followed the files through every kill without failing, and each file
+    holds every step once and no torn line: each resume cut it back to its checkpoint."""
+    report.check("the readers never failed", not reader.errors, reader.errors[:3])
+    report.check("the readers read throughout", reader.reads > kills, reader.reads)
+    report.check(
+        "the progress bar ended at the last step",
+        reader.progress_step == steps,
+        reader.progress_step,
+    )
+    for name, lines in (("metrics", metrics), ("ledger", records)):
+        trained = [r["step"] for r in lines if r["step"] > 0]  # step 0: the first evaluation
+        report.check(
+            f"{name}.jsonl holds every step once", trained == list(range(1, steps + 1)), ""
+        )
+        on_disk = (c.run_dir / f"{name}.jsonl").read_text().splitlines()
+        report.check(
+            f"{name}.jsonl has no torn line left", len(on_disk) == len(lines), len(on_disk)
+        )
 
 
 def torn_writes(
