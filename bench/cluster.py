@@ -24,7 +24,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -34,6 +37,45 @@ from asyncfp8.stats import mean_ci
 from bench.common import write_json
 
 MODES = {"launcher": [], "ray": ["run.ray=true"]}
+
+# Which part of a run a process is, by its command line: the job's own processes, Ray's
+# actors that hold them, and Ray's daemons.
+ROLES = (
+    ("asyncfp8.learner", "learner"),
+    ("asyncfp8.worker", "workers"),
+    ("asyncfp8.launch", "driver"),
+    ("ray::", "ray actors"),
+    ("raylet", "raylet"),
+    ("gcs_server", "gcs"),
+    ("ray", "ray other"),
+)
+
+
+def role_of(command: str) -> str:
+    return next((role for marker, role in ROLES if marker in command), "other")
+
+
+def cpu_snapshot() -> dict[int, tuple[str, float]]:
+    """Each live process's role and CPU seconds so far (user + system)."""
+    snapshot = {}
+    for process in psutil.process_iter(["cmdline", "name", "cpu_times"]):
+        times, command = process.info["cpu_times"], process.info["cmdline"] or []
+        if times is None or process.pid == os.getpid():
+            continue
+        snapshot[process.pid] = (
+            role_of(" ".join(command) or process.info["name"] or ""),
+            times.user + times.system,
+        )
+    return snapshot
+
+
+def cpu_by_role(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """Cores each role kept busy between two snapshots (a process born in between counts
+    from zero; one that died in between is lost, which the job's own never do)."""
+    busy = defaultdict(float)
+    for pid, (role, used) in after.items():
+        busy[role] += used - before.get(pid, (role, 0.0))[1]
+    return {role: round(used / seconds, 4) for role, used in sorted(busy.items())}
 
 
 def measure(mode: str, args, run_dir: Path, env: dict[str, str]) -> dict:
@@ -58,11 +100,26 @@ def measure(mode: str, args, run_dir: Path, env: dict[str, str]) -> dict:
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    first_step = None
-    while process.poll() is None and first_step is None:
-        if (run_dir / "ledger.jsonl").exists() and read_ledger(run_dir):
+    first_step = window_start = None
+    while process.poll() is None:
+        steps = len(read_ledger(run_dir)) if (run_dir / "ledger.jsonl").exists() else 0
+        if steps and first_step is None:
             first_step = time.perf_counter() - started
+        if steps >= args.skip and window_start is None:
+            window_start, cpu_before, system_before = (
+                time.perf_counter(),
+                cpu_snapshot(),
+                psutil.cpu_times(),
+            )
+        if steps >= args.steps - 1 and window_start is not None:
+            break
         time.sleep(0.1)
+    # where the two cores went over the steady state: what each role used, and what
+    # stood idle (a Ray run that is slower with idle cores waits; with none, it competes)
+    window = time.perf_counter() - window_start
+    busy = cpu_by_role(cpu_before, cpu_snapshot(), window)
+    system_after = psutil.cpu_times()
+    busy["idle"] = round((system_after.idle - system_before.idle) / window, 4)
     output = process.communicate()[0]
     wall = time.perf_counter() - started
     if process.returncode != 0:
@@ -75,6 +132,7 @@ def measure(mode: str, args, run_dir: Path, env: dict[str, str]) -> dict:
         "trained_samples_per_s": samples / (last["time/elapsed_s"] - first["time/elapsed_s"]),
         "submit_to_first_step_s": first_step,
         "wall_s": wall,
+        "cores_busy_in_steady_state": busy,
     }
 
 
@@ -107,9 +165,14 @@ def main() -> None:
                 for mode in list(MODES)[:: 1 if repeat % 2 == 0 else -1]:
                     row = measure(mode, args, root / f"{mode}-{repeat}", env)
                     rows.append({**row, "repeat": repeat})
+                    busy = ", ".join(
+                        f"{role} {cores:.2f}"
+                        for role, cores in row["cores_busy_in_steady_state"].items()
+                    )
                     print(
                         f"{mode:<9} #{repeat}: {row['trained_samples_per_s']:7.1f} trained samples/s, "
-                        f"first step {row['submit_to_first_step_s']:5.1f} s after submit",
+                        f"first step {row['submit_to_first_step_s']:5.1f} s after submit; "
+                        f"cores: {busy}",
                         flush=True,
                     )
     finally:
