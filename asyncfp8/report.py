@@ -195,9 +195,13 @@ def setting(cfg: DictConfig) -> dict[str, str]:
         "quantize_from": str(OmegaConf.select(cfg, "precision.quantize_from") or "master"),
         "compute_dtype": str(OmegaConf.select(cfg, "run.compute_dtype") or "auto"),
         "mode": str(cfg.run.mode),
+        # a run from before correction.proximal had π_prox of the current weights
         "proximal": str(OmegaConf.select(cfg, "correction.proximal") or "current"),
         "guard": "on" if OmegaConf.select(cfg, "guard.enabled") is True else "off",
     }
+
+
+PROXIMAL_NOTES = {"current": "of the current weights", "version": "of the sample's version"}
 
 
 def setting_label(setting: dict[str, str]) -> str:
@@ -211,8 +215,9 @@ def setting_label(setting: dict[str, str]) -> str:
     if notes:
         precision += f" ({', '.join(notes)})"
     label = f"{precision} · {setting['correction']} · {setting['mode']}"
-    if setting.get("proximal", "current") != "current":
-        label += f" · π_prox of the sample's {setting['proximal']}"
+    proximal = setting.get("proximal", "current")
+    if proximal != "auto":  # the default since session 22: unnamed, as other defaults are
+        label += f" · π_prox {PROXIMAL_NOTES.get(proximal, proximal)}"
     if setting.get("guard", "on") != "on":
         label += " · guard off"
     return label

@@ -78,7 +78,9 @@ def cpu_by_role(before: dict, after: dict, seconds: float) -> dict[str, float]:
     return {role: round(used / seconds, 4) for role, used in sorted(busy.items())}
 
 
-def measure(mode: str, args, run_dir: Path, env: dict[str, str]) -> dict:
+def measure(mode: str, args, run_dir: Path, env: dict[str, str], modes=MODES) -> dict:
+    """One run of the job, `modes[mode]` its overrides: trained samples/s over the steady
+    state, the seconds from submit to the first step, and where the cores went."""
     command = [
         sys.executable,
         "-m",
@@ -94,7 +96,7 @@ def measure(mode: str, args, run_dir: Path, env: dict[str, str]) -> dict:
         "run.tensorboard=false",
         "eval.every=0",
         f"run.dir={run_dir}",
-        *MODES[mode],
+        *modes[mode],
     ]
     started = time.perf_counter()
     process = subprocess.Popen(

@@ -2,9 +2,10 @@
 # The stability study of issue 45 (item 7): the default job as `python -m asyncfp8.launch`
 # runs it (placement auto: on one device, one colocated process, overlapped async; 300
 # steps; the guard on), ten seeds of each recommended setting, and the ablations that
-# choose the defaults: π_prox of each sample's own version (correction.proximal=version)
-# against today's current weights, and the guard off. Then one report: held-out mean ±
-# 95% CI and the collapse count with its interval, per setting.
+# choose the defaults: π_prox of the learner's current weights (correction.proximal=current)
+# against the default's, each sample's own version (auto takes it on this job), and the
+# guard off. Then one report: held-out mean ± 95% CI and the collapse count with its
+# interval, per setting.
 #   bash scripts/stability_runs.sh [OUT_DIR] [SEEDS...]   (default: runs/stability, seeds 0..9)
 #   SETTINGS="bf16 fp8" bash scripts/stability_runs.sh runs/stability 0 1 2 3 4   (a subset)
 # A finished run (its summary.json written) is kept: the study is meant to be run in parts,
@@ -21,15 +22,16 @@ all_settings=(
   "fp8 precision=fp8 correction=token_tis"
   "fp8kv precision=fp8+fp8_kv correction=token_tis"
   "int8 precision=int8 correction=token_tis"
-  # π_prox = the learner's weights of the version that generated each sample
-  "bf16_version precision=bf16 correction=token_tis correction.proximal=version"
-  "fp8_version precision=fp8 correction=token_tis correction.proximal=version"
+  # π_prox = the learner's current weights (the default before session 22), not the
+  # weights of the version that generated each sample
+  "bf16_current precision=bf16 correction=token_tis correction.proximal=current"
+  "fp8_current precision=fp8 correction=token_tis correction.proximal=current"
   # the guard off
   "bf16_noguard precision=bf16 correction=token_tis guard.enabled=false"
   "fp8_noguard precision=fp8 correction=token_tis guard.enabled=false"
   # rejection under calibrated bounds (correction/geo_rs.yaml), π_prox of the version
-  "fp8_geors precision=fp8 correction=geo_rs correction.proximal=version"
-  "fp8_mis precision=fp8 correction=token_mis correction.proximal=version"
+  "fp8_geors precision=fp8 correction=geo_rs"
+  "fp8_mis precision=fp8 correction=token_mis"
 )
 # shellcheck source=scripts/run_settings.sh
 source scripts/run_settings.sh

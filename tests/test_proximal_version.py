@@ -1,7 +1,8 @@
 """correction.proximal=version (issue 45, item 2): π_prox of a stale token is the
 learner's own weights of the version that sampled it, checked against a separately
 loaded copy of those weights; tokens of a version the learner did not keep fall back to
-the current weights and are counted; the settings it cannot run with are refused."""
+the current weights and are counted; the settings it cannot run with are refused; the
+default (auto) takes it wherever the learner can keep the versions."""
 
 import copy
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from asyncfp8.checks import check_training
-from asyncfp8.learner.versions import VersionWeights
+from asyncfp8.learner.versions import VersionWeights, choose_proximal
 from asyncfp8.logprobs import completion_logprobs, install_logprob_head
 from asyncfp8.models import load_model
 
@@ -37,6 +38,23 @@ def test_settings_it_cannot_run_with_are_refused_naming_them(overrides, message)
         compose("correction.proximal=oldest")
 
 
+def test_auto_keeps_the_versions_where_it_can_and_says_why_not():
+    gib, small = 2**30, 10**6
+    assert choose_proximal("auto", "decoupled", 1, small, 2, 8 * gib)[0] == "version"
+    assert choose_proximal("auto", "decoupled", 1, small, 2, None)[0] == "version"  # unknown
+    # 500M parameters, 2 versions kept and one for swaps: 6e9 bytes, over half of 8 GiB
+    for mode, ranks, parameters, reason in [
+        ("bypass", 1, small, "bypass mode has no π_prox"),
+        ("decoupled", 2, small, "2 learner ranks"),
+        ("decoupled", 1, 500 * 10**6, "takes 5.6 GiB of host memory, more than 50% of the 8.0"),
+    ]:
+        chosen, why = choose_proximal("auto", mode, ranks, parameters, 2, 8 * gib)
+        assert chosen == "current" and reason in why
+    # asked for by name, it is what was asked (the start checks refuse what cannot run)
+    assert choose_proximal("current", "decoupled", 1, small, 2, 8 * gib)[0] == "current"
+    assert choose_proximal("version", "decoupled", 1, 500 * 10**6, 2, gib)[0] == "version"
+
+
 def test_the_store_keeps_the_newest_versions_and_a_swap_puts_the_weights_back():
     model = torch.nn.Linear(3, 2)
     store = VersionWeights(model, keep=2)
@@ -62,8 +80,9 @@ def test_stale_tokens_are_scored_under_their_own_versions_weights(tiny_model_dir
     from tests.recorded import learner_config, record_groups, train
 
     groups = record_groups(tiny_model_dir, steps=2, groups=4, group_size=4, seed=2)
-    learner = Learner(learner_config(tiny_model_dir, tmp_path, "correction.proximal=version"))
+    learner = Learner(learner_config(tiny_model_dir, tmp_path))  # the default: auto
     try:
+        assert learner.proximal == "version" and learner.version_weights is not None
         learner.version = 0
         learner.version_weights.record(0)  # what publishing version 0 does
         train(learner, groups[0])

@@ -356,7 +356,7 @@ def test_a_plugin_precision_is_its_class_and_labels_still_group_runs(tmp_path, c
         "quantize_from": "master",
         "compute_dtype": "auto",
         "mode": "async",
-        "proximal": "current",
+        "proximal": "auto",
         "guard": "on",
     }
     a = fake_run(tmp_path / "a", "precision=bf16")

@@ -23,6 +23,7 @@ class Mode(enum.StrEnum):
 
 
 class Proximal(enum.StrEnum):
+    auto = "auto"  # version where the learner can keep the versions, else current
     current = "current"  # decoupled π_prox: the learner's weights now
     version = "version"  # its weights of the version that sampled each token
 
@@ -34,7 +35,7 @@ class CorrectionConfig:
     name: str = "none"
     reject: list[Any] = dataclasses.field(default_factory=list)  # more rejection filters
     mode: Mode = Mode.decoupled
-    proximal: Proximal = Proximal.current  # asyncfp8/learner/versions.py
+    proximal: Proximal = Proximal.auto  # asyncfp8/learner/versions.py: choose_proximal
     max_staleness: int | None = None  # mask sequences with a token older than this
     # calibrate the unset lower/upper bounds of token_mis, seq_mis, geo_rs for this share
     # rejected on the first step (asyncfp8/correction/calibration.py); null: off

@@ -56,7 +56,7 @@ from .publisher import FIRST_CALIBRATION_PROMPTS, Publisher
 from .rollback import StepGuard
 from .step import Share, StepSums, TrainStep, lr_lambda, plan_shares
 from .step_metrics import StepMetrics
-from .versions import VersionWeights
+from .versions import VersionWeights, available_memory, choose_proximal
 
 log = logging.getLogger("asyncfp8.learner")
 
@@ -99,11 +99,19 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(optim, run.steps)
         )
-        # correction.proximal=version: the weights of the versions stale samples can have
+        # π_prox of the sample's version: the weights of the versions stale samples can have
+        keep = max_staleness_of(run) + 1
+        self.proximal, why = choose_proximal(
+            str(cfg.correction.get("proximal", "auto")),
+            str(cfg.correction.mode),
+            run.learner_procs,
+            sum(p.numel() for p in self.model.parameters()),
+            keep,
+            available_memory(),
+        )
+        log.info("π_prox: %s (%s)", self.proximal, why)
         self.version_weights = (
-            VersionWeights(self.model, max_staleness_of(run) + 1)
-            if cfg.correction.get("proximal", "current") == "version"
-            else None
+            VersionWeights(self.model, keep) if self.proximal == "version" else None
         )
         self.train_step = self._train_step()
         self.rolled_back = False  # the latest step undid the one before it
@@ -327,7 +335,7 @@ class Learner:
         target = correction.get("target_rejected")
         if target is None:
             return None
-        if correction.get("proximal", "current") == "current" and correction.mode == "decoupled":
+        if self.proximal == "current" and correction.mode == "decoupled":
             log.warning(
                 "correction.target_rejected calibrates %s's bounds on the precision's mismatch "
                 "alone, but with correction.proximal=current the ratio it bounds also holds "
