@@ -16,7 +16,7 @@ from asyncfp8.learner.colocated import LEASE, Colocated, RolloutFailed
 from asyncfp8.leases import LeaseBook
 from asyncfp8.precision import get_policy
 from asyncfp8.tasks import build_task
-from tests.test_run_lifecycle import compose
+from tests.config import compose
 
 
 class BrokenEngine:

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from asyncfp8.chaos.cluster import SMALL_RUN
+from tests.config import compose
 
 
 def launch(tmp_path, model_dir, *overrides, timeout=400, env=None):
@@ -39,15 +40,9 @@ def refusal(model_dir, run_dir, *overrides) -> str:
     no Python start. What the launcher does with the message (exit 2, no traceback,
     within seconds) is checked once, on a real launch, in
     `tests/test_run_lifecycle.py::test_a_bad_setting_stops_the_launcher_at_start`."""
-    from hydra import compose, initialize_config_module
-
     from asyncfp8.launch import check_start
 
-    with initialize_config_module(version_base="1.3", config_module="asyncfp8.conf"):
-        cfg = compose(
-            "config",
-            overrides=[f"model.path={model_dir}", f"run.dir={run_dir}", *SMALL_RUN, *overrides],
-        )
+    cfg = compose(f"model.path={model_dir}", f"run.dir={run_dir}", *SMALL_RUN, *overrides)
     with pytest.raises((ValueError, FileNotFoundError)) as refused:
         check_start(cfg)
     return str(refused.value)

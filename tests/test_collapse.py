@@ -15,6 +15,7 @@ from asyncfp8.metrics import MetricsLog
 from asyncfp8.report import main
 from asyncfp8.run_files import GUARD_STOP_FILE
 from asyncfp8.stats import wilson_interval
+from tests.config import compose
 
 
 def test_held_out_below_half_its_best_at_the_end_is_a_collapse():
@@ -100,14 +101,6 @@ def test_wilson_matches_root_finding_and_stays_in_0_1(trials):
         assert high == pytest.approx(score_bound(events, trials, False), abs=1e-9)
     with pytest.raises(ValueError, match="events <= trials"):
         wilson_interval(trials + 1, trials)
-
-
-def compose(*overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-
-    with initialize_config_module(version_base="1.3", config_module="asyncfp8.conf"):
-        return hydra_compose("config", overrides=list(overrides))
 
 
 def synthetic_run(path, seed, heldout, rewards):

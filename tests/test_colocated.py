@@ -43,9 +43,9 @@ from asyncfp8.sync import (
     VersionSubscriber,
 )
 from asyncfp8.tasks import build_task
+from tests.config import compose
 from tests.conftest import TURNS, VLLM_TURNS
 from tests.launched import launch, refusal
-from tests.test_run_lifecycle import compose
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "tcp://127.0.0.1:*"

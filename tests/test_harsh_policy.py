@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncfp8.precision import build_policy, get_policy, is_quantizable, version_tensors
+from tests.config import compose
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 TARGET = "precision._target_=harsh_int4_policy.IntWeightOnlyPolicy"
@@ -24,14 +25,6 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def examples_importable(monkeypatch):
     """examples/ on the path, as `PYTHONPATH=examples` puts it for a user."""
     monkeypatch.syspath_prepend(str(EXAMPLES))
-
-
-def compose(*overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-
-    with initialize_config_module(version_base="1.3", config_module="asyncfp8.conf"):
-        return hydra_compose("config", overrides=list(overrides))
 
 
 def harsh(*overrides, model_dir=None):

@@ -13,14 +13,7 @@ from asyncfp8.checks import check_training
 from asyncfp8.learner.versions import VersionWeights, choose_proximal
 from asyncfp8.logprobs import completion_logprobs, install_logprob_head
 from asyncfp8.models import load_model
-
-
-def compose(*overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-
-    with initialize_config_module("asyncfp8.conf", version_base="1.3"):
-        return hydra_compose("config", overrides=list(overrides))
+from tests.config import compose
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from asyncfp8.report import (
     trailing_mean,
 )
 from asyncfp8.stats import binomial_se, mean_ci, t_quantile, t_two_sided_probability
+from tests.config import compose
 
 
 def test_smooth_is_a_trailing_mean_that_skips_nan():
@@ -179,14 +180,6 @@ def test_mean_ci_on_known_inputs():
 
 
 # --- comparing settings: fake finished runs ----------------------------------------------------
-
-
-def compose(*overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-
-    with initialize_config_module(version_base="1.3", config_module="asyncfp8.conf"):
-        return hydra_compose("config", overrides=list(overrides))
 
 
 def fake_run(path, *overrides, greedy=(0.2, 0.5), sampled=(0.1, 0.4), kl=1e-3, prompts=256):

@@ -18,6 +18,7 @@ from asyncfp8.chaos.cluster import SMALL_RUN
 from asyncfp8.metrics import read_metrics
 from asyncfp8.process import worker_count
 from asyncfp8.runconfig import restore_on_resume
+from tests.config import compose
 from tests.launched import refusal
 
 
@@ -43,14 +44,6 @@ def launch(model_dir, run_dir, *overrides, timeout=300, env=None):
         env=env,
     )
     return result.returncode, result.stdout + result.stderr, time.monotonic() - started
-
-
-def compose(*overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-
-    with initialize_config_module(version_base="1.3", config_module="asyncfp8.conf"):
-        return hydra_compose("config", overrides=list(overrides))
 
 
 # --- resume restores the saved run ---------------------------------------------------------------

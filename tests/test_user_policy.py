@@ -16,6 +16,7 @@ from asyncfp8.precision import build_policy, get_policy, version_tensors
 from asyncfp8.precision.export import export_checkpoint
 from asyncfp8.precision.fp8 import FP8BlockLinear
 from asyncfp8.report import per_step
+from tests.config import compose
 from tests.conftest import USER_MODULES, USER_POLICY, USER_POLICY_SPEC, user_modules_env
 from tests.launched import refusal
 
@@ -58,14 +59,6 @@ def four_layer_model_dir(tmp_path_factory):
     Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
-
-def compose(*overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-
-    with initialize_config_module(version_base="1.3", config_module="asyncfp8.conf"):
-        return hydra_compose("config", overrides=list(overrides))
 
 
 def launch(tmp_path, model_dir, *overrides, timeout=500):

@@ -14,6 +14,7 @@ import pytest
 
 from asyncfp8.metrics import WANDB_DIR, WANDB_ID_FILE, MetricsLog, loggers_of, wandb_mode
 from asyncfp8.report import per_step
+from tests.config import compose
 from tests.conftest import REPORTING_STEPS, wandb_offline_env
 
 # A mark, not importorskip: a module that skips when imported fails the GPU machine's
@@ -35,14 +36,6 @@ def wandb_offline(tmp_path, monkeypatch):
         monkeypatch.setenv(name, value)  # NETRC names none: no `wandb login` key either
     yield
     wandb.teardown()  # stops this process's W&B service: the next test starts its own
-
-
-def compose(*overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-
-    with initialize_config_module(version_base="1.3", config_module="asyncfp8.conf"):
-        return hydra_compose("config", overrides=list(overrides))
 
 
 # --- reading an offline run back -------------------------------------------------------------
