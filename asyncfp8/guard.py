@@ -5,9 +5,11 @@ the learner (learner/step.py, learner/rollback.py) acts on the verdict.
 
 A batch is judged with the weights the previous step left, before any update of this
 step, on three signals, each with its setting:
-- far tokens: at least `guard.far_tokens` tokens whose |log ρ| (learner − rollout) exceeds
-  `guard.log_ratio_bound`. Rounding moves a log-prob by ~1e-2 and one version of
-  staleness by less than 2; the fatal step of docs/results.md gave −37.
+- far tokens: at least `guard.far_tokens` tokens whose |log ρ| exceeds
+  `guard.log_ratio_bound`, log ρ being learner − the token's own version where the
+  learner kept that version's weights (what the update did; `add_token_evidence`), else
+  learner − rollout. Rounding moves a log-prob by ~1e-2 and one version of staleness by
+  less than 2; the fatal step of docs/results.md gave −37.
 - far share: more than `guard.far_fraction` of the tokens with |log ρ| > 5
   (FAR_LOG_RATIO, the `mismatch/frac_abs_log_ratio_gt5` of the metrics).
 - dead reward: no sample of the batch rewarded while the median share of rewarded samples

@@ -113,6 +113,35 @@ def test_the_last_good_state_comes_back_bit_for_bit_with_adams_state():
     assert saved.nbytes == 3 * sum(p.numel() * 4 for p in model.parameters()) + 2 * 4
 
 
+def test_a_token_the_rollout_put_far_but_its_own_version_did_not_is_excused():
+    """With π_prox of the token's version, the guard judges what the update did to a
+    token (learner against its version's weights), not how far the rollout's rounding
+    put it; a token with no kept version is judged against the rollout as before."""
+    from collections import defaultdict
+
+    from asyncfp8.learner.step import add_token_evidence
+
+    micro = {
+        "mask": torch.tensor([[True, True, True]]),
+        "rollout_logp": torch.zeros(1, 3),
+        "versions": torch.tensor([[4, 4, 5]]),
+    }
+    logp = torch.full((1, 3), -30.0)
+    # token 0: its version gave it -29.5 (the engine's rounding put it at 0): excused;
+    # token 1: its version gave it -1 (the update took it to -30): far; token 2: no kept
+    # version (the live one): judged against the rollout, far
+    own = (torch.tensor([[-29.5, -1.0, 0.0]]), torch.tensor([[True, True, False]]))
+    sums = defaultdict(float)
+    add_token_evidence(logp, micro, 20.0, None, sums, own_version=own)
+    assert (sums["guard_far_tokens"], sums["guard_excused_tokens"]) == (2, 1)
+    assert sums["guard_far5_tokens"] == 2
+    before = defaultdict(float)  # without the versions: every token judged on the rollout
+    add_token_evidence(logp, micro, 20.0, None, before)
+    assert (before["guard_far_tokens"], before["guard_excused_tokens"]) == (3, 0)
+    # the k3 is the rollout's mismatch either way
+    assert sums["guard_k3"] == pytest.approx(before["guard_k3"])
+
+
 def test_tokens_and_samples_of_undone_versions_are_left_out_of_the_evidence():
     from collections import defaultdict
     from types import SimpleNamespace

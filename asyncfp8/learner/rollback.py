@@ -144,6 +144,8 @@ class StepGuard:
             "guard/reward_median": median,
             "guard/check_s": time.perf_counter() - started,
             "guard/ignored_tokens": sums.get("guard_ignored_tokens", 0.0),
+            # far from the rollout, not from their own version: rounding, not the update
+            "guard/excused_tokens": sums.get("guard_excused_tokens", 0.0),
         }
         return verdict
 

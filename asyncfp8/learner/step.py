@@ -347,7 +347,12 @@ class TrainStep:
         if judged:
             guard = self.guard
             add_token_evidence(
-                logp, micro, guard.settings.log_ratio_bound, guard.ignored_versions, sums
+                logp,
+                micro,
+                guard.settings.log_ratio_bound,
+                guard.ignored_versions,
+                sums,
+                own_version=stale,
             )
         if proximal is None:
             proximal = logp.detach()
@@ -432,12 +437,22 @@ def add_token_evidence(
     bound: float,
     ignored_versions: tuple[int, int] | None,
     sums: dict,
+    own_version: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """The guard's token evidence of a micro-batch (asyncfp8/guard.py): its real tokens,
     those with |log ρ| > `bound` and > FAR_LOG_RATIO (an infinite log-prob counts), and
     their k3 summed (log ρ clamped to ±20 as in the mismatch metrics); tokens of the
     versions in `ignored_versions` (after, up to] left out and counted. A few element-wise
-    ops on [B, T]."""
+    ops on [B, T].
+
+    `own_version` (correction.proximal=version: the log-probs of stale tokens under the
+    learner's weights of their own version, and where they are): such a token is judged
+    far by what the update did to it, log π_learner − log π_version, not by its distance
+    from the rollout. The guard looks for an update that broke the policy; a token the
+    rollout's rounding alone put far away (an FP8 engine flipping a saturated attention
+    head) is the correction's business, and rolling the update back would not bring it
+    nearer. Those tokens are counted (`guard_excused_tokens`). The k3 stays the rollout's
+    mismatch."""
     mask = micro["mask"].bool()
     if ignored_versions is not None:
         after, up_to = ignored_versions
@@ -445,11 +460,18 @@ def add_token_evidence(
         ignored = mask & (versions > after) & (versions <= up_to)
         sums["guard_ignored_tokens"] += ignored.sum().item()
         mask = mask & ~ignored
-    delta = torch.nan_to_num(logp.detach().float() - micro["rollout_logp"].float(), nan=0.0)
+    rollout = micro["rollout_logp"].float()
+    delta = torch.nan_to_num(logp.detach().float() - rollout, nan=0.0)
+    judged = delta
+    if own_version is not None:
+        values, where = own_version
+        judged = torch.where(where, torch.nan_to_num(logp.detach().float() - values.float()), delta)
+        excused = (delta.abs() > bound) & (judged.abs() <= bound) & mask
+        sums["guard_excused_tokens"] += excused.sum().item()
     clamped = delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     sums["guard_tokens"] += mask.sum().item()
-    sums["guard_far_tokens"] += ((delta.abs() > bound) & mask).sum().item()
-    sums["guard_far5_tokens"] += ((delta.abs() > FAR_LOG_RATIO) & mask).sum().item()
+    sums["guard_far_tokens"] += ((judged.abs() > bound) & mask).sum().item()
+    sums["guard_far5_tokens"] += ((judged.abs() > FAR_LOG_RATIO) & mask).sum().item()
     sums["guard_k3"] += (torch.expm1(clamped) - clamped)[mask].sum().item()
 
 
