@@ -111,9 +111,14 @@ class Process:
             return None
 
     def tail(self, lines: int = 15) -> str:
-        if not self.log_path.exists():
-            return ""
-        return indented_tail(self.log_path.read_text(errors="replace").splitlines(), lines)
+        return log_tail(self.log_path, lines)
+
+
+def log_tail(log: Path, lines: int = 15) -> str:
+    """A process's log ends (`indented_tail`; empty where it wrote no log)."""
+    if not log.exists():
+        return ""
+    return indented_tail(log.read_text(errors="replace").splitlines(), lines)
 
 
 def indented_tail(text: list[str], lines: int) -> str:
@@ -344,7 +349,7 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
         process, code = failed
         stop_all(learner, workers)
         if process is learner and code == GUARD_STOPPED:
-            return report_guard_stop(run_dir, started, learner)
+            return report_guard_stop(run_dir, started)
         print(
             f"[launch] {process.name} exited with {code} "
             f"({'a configuration error: restarting cannot help' if code == CONFIG_ERROR else 'failed'}); "
@@ -361,11 +366,14 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
     return report_end(run_dir, started)
 
 
-def report_guard_stop(run_dir: Path, started: float, learner: Process) -> int:
+def report_guard_stop(run_dir: Path, started: float) -> int:
     """A run the guard stopped is an outcome, not a crash: its summary.json and plots as a
-    finished run's (with `guard_stopped`), the learner's reason, and how to go on."""
+    finished run's (with `guard_stopped`), the learner's reason (the last line of
+    learner.log), and how to go on."""
     report_end(run_dir, started)
-    print(f"[launch] the guard stopped the run. learner.log ends:\n{learner.tail(1)}")
+    print(
+        f"[launch] the guard stopped the run. learner.log ends:\n{log_tail(run_dir / 'learner.log', 1)}"
+    )
     print(resume_hint(run_dir))
     return GUARD_STOPPED
 
@@ -458,7 +466,7 @@ def launch_under_slurm(
     if failed is not None:
         _, code = failed
         if main_task and code == GUARD_STOPPED:
-            return report_guard_stop(run_dir, started, process)
+            return report_guard_stop(run_dir, started)
         print(f"[launch] {name} exited with {code}; {name}.log ends:\n{process.tail(20)}")
         if main_task and code != CONFIG_ERROR:
             print(resume_hint(run_dir))

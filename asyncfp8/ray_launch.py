@@ -54,6 +54,7 @@ from asyncfp8.launch import (
     Process,
     Progress,
     free_ports,
+    log_tail,
     report_end,
     report_guard_stop,
     resume_hint,
@@ -578,7 +579,7 @@ def run_on_ray(ray, cfg: DictConfig, overrides: list[str], policy, workers: int)
         incarnation.teardown(learner_grace=60.0)
         if who == "learner" and why == GUARD_STOPPED:  # an outcome: resuming would undo it
             progress.close()
-            return report_guard_stop(run_dir, started, Process("learner", "", [], run_dir))
+            return report_guard_stop(run_dir, started)
         if who == "learner" and why != CONFIG_ERROR and resumes < run.ray_learner_restarts:
             if has_checkpoint(run_dir):
                 resumes += 1
@@ -596,9 +597,10 @@ def run_on_ray(ray, cfg: DictConfig, overrides: list[str], policy, workers: int)
             )
             return 1
         progress.close()
-        log = run_dir / f"{'learner' if who == 'learner' else who}.log"
-        tail = Process(who, "", [], run_dir).tail(20) if log.exists() else ""
-        print(f"[launch] {who} failed ({why}); stopped the run. {log.name} ends:\n{tail}")
+        log = run_dir / f"{who}.log"
+        print(
+            f"[launch] {who} failed ({why}); stopped the run. {log.name} ends:\n{log_tail(log, 20)}"
+        )
         if why != CONFIG_ERROR:
             print(resume_hint(run_dir))
         return why if isinstance(why, int) and why > 0 else 1

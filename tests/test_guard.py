@@ -343,7 +343,7 @@ def test_the_launcher_writes_the_summary_of_a_run_the_guard_stopped(tmp_path, ca
     stopped, and how to go on."""
     import time
 
-    from asyncfp8.launch import Process, report_guard_stop
+    from asyncfp8.launch import report_guard_stop
     from asyncfp8.run_files import CHECKPOINT_DIR, GUARD_STOP_FILE, GUARD_STOPPED, LEARNER_STATE
     from tests.test_collapse import synthetic_run
 
@@ -354,8 +354,7 @@ def test_the_launcher_writes_the_summary_of_a_run_the_guard_stopped(tmp_path, ca
     (run_dir / CHECKPOINT_DIR / "step_00000012" / LEARNER_STATE).write_bytes(b"")
     reason = "learner ERROR guard: 3 rollbacks in a row (guard.max_rollbacks=3); ..."
     (run_dir / "learner.log").write_text(f"learner INFO step 11\n{reason}\n")
-    learner = Process("learner", "asyncfp8.learner", [], run_dir)
-    assert report_guard_stop(run_dir, time.perf_counter(), learner) == GUARD_STOPPED
+    assert report_guard_stop(run_dir, time.perf_counter()) == GUARD_STOPPED
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["guard_stopped"] == stop and summary["steps"] == 12
     printed = capsys.readouterr().out
