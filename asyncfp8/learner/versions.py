@@ -53,8 +53,8 @@ def choose_proximal(
     default) is `version` where the learner can keep the versions: decoupled mode (bypass
     has no π_prox), one learner rank (each rank would swap in other versions), and copies
     that take at most AUTO_MEMORY_SHARE of the available host memory. The stability study
-    chose it (docs/results.md): six BF16 seeds of each, π_prox of the sample's version
-    held-out 0.971 ± 0.018 with none collapsed, the current weights 0.798 ± 0.195 with one."""
+    chose it (docs/results.md): ten BF16 seeds of each, π_prox of the sample's version
+    held-out 0.970 ± 0.015 with none collapsed, the current weights 0.839 ± 0.107 with one."""
     if asked != "auto":
         return asked, "correction.proximal=" + asked
     if mode == "bypass":
