@@ -78,6 +78,19 @@ def cpu_by_role(before: dict, after: dict, seconds: float) -> dict[str, float]:
     return {role: round(used / seconds, 4) for role, used in sorted(busy.items())}
 
 
+def paired_ratios(rows: list[dict], numerator: str, denominator: str) -> dict:
+    """Each repeat's `numerator` run against the `denominator` run beside it, in trained
+    samples/s: the pairs share the load the machine had at the time, so their ratios
+    spread less than the medians' ratio. Their mean, its 95% half-width (None for one
+    pair), and `interval`, that as text."""
+    by_repeat = {(r["repeat"], r["mode"]): r["trained_samples_per_s"] for r in rows}
+    repeats = sorted({r["repeat"] for r in rows})
+    ratios = [by_repeat[(i, numerator)] / by_repeat[(i, denominator)] for i in repeats]
+    mean, half = mean_ci(ratios)
+    interval = "n=1, no CI" if half is None else f"95% CI ±{half:.3f}"
+    return {"ratios": ratios, "mean": mean, "ci95_half_width": half, "interval": interval}
+
+
 def measure(mode: str, args, run_dir: Path, env: dict[str, str], modes=MODES) -> dict:
     """One run of the job, `modes[mode]` its overrides: trained samples/s over the steady
     state, the seconds from submit to the first step, and where the cores went."""
@@ -194,18 +207,10 @@ def main() -> None:
         summary["ray"]["trained_samples_per_s_median"]
         / summary["launcher"]["trained_samples_per_s_median"]
     )
-    # Each repeat's Ray run against the launcher run beside it: the pairs share the load
-    # the machine had at the time, so their ratios spread less than the medians' ratio.
-    by_repeat = {(r["repeat"], r["mode"]): r["trained_samples_per_s"] for r in rows}
-    paired = [
-        by_repeat[(repeat, "ray")] / by_repeat[(repeat, "launcher")]
-        for repeat in range(args.repeats)
-    ]
-    paired_mean, paired_half = mean_ci(paired)
-    interval = "n=1, no CI" if paired_half is None else f"95% CI ±{paired_half:.3f}"
+    paired = paired_ratios(rows, "ray", "launcher")
     print(
         f"\nRay / launcher, trained samples/s: {ratio:.3f} of the medians (overhead "
-        f"{1 - ratio:+.1%}); per repeat {paired_mean:.3f} ({interval}); first step "
+        f"{1 - ratio:+.1%}); per repeat {paired['mean']:.3f} ({paired.pop('interval')}); first step "
         f"{summary['ray']['submit_to_first_step_s_median']:.1f} s vs "
         f"{summary['launcher']['submit_to_first_step_s_median']:.1f} s after submit"
     )
@@ -220,11 +225,7 @@ def main() -> None:
             "load_average_at_end": os.getloadavg(),
             "summary": summary,
             "ray_over_launcher_samples_per_s": ratio,
-            "ray_over_launcher_paired": {
-                "ratios": paired,
-                "mean": paired_mean,
-                "ci95_half_width": paired_half,
-            },
+            "ray_over_launcher_paired": paired,
             "rows": rows,
         },
     )

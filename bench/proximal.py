@@ -23,8 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncfp8.stats import mean_ci
-from bench.cluster import measure
+from bench.cluster import measure, paired_ratios
 from bench.common import write_json
 
 MODES = {"current": ["correction.proximal=current"], "version": ["correction.proximal=version"]}
@@ -53,16 +52,14 @@ def main() -> None:
                     f"workers {row['cores_busy_in_steady_state']['workers']:.2f}",
                     flush=True,
                 )
-    by_repeat = {(r["repeat"], r["mode"]): r["trained_samples_per_s"] for r in rows}
-    ratios = [by_repeat[(i, "version")] / by_repeat[(i, "current")] for i in range(args.repeats)]
-    mean, half = mean_ci(ratios)
+    paired = paired_ratios(rows, "version", "current")
     medians = {
         mode: statistics.median(r["trained_samples_per_s"] for r in rows if r["mode"] == mode)
         for mode in MODES
     }
-    interval = "n=1, no CI" if half is None else f"95% CI ±{half:.3f}"
     print(
-        f"\nversion / current, trained samples/s: per repeat {mean:.3f} ({interval}); "
+        f"\nversion / current, trained samples/s: per repeat {paired['mean']:.3f} "
+        f"({paired.pop('interval')}); "
         f"medians {medians['version']:.1f} / {medians['current']:.1f}"
     )
     path = write_json(
@@ -74,11 +71,7 @@ def main() -> None:
             "skip": args.skip,
             "workers": 2,
             "trained_samples_per_s_median": medians,
-            "version_over_current_paired": {
-                "ratios": ratios,
-                "mean": mean,
-                "ci95_half_width": half,
-            },
+            "version_over_current_paired": paired,
             "rows": rows,
         },
     )
