@@ -460,12 +460,12 @@ def add_token_evidence(
         ignored = mask & (versions > after) & (versions <= up_to)
         sums["guard_ignored_tokens"] += ignored.sum().item()
         mask = mask & ~ignored
-    rollout = micro["rollout_logp"].float()
-    delta = torch.nan_to_num(logp.detach().float() - rollout, nan=0.0)
+    learner = logp.detach().float()
+    delta = torch.nan_to_num(learner - micro["rollout_logp"].float(), nan=0.0)
     judged = delta
     if own_version is not None:
         values, where = own_version
-        judged = torch.where(where, torch.nan_to_num(logp.detach().float() - values.float()), delta)
+        judged = torch.where(where, torch.nan_to_num(learner - values.float(), nan=0.0), delta)
         excused = (delta.abs() > bound) & (judged.abs() <= bound) & mask
         sums["guard_excused_tokens"] += excused.sum().item()
     clamped = delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
