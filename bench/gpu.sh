@@ -13,7 +13,7 @@
 # /tmp/site and asyncfp8 runs from this source tree (PYTHONPATH), not installed.
 #
 # How to start it, from the checkout's root on that machine:
-#     bash bench/gpu.sh                  the default steps (within ~8 minutes)
+#     bash bench/gpu.sh                  the default steps (within ~9.5 minutes)
 #     bash bench/gpu.sh rollout learner  the steps named, in that order
 #     bash bench/gpu.sh --dry-run        on a CPU: every step at a toy size through the same
 #                                        code, under the same limits (the tests run this)
@@ -40,9 +40,10 @@
 #                       compiles, ~20 captures)
 #   quantize      40 s  FP8/INT8 weight quantization, torch and Triton, 4096² and a 7B stream
 #   kernels       80 s  56 GEMM and 12 attention rows, each a captured graph (~10 compiles)
-#   rollout      170 s  4 precisions × (a 1.5B model built on the GPU, quantized, ~6
-#                       compiles) × 4 shapes × (1 + 3 timed) decodes of 64 tokens, 4 captures
-#   -- the default run: ~15 s, then steps stopped at 440 s in all: under 8 minutes --
+#   rollout      300 s  5 precisions × (a 1.5B model built on the GPU, quantized, ~6
+#                       compiles) × 5 shapes × (1 + 2 timed) decodes of 64 tokens and of 1,
+#                       5 captures; the 64 prefills of 8192 tokens cost most (~6 s each)
+#   -- the default run: ~15 s, then steps stopped at 540 s in all (TOTAL_S): under 10 minutes --
 #   learner      240 s  4 rows of bench/learner.py, each a process (~10 s start, a 1.5B
 #                       learner loaded, a warm-up and a timed train step)
 #   longtail     540 s  issue 19's table: a 256-request batch in 5 modes (a run of its own)
@@ -52,7 +53,7 @@ cd "$(dirname "$0")/.."
 ALL_STEPS="pytest-gpu quantize kernels rollout learner longtail"
 DEFAULT_STEPS="pytest-gpu quantize kernels rollout"
 TOTAL_S=540
-declare -A LIMIT=([pytest-gpu]=150 [quantize]=40 [kernels]=80 [rollout]=170 [learner]=240 [longtail]=540)
+declare -A LIMIT=([pytest-gpu]=150 [quantize]=40 [kernels]=80 [rollout]=300 [learner]=240 [longtail]=540)
 
 DRY_RUN=0
 STEPS=()
@@ -170,7 +171,7 @@ run_step() {
         --timeout 120 --continue-on-collection-errors tests ;;
     quantize) limited "$2" python3 bench/quantize.py "${DRY[@]}" --out "$json" ;;
     kernels) limited "$2" python3 bench/kernels.py "${DRY[@]}" --out "$json" ;;
-    rollout) limited "$2" python3 bench/rollout.py --device cuda "${DRY[@]}" --out "$json" ;;
+    rollout) limited "$2" python3 bench/rollout.py --device cuda --repeats 2 "${DRY[@]}" --out "$json" ;;
     learner) limited "$2" python3 bench/learner.py --device cuda "${DRY[@]}" --out "$json" ;;
     longtail) limited "$2" python3 bench/longtail.py --device cuda --model qwen2.5-1.5b-shaped \
         --batch 256 --slots 64 --threshold 16 "${DRY[@]}" --out "$json" ;;

@@ -15,7 +15,8 @@ CPU path, so the CPU ratios say little about GPU speed.
 On a GPU (`--device cuda`), the torch engine decodes a random-init Qwen2 shaped like
 Qwen2.5-1.5B (hidden 1536, 28 layers, intermediate 8960, 12 query / 2 KV heads × 128,
 vocabulary 151,936, tied embeddings), built on the GPU (nothing is downloaded), in bf16,
-fp8, fp8+fp8_kv and int8, at batch 1 and 64 after a 256- and an 8192-token prompt. It
+fp8, fp8_kv, fp8+fp8_kv and int8, at batch 1, 8 and 64 after a 256-token prompt and at
+batch 1 and 64 after an 8192-token one. It
 times the engine's own decode loop (`TorchEngine.generate_requests`: one slot per
 sequence, per-request sampling, the CUDA-graph decode step, bookkeeping) over
 `--new-tokens` tokens, less the same call for 1 token (prefill and first token), after
@@ -50,8 +51,11 @@ from asyncfp8.models import load_model, load_tokenizer, resolve_model_dir
 from asyncfp8.precision import get_policy
 
 PRECISIONS = ("bf16", "fp8", "fp8_kv", "fp8+fp8_kv", "int8")
-GPU_PRECISIONS = ("bf16", "fp8", "fp8+fp8_kv", "int8")
+GPU_PRECISIONS = ("bf16", "fp8", "fp8_kv", "fp8+fp8_kv", "int8")
 BATCHES = (1, 64)
+# The GPU table's batches by context: the batch sweep after a short prompt, and batch 1
+# and 64 after the long one (64 long prefills are most of a GPU run's time).
+GPU_BATCHES = {"short": (1, 8, 64), "long": (1, 64)}
 # Qwen2.5-1.5B's shape (its config.json), random weights.
 QWEN_1_5B = {
     "hidden_size": 1536,
@@ -294,7 +298,7 @@ def gpu_table(
             free_memory(device)
             continue
         for context, prompt_tokens in contexts.items():
-            for batch in BATCHES:
+            for batch in GPU_BATCHES[context]:
                 row = {
                     "engine": "torch",
                     "precision": precision,

@@ -119,3 +119,24 @@ def train(learner, groups: list[Group]) -> dict:
     main = learner.ranks.main
     share = distributed.scatter(learner.shares(groups) if main else None)
     return learner.train(share, groups if main else None)
+
+
+def assert_same_updates(learner, reference, lr: float, steps: int) -> None:
+    """`learner`'s weights after its first `steps` Adam steps are `reference`'s (an FP32
+    CPU learner on the same data) within rounding: Adam moves a weight by about ±lr per
+    step whatever its gradient's size, so where a tiny gradient's sign differs under
+    BF16/FP16 rounding the weight lands up to 2·lr away. Such flips are allowed in at
+    most 1% of a tensor's elements (or two); none may differ by more than 2·lr·steps, and the
+    masters stay FP32."""
+    from asyncfp8 import distributed
+
+    weights = distributed.full_state_dict(learner.model)
+    for name, value in distributed.full_state_dict(reference.model).items():
+        assert weights[name].dtype == torch.float32, name
+        difference = (weights[name].cpu() - value.cpu()).abs()
+        flipped = int((difference > lr / 2).sum())
+        largest = difference.max().item()
+        assert flipped <= max(0.01 * difference.numel(), 2) and largest <= 2 * lr * steps * 1.01, (
+            f"{name}: {flipped} of {difference.numel()} elements off by more than lr/2, "
+            f"the largest by {largest:.2e}"
+        )

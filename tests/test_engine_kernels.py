@@ -383,9 +383,14 @@ def test_gpu_fp8_gemm_paths_agree(m, n, k):
         x_q.cpu(), x_scale.cpu(), w_q.cpu(), w_scale.cpu(), (128, 128)
     )
     outputs = {"triton": fp8_block_matmul(x_q, x_scale, w_q, w_scale, impl="triton")}
+    assert torch.equal(fp8_block_matmul(x_q, x_scale, w_q, w_scale), outputs["triton"])
     if scaled_mm_available(x_q):
-        outputs["scaled_mm"] = fp8_block_matmul(x_q, x_scale, w_q, w_scale, impl="scaled_mm")
-        assert torch.equal(fp8_block_matmul(x_q, x_scale, w_q, w_scale), outputs["scaled_mm"])
+        try:
+            outputs["scaled_mm"] = fp8_block_matmul(x_q, x_scale, w_q, w_scale, impl="scaled_mm")
+        except RuntimeError as err:
+            # cuBLASLt has no blockwise kernel for one row (an H100, torch 2.11+cu130): the
+            # engine takes Triton on sm90, and falls back from scaled_mm where it fails.
+            assert m == 1 and "CUBLAS_STATUS_NOT_SUPPORTED" in str(err), err
     for impl, out in outputs.items():
         assert out.shape == (m, n) and out.dtype == torch.bfloat16, impl
         error = (out.double().cpu() - exact).abs()
@@ -409,8 +414,11 @@ def test_gpu_int8_gemm_is_bit_exact_at_any_batch(m):
 def gpu_cache(batch, t_max, seed=0):
     generator = torch.Generator(device="cuda").manual_seed(seed)
     shape = (batch, 2, t_max, 128)
-    k_cache = (torch.randn(shape, device="cuda", generator=generator) * 100).to(FP8)
-    v_cache = (torch.randn(shape, device="cuda", generator=generator) * 100).to(FP8)
+    # Clamped to e4m3's range: torch casts a value past ±448 to NaN, not to the largest
+    # e4m3 (a million normals times 100 have a few; the first GPU run got NaN references).
+    k_cache = (torch.randn(shape, device="cuda", generator=generator) * 100).clamp(-448, 448)
+    v_cache = (torch.randn(shape, device="cuda", generator=generator) * 100).clamp(-448, 448)
+    k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)
     q = torch.randn(batch, 12, 128, device="cuda", generator=generator).to(torch.bfloat16)
     valid = torch.ones(batch, t_max, dtype=torch.bool, device="cuda")
     valid[:, : t_max // 10] = False  # left padding

@@ -69,6 +69,9 @@ class SlotDecoder:
         self.advance = torch.zeros(slots, dtype=torch.bool, device=self.device)
         self.kv_valid = torch.zeros(slots, max_tokens, dtype=torch.bool, device=self.device)
         self.rows = torch.arange(slots, device=self.device)
+        # The value `_step` writes into kv_valid, on the device: a Python True there would
+        # be a host-to-device copy, which CUDA-graph capture refuses (seen on an H100).
+        self._true = torch.ones((), dtype=torch.bool, device=self.device)
         self.advancing = [False] * slots  # the host's copy of `advance`
         #: the host's copy of each row's write position: a full row is refused, and an
         #: eager step reads only the positions some row has reached, without a sync
@@ -210,7 +213,7 @@ class SlotDecoder:
     def _step(self, visible: int | None = None) -> torch.Tensor:
         """The decode step on the device, over all positions or (eager) the first
         `visible`: only device tensors in, so that a graph can hold it."""
-        self.kv_valid[self.rows, self.write_pos] = True
+        self.kv_valid[self.rows, self.write_pos] = self._true
         self.cache.write_rows(self.write_pos, visible)
         self.cache.kv_len = self.write_pos + 1
         logits = self._run(

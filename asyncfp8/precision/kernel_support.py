@@ -103,6 +103,15 @@ def check_2d(name: str, tensor: torch.Tensor, dtype: torch.dtype | tuple[torch.d
         raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {tensor.dtype}")
 
 
+def divide_exactly(tensor: torch.Tensor, constant: float) -> torch.Tensor:
+    """tensor / constant, correctly rounded on every device. torch's CUDA kernel divides
+    by a Python number as a product with its reciprocal, one ulp off at times: the GPU
+    references then differed from the Triton kernels' `div_rn` and from the CPU (seen
+    on an H100, torch 2.11). A divisor tensor on the same device takes the true division,
+    and `full_like` fills it on the device (a CUDA-graph capture allows that)."""
+    return tensor / torch.full_like(tensor, constant)
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

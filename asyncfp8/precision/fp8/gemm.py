@@ -4,10 +4,14 @@ What runs where (`impl="auto"`):
 
 | kernel | CUDA sm90 | other CUDA | CPU |
 |---|---|---|---|
-| `fp8_block_matmul` | torch `scaled_mm` (BlockWise1x128 × BlockWise128x128) when the blocks are 128×128, K and N multiples of 128 and the output bf16/fp32; else Triton | Triton | the per-block `torch._scaled_mm` loop (`fp8_block_matmul_reference`) |
+| `fp8_block_matmul` | Triton; without Triton, torch `scaled_mm` (BlockWise1x128 × BlockWise128x128) when the blocks are 128×128, K and N multiples of 128 and the output bf16/fp32 | Triton | the per-block `torch._scaled_mm` loop (`fp8_block_matmul_reference`) |
 
-Without Triton on a GPU, `fp8_block_matmul` needs the sm90 path (else it raises
-`KernelUnavailable`, saying what would work). The Triton kernel also run on the
+Triton comes first on sm90 because it measured faster there: on an H100 (torch 2.11,
+CUDA 13.0) 9.0 us at one row, where cuBLASLt refused the blockwise `scaled_mm`
+(CUBLAS_STATUS_NOT_SUPPORTED), and 13.1 against 17.5 us at 64 rows, Qwen2.5-1.5B's
+down_proj (bench/results/kernels-h100.json). Without Triton on a GPU,
+`fp8_block_matmul` needs the sm90 path (else it raises `KernelUnavailable`, saying
+what would work). The Triton kernel also run on the
 CPU under `TRITON_INTERPRET=1`; the tests check them there against the references.
 
 Layouts (asyncfp8's, as exported): an FP8 weight is `w_q` float8_e4m3fn [N, K] row-major
@@ -374,10 +378,10 @@ def fp8_block_matmul(
 def _choose_fp8_impl(x_q, w_q, block, out_dtype) -> str:
     if not x_q.is_cuda:
         return "reference"
-    if _scaled_mm_takes(x_q, w_q, block, out_dtype):
-        return "scaled_mm"
     if triton_runs_on(x_q):
         return "triton"
+    if _scaled_mm_takes(x_q, w_q, block, out_dtype):
+        return "scaled_mm"
     raise unavailable(
         "fp8_block_matmul",
         x_q,

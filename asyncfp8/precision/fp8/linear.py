@@ -65,14 +65,23 @@ class FP8BlockLinear(QuantizedLinear):
         self.register_buffer(
             "scale_inv", torch.empty_like(scale_inv, dtype=torch.float32), persistent=False
         )
-        sm90 = real and self.block == BLOCK and scaled_mm_available(self.q)
+        # torch's one-call scaled_mm only where Triton cannot run: on an H100 the Triton
+        # GEMM was faster at 64 rows (13.1 against 17.5 us on down_proj) and cuBLASLt
+        # refused one row (bench/results/kernels-h100.json).
+        one_call = (
+            real
+            and self.block == BLOCK
+            and scaled_mm_available(self.q)
+            and not triton_runs_on(self.q)
+        )
         self.register_buffer(
             "scale_mm",
-            scaled_mm_weight_scales(self.scale_inv) if sm90 else None,
+            scaled_mm_weight_scales(self.scale_inv) if one_call else None,
             persistent=False,
         )
-        #: the GEMM path `fp8_block_matmul` takes ("scaled_mm" on sm90 until it fails)
-        self.impl = "scaled_mm" if sm90 else "auto"
+        #: the GEMM path `fp8_block_matmul` takes ("scaled_mm" on sm90 without Triton,
+        #: until it fails)
+        self.impl = "scaled_mm" if one_call else "auto"
         self.load({name: q, name + SCALE_SUFFIX: scale_inv})
 
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ..kernel_support import (
     ceil_div,
     check_impl,
+    divide_exactly,
     next_power_of_2,
     triton,
     triton_enabled,
@@ -108,7 +109,7 @@ def quantize_blockwise_reference(
     padded[:rows, :cols] = w
     blocks = padded.view(grid_rows, block_rows, grid_cols, block_cols)
     amax = blocks.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    scale = divide_exactly(amax, FP8_MAX)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(padded.shape)[:rows, :cols].contiguous(), scale
 
@@ -211,7 +212,7 @@ def quantize_activations_fp8_reference(
     groups = ceil_div(width, group)
     padded = F.pad(x.float(), (0, groups * group - width))
     blocks = padded.view(tokens, groups, group)
-    scale = blocks.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX
+    scale = divide_exactly(blocks.abs().amax(-1).clamp_min(AMAX_FLOOR), FP8_MAX)
     q = (blocks / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     q = q.view(tokens, groups * group)[:, :width].contiguous()
     if column_major_scales:

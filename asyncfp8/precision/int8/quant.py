@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from ..kernel_support import triton, triton_enabled, triton_runs_on, unavailable, why_no_triton
+from ..kernel_support import (
+    divide_exactly,
+    triton,
+    triton_enabled,
+    triton_runs_on,
+    unavailable,
+    why_no_triton,
+)
 from ..policy import check_weight
 
 INT8_MAX = 127.0
@@ -57,7 +64,7 @@ def quantize_per_channel_triton(
 
 def quantize_per_channel_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = w.float()
-    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR) / INT8_MAX
+    scale = divide_exactly(w.abs().amax(dim=1, keepdim=True).clamp_min(AMAX_FLOOR), INT8_MAX)
     q = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
     return q, scale
 
@@ -85,5 +92,5 @@ def dequantize_per_channel(
 def quantize_activations_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (int8 [T, K], fp32 per-token scales [T, 1])."""
     x = x.float()
-    scale = x.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR) / INT8_MAX
+    scale = divide_exactly(x.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR), INT8_MAX)
     return torch.round(x / scale).clamp(-128, 127).to(torch.int8), scale
