@@ -569,8 +569,9 @@ def test_gpu_graph_replays_the_eager_step_and_follows_a_weight_update(precision,
     version = version_tensors(
         perturbed(tiny_model_dir, seed=2), policy, calibration(tiny_model_dir)
     )
+    weights = dict(version.weights)  # a generator: read once, for both engines
     for engine in (graph, eager):
-        engine.update_weights(2, dict(version.weights), version.extra)
+        engine.update_weights(2, weights, version.extra)
     assert pointers() == before
     captured = graph._slot_decoder._graph
     after = static_decode(graph, prompts, forced)
