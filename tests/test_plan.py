@@ -419,8 +419,9 @@ def test_gpu_rows_of_bench_rollout_become_a_calibration_the_planner_picks(tmp_pa
     (bundled / "h100-torch.json").write_text(json.dumps(raw))
     monkeypatch.setattr(calibration, "CALIBRATIONS", bundled)
 
-    assert calibration.choose_calibration("auto", GPUS["h100"]) == "h100-torch"
-    assert calibration.choose_calibration("auto", GPUS["h200"]) == "gpu-priors"
+    assert calibration.choose_calibration("auto", GPUS["h100"], "torch") == "h100-torch"
+    assert calibration.choose_calibration("auto", GPUS["h100"], "vllm") == "gpu-priors"
+    assert calibration.choose_calibration("auto", GPUS["h200"], "torch") == "gpu-priors"
     loaded = calibration.load_calibration("h100-torch")
     assert loaded.device.name == "h100" and "gemm_memory.fp8" in loaded.fitted
     errors = [r["error"] for r in predict_points(loaded.points, loaded.device, loaded.efficiency)]
@@ -533,6 +534,7 @@ def test_cli_writes_the_plan_as_json_and_a_plot(tmp_path):
     assert "recommendation:" in result.stdout and "calibration gpu-priors" in result.stdout
     plan = json.loads(out.read_text())
     assert plan["batch_sizes"] == [1, 16, 256]
+    # h100-torch was measured on an H100, with the torch engine: not the vLLM priced here
     assert plan["calibration"]["name"] == "gpu-priors"
     for name in ("bf16", "fp8", "fp8+fp8_kv", "int8"):
         row = plan["precisions"][name]
@@ -619,3 +621,25 @@ def test_a_mixed_layout_is_priced_as_its_two_parts():
     for bad in ("mixed_bf16@0.5", "mixed_int8@1.5", "mixed_int8@0"):
         with pytest.raises(PlanInputError, match="mixed_<base>@<share>"):
             get_precision(bad)
+
+
+def test_a_plan_takes_the_calibration_measured_with_its_engine_and_refuses_an_unknown_one():
+    from asyncfp8.plan.planner import make_plan
+
+    small = dict(
+        model__path="qwen2.5-1.5b",
+        gpu="h100",
+        workload__prompts_per_step=8,
+        workload__samples_per_prompt=2,
+        workload__rollout_gpus=1,
+        workload__response__mean_tokens=300,
+        workload__response__max_tokens=1024,
+        plan__precisions=["bf16", "fp8"],
+    )
+    # The bundled h100-torch set was measured with the torch engine: a vLLM plan (the
+    # default) keeps the priors.
+    assert make_plan(plan_config(**small))["calibration"]["name"] == "gpu-priors"
+    torch_plan = make_plan(plan_config(**small, engine__kind="torch"))
+    assert torch_plan["calibration"]["name"] == "h100-torch"
+    with pytest.raises(PlanInputError, match="engine.kind must be one of vllm, torch"):
+        make_plan(plan_config(**small, engine__kind="sglang"))

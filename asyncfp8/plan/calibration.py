@@ -201,11 +201,23 @@ def predict_points(points: list[Point], device: GPU, eff: Efficiency) -> list[di
     return rows
 
 
+# The factors that are fractions of a datasheet rate: on a GPU none can pass 1.
+RATE_FACTORS = ("memory", "gemm_memory", "gemm_compute", "attention_memory", "attention_compute")
+
+
 def fit(
-    points: list[Point], device: GPU, start: Efficiency, names: list[str]
+    points: list[Point],
+    device: GPU,
+    start: Efficiency,
+    names: list[str],
+    ceiling: float | None = None,
 ) -> tuple[Efficiency, list[str], list[str]]:
     """Fit the factors `names` (in log space: they stay positive) to the points.
-    Returns the efficiency, the names fitted and those no point depends on."""
+    Returns the efficiency, the names fitted and those no point depends on. `ceiling`:
+    the largest value a rate factor (`RATE_FACTORS`) may take. Without one, the H100's
+    rows fitted BF16 GEMMs at 1.8e7 times the datasheet bandwidth, the fixed costs
+    explaining everything: on a GPU a rate is at most its datasheet's (1.0). A CPU set
+    has none (its small model's weights sit in cache, past the memcpy figure)."""
     models = [_PointModel(p, load_model_facts(p.model), device) for p in points]
     measured = np.log([p.decode_tokens_per_s for p in points])
 
@@ -225,8 +237,16 @@ def fit(
         return start, fitted, unfitted
     x0 = np.log([get_factor(start, name) for name in fitted])
 
+    def factors(x: np.ndarray) -> dict[str, float]:
+        values = dict(zip(fitted, np.exp(x), strict=True))
+        if ceiling is not None:
+            for name in values:
+                if name.partition(".")[0] in RATE_FACTORS:
+                    values[name] = min(values[name], ceiling)
+        return values
+
     def objective(x: np.ndarray) -> float:
-        return loss(with_factors(start, dict(zip(fitted, np.exp(x), strict=True))))
+        return loss(with_factors(start, factors(x)))
 
     # The roofline's max() leaves flat regions a simplex started in cannot leave: first
     # scan each factor over four decades around its start, then polish with Nelder-Mead.
@@ -239,7 +259,7 @@ def fit(
             best = min([*trials, best], key=objective)
     best, _ = nelder_mead(objective, best)
     best, _ = nelder_mead(objective, best, step=0.2)  # restart: the simplex may have collapsed
-    return with_factors(start, dict(zip(fitted, np.exp(best), strict=True))), fitted, unfitted
+    return with_factors(start, factors(best)), fitted, unfitted
 
 
 # --- loading ------------------------------------------------------------------------
@@ -284,7 +304,9 @@ def load_calibration(name_or_path: str) -> Calibration:
     if points and device is None:
         raise PlanInputError(f"calibration {where}: measured points need the device they ran on")
     efficiency, fitted, unfitted = (
-        fit(points, device, start, names) if points and names else (start, [], names)
+        fit(points, device, start, names, raw.get("ceiling"))
+        if points and names
+        else (start, [], names)
     )
     return Calibration(
         name=raw.get("name", Path(where).stem),
@@ -301,13 +323,17 @@ def load_calibration(name_or_path: str) -> Calibration:
     )
 
 
-def choose_calibration(requested: str, gpu: GPU) -> str:
-    """`auto`: the set measured on this device if one exists, else the GPU priors."""
+def choose_calibration(requested: str, gpu: GPU, engine: str = "vllm") -> str:
+    """`auto`: the set measured on this device with this engine (`engine.kind`) if one
+    exists, else the GPU priors. The engine matters: the torch engine's fixed costs on an
+    H100 (4.5 ms a step) are its own, not those of the vLLM runs the published figures
+    come from."""
     if requested != "auto":
         return requested
     for name in available():
         raw, _ = _read(name)
-        if raw.get("device") and raw["device"].get("name") == gpu.name:
+        device = raw.get("device") or {}
+        if device.get("name") == gpu.name and raw.get("engine") == engine:
             return name
     return PRIORS
 
@@ -421,6 +447,13 @@ def derive(
         fit_names += [
             f"gemm_memory.{w}" for w in ("fp8", "int8") if f"gemm_compute.{w}" in fit_names
         ]
+        # A factor the priors set to 0 (the KV quantization, assumed fused into the
+        # cache write) starts at one kernel boundary, so that the fit can move it.
+        for factor in fit_names:
+            head, _, key = factor.partition(".")
+            table = start[head] if key else start
+            if table[key or head] <= 0:
+                table[key or head] = 2.5e-6
         if not sync["delta_bytes_ratio"]:  # a property of the format: the priors carry it
             sync["delta_bytes_ratio"] = priors["sync"]["delta_bytes_ratio"]
     else:
@@ -449,6 +482,7 @@ def derive(
         "engine": engine,
         "efficiency": start,
         "fit": fit_names,
+        "ceiling": 1.0 if gpu else None,
         "points": points,
         "sync": sync,
         "quantize_gb_s": quantize,

@@ -27,6 +27,8 @@ from .step import StepModel, decode_step, kv_capacity_tokens
 # predicted gains are inside the model's error (docs/plan.md) and cost a mismatch.
 WORTH_IT = 1.05
 STREAM_STEPS = 3  # an asynchronous stream is simulated over this many steps' samples
+# The engine a plan prices (`engine.kind`): `auto` takes a calibration measured with it.
+ENGINE_KINDS = ("vllm", "torch")
 
 
 def resolve_gpu(spec: Any) -> GPU:
@@ -184,7 +186,10 @@ def make_plan(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if "bf16" not in plan["precisions"]:
         raise PlanInputError("plan.precisions must include bf16: speed-ups are relative to it")
 
-    calibration = load_calibration(choose_calibration(str(plan["calibration"]), gpu))
+    kind = str(engine.get("kind", "vllm"))
+    if kind not in ENGINE_KINDS:
+        raise PlanInputError(f"engine.kind must be one of {', '.join(ENGINE_KINDS)}, got {kind}")
+    calibration = load_calibration(choose_calibration(str(plan["calibration"]), gpu, kind))
     lengths = _lengths(workload["response"])
     engines = rollout_gpus // tp
     per_engine = math.ceil(workload["prompts_per_step"] * workload["samples_per_prompt"] / engines)
