@@ -167,3 +167,22 @@ def test_a_failing_precision_or_row_leaves_the_others_and_each_row_is_saved_at_o
     assert ratios[(40, 64)] is None and all(v > 0 for k, v in ratios.items() if k != (40, 64))
     assert on_disk == list(range(len(rows) + 1))  # written at the start and after each row
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
+
+
+@pytest.mark.slow
+def test_the_profile_of_a_decode_step_runs_each_case_on_the_cpu(tmp_path, monkeypatch):
+    """bench/rollout_profile.py --dry-run: each toy case built, timed and profiled; on a
+    CPU there are no device kernels, so the step is all host time."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import rollout_profile
+
+    out = tmp_path / "profile.json"
+    monkeypatch.setattr(sys, "argv", ["rollout_profile.py", "--dry-run", "--out", str(out)])
+    assert rollout_profile.main() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["precision"], r["batch"]) for r in rows] == [
+        (p, b) for p, _, b in rollout_profile.TOY_CASES
+    ]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["wall_ms"] > 0 and row["gpu_ms"] == 0 and row["kernels"] == []

@@ -641,5 +641,5 @@ def test_a_plan_takes_the_calibration_measured_with_its_engine_and_refuses_an_un
     assert make_plan(plan_config(**small))["calibration"]["name"] == "gpu-priors"
     torch_plan = make_plan(plan_config(**small, engine__kind="torch"))
     assert torch_plan["calibration"]["name"] == "h100-torch"
-    with pytest.raises(PlanInputError, match="engine.kind must be one of vllm, torch"):
+    with pytest.raises(PlanInputError, match=r"engine\.kind must be one of vllm, torch"):
         make_plan(plan_config(**small, engine__kind="sglang"))
