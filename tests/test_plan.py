@@ -643,3 +643,22 @@ def test_a_plan_takes_the_calibration_measured_with_its_engine_and_refuses_an_un
     assert torch_plan["calibration"]["name"] == "h100-torch"
     with pytest.raises(PlanInputError, match=r"engine\.kind must be one of vllm, torch"):
         make_plan(plan_config(**small, engine__kind="sglang"))
+
+
+def test_the_plan_counts_the_host_memory_of_the_versions_kept_for_pi_prox():
+    from asyncfp8.learner.versions import kept_bytes
+    from asyncfp8.plan.planner import make_plan
+
+    cfg = plan_config(
+        model__path="qwen2.5-0.5b",
+        workload__prompts_per_step=8,
+        workload__samples_per_prompt=2,
+        workload__rollout_gpus=1,
+        workload__response__mean_tokens=300,
+        workload__response__max_tokens=1024,
+        sync__max_staleness=2,
+        plan__precisions=["bf16"],
+    )
+    plan = make_plan(cfg)
+    # the learner's own rule (asyncfp8/learner/loop.py keeps max_staleness + 1 versions)
+    assert plan["proximal_versions_bytes"] == kept_bytes(plan["model"]["parameters"], 2 + 1)

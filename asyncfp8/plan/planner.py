@@ -19,7 +19,7 @@ from .errors import PlanInputError
 from .gpus import GPU, GPUS, HOW_TO_CUSTOM, get_gpu
 from .model import ModelFacts, load_model_facts
 from .precisions import Precision, get_precision
-from .rlstep import learner_step_seconds, step_times, weight_sync
+from .rlstep import learner_step_seconds, proximal_versions_bytes, step_times, weight_sync
 from .rollout import simulate
 from .step import StepModel, decode_step, kv_capacity_tokens
 
@@ -270,6 +270,8 @@ def make_plan(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "mean_decode_context_tokens": context,
         "learner_step_s": learner_s,
         "learner_step_source": learner_source,
+        # π_prox of each sample's own version: the copies the learner keeps in host memory
+        "proximal_versions_bytes": proximal_versions_bytes(model, staleness),
         "sync": dict(cfg["sync"]),
         "calibration": _calibration_summary(calibration, gpu),
         "batch_sizes": batch_sizes,

@@ -52,7 +52,8 @@ def table(plan: dict[str, Any]) -> str:
         f"mean decode context {plan['mean_decode_context_tokens']:,.0f} tokens",
         f"learner step {plan['learner_step_s']:.1f} s ({plan['learner_step_source']}); "
         f"sync {plan['sync']['mode']} over {plan['sync']['link_gb_s']:g} GB/s, "
-        f"max staleness {plan['sync']['max_staleness']}",
+        f"max staleness {plan['sync']['max_staleness']}; π_prox of each sample's version keeps "
+        f"{plan['proximal_versions_bytes'] / 2**30:.1f} GiB of learner host memory",
         f"calibration {calibration['name']}: {calibration['description']}"
         + (f" [{calibration['warning']}]" if calibration.get("warning") else ""),
         "",
