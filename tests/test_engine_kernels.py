@@ -400,6 +400,24 @@ def test_gpu_fp8_gemm_paths_agree(m, n, k):
 @pytest.mark.gpu
 @needs_cuda
 @needs_triton
+@pytest.mark.parametrize("m", [1, 64])
+def test_gpu_fp8_gemm_writes_bf16_as_a_cast_of_its_fp32_result_would(m):
+    # FP8BlockLinear without a bias asks the GEMM for BF16 directly (one kernel fewer):
+    # the same bits as the FP32 result cast, with split K (one row) and without (64).
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(m, 1536, device="cuda", generator=generator).to(torch.bfloat16)
+    w_q, w_scale = quantize_blockwise_reference(
+        torch.randn(8960, 1536, device="cuda", generator=generator) * 0.02
+    )
+    x_q, x_scale = quantize_activations_fp8(x, 128)
+    wide = fp8_block_matmul(x_q, x_scale, w_q, w_scale, out_dtype=torch.float32, impl="triton")
+    narrow = fp8_block_matmul(x_q, x_scale, w_q, w_scale, out_dtype=torch.bfloat16, impl="triton")
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, wide.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
 @pytest.mark.parametrize("m", [1, 3, 64])
 def test_gpu_int8_gemm_is_bit_exact_at_any_batch(m):
     x_q = torch.randint(-128, 128, (m, 1536), dtype=torch.int8, device="cuda")
