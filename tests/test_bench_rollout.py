@@ -186,3 +186,24 @@ def test_the_profile_of_a_decode_step_runs_each_case_on_the_cpu(tmp_path, monkey
     for row in rows:
         assert "error" not in row, row
         assert row["wall_ms"] > 0 and row["gpu_ms"] == 0 and row["kernels"] == []
+
+
+def test_the_colocated_bench_reads_a_runs_rate_held_out_and_released_memory(tmp_path, monkeypatch):
+    """bench/colocated.py's row from a finished run's files (the launches themselves are
+    the colocated tests'; its dry run takes three of them)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import colocated
+
+    summary = {"samples_per_s": 50.0, "elapsed_s": 30.0, "steps": 10, "guard_rollbacks": 0}
+    summary |= {"eval_pass1_greedy_start": 0.3, "eval_pass1_greedy_end": 0.9}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    records = [{"step": 1}, {"step": 2, "worker/colocated/memory/released_gib": 1.5}]
+    records.append({"step": 3, "worker/colocated/memory/released_gib": 2.5})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+    row = colocated.read_run(tmp_path)
+    assert row["trained_samples_per_s"] == 50.0 and row["seconds_per_step"] == 3.0
+    assert (row["heldout_greedy_start"], row["heldout_greedy_end"]) == (0.3, 0.9)
+    assert row["released_gib_per_turn"] == 2.0  # the mean over the turns that released
+    monkeypatch.setattr(sys, "argv", ["colocated.py", "--modes", "async,nonsense"])
+    with pytest.raises(SystemExit):
+        colocated.main()
