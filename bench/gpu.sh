@@ -29,20 +29,21 @@
 # It exits non-zero if a step failed, timed out or was not reached, and at once, having
 # run nothing, where torch sees no CUDA GPU (without --dry-run).
 #
-# The steps and their limits (no GPU has run them yet: estimated from what each runs, at
-# ~2 s per Triton compile, ~0.5 s per CUDA-graph capture, ~10 s per Python start with
-# torch and transformers, and bandwidth-bound decode at ~3 TB/s):
+# The steps and their limits (estimated before any GPU ran them, at ~2 s per Triton
+# compile, ~0.5 s per CUDA-graph capture, ~10 s per Python start with torch and
+# transformers; measured on an H100 80GB HBM3, 2026-11-28: pytest-gpu 81 s, quantize 13,
+# kernels 13, rollout 93, learner 104; longtail not run yet):
 #   (install)           the wheels, one pip run: ~5 s (stopped at 60 s)
 #   (check)             one Python start: the GPU, versions, asyncfp8's imports: ~10 s
 #                       (stopped at 60 s)
-#   pytest-gpu   150 s  pytest -m gpu: collection (~10 s), the tiny model (~10 s), ~30
+#   pytest-gpu   150 s  pytest -m gpu: collection of the GPU tests' modules, the tiny model, ~40
 #                       cases of kernels, graph decode and the GPU learner (~15 Triton
 #                       compiles, ~20 captures)
 #   quantize      40 s  FP8/INT8 weight quantization, torch and Triton, 4096² and a 7B stream
 #   kernels       80 s  56 GEMM and 12 attention rows, each a captured graph (~10 compiles)
 #   rollout      300 s  5 precisions × (a 1.5B model built on the GPU, quantized, ~6
 #                       compiles) × 5 shapes × (1 + 2 timed) decodes of 64 tokens and of 1,
-#                       5 captures; the 64 prefills of 8192 tokens cost most (~6 s each)
+#                       5 captures (93 s on the H100)
 #   -- the default run: ~15 s, then steps stopped at 540 s in all (TOTAL_S): under 10 minutes --
 #   learner      240 s  4 rows of bench/learner.py, each a process (~10 s start, a 1.5B
 #                       learner loaded, a warm-up and a timed train step)
@@ -167,8 +168,10 @@ limited() {
 run_step() {
     local json=$OUT/$1-$TAG.json
     case $1 in
+    # Only the modules that hold GPU tests are collected (the whole suite's collection
+    # costs seconds more and selects nothing else).
     pytest-gpu) limited "$2" python3 -m pytest -m gpu -v -rfEs -p no:cacheprovider \
-        --timeout 120 --continue-on-collection-errors tests ;;
+        --timeout 120 --continue-on-collection-errors $(grep -rl "mark.gpu" tests | sort) ;;
     quantize) limited "$2" python3 bench/quantize.py "${DRY[@]}" --out "$json" ;;
     kernels) limited "$2" python3 bench/kernels.py "${DRY[@]}" --out "$json" ;;
     rollout) limited "$2" python3 bench/rollout.py --device cuda --repeats 2 "${DRY[@]}" --out "$json" ;;
