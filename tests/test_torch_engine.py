@@ -178,9 +178,9 @@ def test_lm_head_in_fp32_when_the_policy_asks(tiny_model_dir):
 
 
 def test_fp8_falls_back_when_the_one_call_gemm_raises(tiny_model_dir, monkeypatch):
-    """On sm90 without Triton the FP8 layers call torch's one-call blockwise `scaled_mm`; cuBLASLt may
-    refuse a shape (batch-1 decode with an FP32 output has never run there). A
-    RuntimeError from it must not stop the engine: each layer tries it once, then uses
+    """On sm90 without Triton the FP8 layers call torch's one-call blockwise `scaled_mm`;
+    cuBLASLt may refuse a shape (on an H100 it refused one row: CUBLAS_STATUS_NOT_SUPPORTED).
+    A RuntimeError from it must not stop the engine: each layer tries it once, then uses
     the other GEMM. Faked here: scaled_mm 'available' on the CPU, and raising."""
     import torch.nn.functional as F
 
