@@ -87,10 +87,12 @@ def test_the_gpu_table_loop_on_the_cpu_at_a_small_shape(monkeypatch):
     bandwidth = 1e10
     table = rollout.gpu_table(args, torch.device("cpu"), bandwidth)
     rows = table["rows"]
+    # batch 1, 8 and 64 after the short prompt, 1 and 64 after the long one
+    cells = [(8, 1), (8, 8), (8, 64), (40, 1), (40, 64)]
     assert [(r["precision"], r["prompt_tokens"], r["batch"]) for r in rows] == [
-        (p, c, b) for p in ("bf16", "fp8+fp8_kv") for c in (8, 40) for b in (1, 64)
+        (p, c, b) for p in ("bf16", "fp8+fp8_kv") for c, b in cells
     ]
-    bf16, fp8 = rows[3], rows[7]  # long context, batch 64
+    bf16, fp8 = rows[4], rows[9]  # long context, batch 64
     # The floor by hand: bf16 weights (the tied embedding once, as the LM head) plus the
     # KV cache at the mean context, 2 layers × k and v × 2 KV heads × 32 dims.
     weights = _model_bytes(small)
@@ -150,10 +152,11 @@ def test_a_failing_precision_or_row_leaves_the_others_and_each_row_is_saved_at_o
     args.repeats, args.eager, args.shape = 1, True, rollout.TOY
     table = rollout.gpu_table(args, torch.device("cpu"), 1e10, out)
     rows = table["rows"]
+    cells = [(8, 1), (8, 8), (8, 64), (40, 1), (40, 64)]
     assert [(r["precision"], r.get("prompt_tokens"), r.get("batch")) for r in rows] == [
-        *(("bf16", c, b) for c in (8, 40) for b in (1, 64)),
+        *(("bf16", c, b) for c, b in cells),
         ("fp8", None, None),
-        *(("int8", c, b) for c in (8, 40) for b in (1, 64)),
+        *(("int8", c, b) for c, b in cells),
     ]
     failed = [r for r in rows if "error" in r]
     assert [r["error"] for r in failed] == [
@@ -161,9 +164,9 @@ def test_a_failing_precision_or_row_leaves_the_others_and_each_row_is_saved_at_o
         "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED",
     ]
     measured = [r for r in rows if "error" not in r]
-    assert len(measured) == 7 and all(r["tokens_per_s"] > 0 for r in measured)
+    assert len(measured) == 9 and all(r["tokens_per_s"] > 0 for r in measured)
     # int8's ratio where BF16 has a row, None where BF16's row failed
-    ratios = {(r["prompt_tokens"], r["batch"]): r["ratio_to_bf16"] for r in rows[-4:]}
+    ratios = {(r["prompt_tokens"], r["batch"]): r["ratio_to_bf16"] for r in rows[-5:]}
     assert ratios[(40, 64)] is None and all(v > 0 for k, v in ratios.items() if k != (40, 64))
     assert on_disk == list(range(len(rows) + 1))  # written at the start and after each row
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
