@@ -623,18 +623,21 @@ def test_a_mixed_layout_is_priced_as_its_two_parts():
             get_precision(bad)
 
 
+# A workload small enough to plan in a second.
+SMALL_WORKLOAD = dict(
+    workload__prompts_per_step=8,
+    workload__samples_per_prompt=2,
+    workload__rollout_gpus=1,
+    workload__response__mean_tokens=300,
+    workload__response__max_tokens=1024,
+)
+
+
 def test_a_plan_takes_the_calibration_measured_with_its_engine_and_refuses_an_unknown_one():
     from asyncfp8.plan.planner import make_plan
 
-    small = dict(
-        model__path="qwen2.5-1.5b",
-        gpu="h100",
-        workload__prompts_per_step=8,
-        workload__samples_per_prompt=2,
-        workload__rollout_gpus=1,
-        workload__response__mean_tokens=300,
-        workload__response__max_tokens=1024,
-        plan__precisions=["bf16", "fp8"],
+    small = SMALL_WORKLOAD | dict(
+        model__path="qwen2.5-1.5b", gpu="h100", plan__precisions=["bf16", "fp8"]
     )
     # The bundled h100-torch set was measured with the torch engine: a vLLM plan (the
     # default) keeps the priors.
@@ -650,12 +653,8 @@ def test_the_plan_counts_the_host_memory_of_the_versions_kept_for_pi_prox():
     from asyncfp8.plan.planner import make_plan
 
     cfg = plan_config(
+        **SMALL_WORKLOAD,
         model__path="qwen2.5-0.5b",
-        workload__prompts_per_step=8,
-        workload__samples_per_prompt=2,
-        workload__rollout_gpus=1,
-        workload__response__mean_tokens=300,
-        workload__response__max_tokens=1024,
         sync__max_staleness=2,
         plan__precisions=["bf16"],
     )
