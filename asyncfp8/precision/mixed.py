@@ -5,8 +5,9 @@ dtype (BF16) on the layers where quantizing adds the most mismatch.
 
 `keep` lists the linear layers left in BF16 (module names, `model.layers.3.mlp.down_proj`).
 Left out, the launcher measures it once, on the model the run starts from
-(`asyncfp8.precision.sensitivity.plan_layout`: the smallest set of the most sensitive
-layers whose layout stays within `budget` times BF16's own mismatch, or within an
+(`asyncfp8.precision.sensitivity.plan_layout`: the layers that add the most mismatch per
+FLOP, kept until the layout stays within `budget` times BF16's own mismatch, then
+none kept that the layout can do without, or within an
 absolute mean KL `budget_kl`, or that quantizes `quantized_share` of the linear FLOPs),
 and starts the learner and every worker with that
 list. The layout is then frozen for the run: it is part of the policy's spec, which every

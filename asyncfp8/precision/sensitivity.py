@@ -1,18 +1,20 @@
 """Which linear layers a weight format hurts most, measured, and the layout that keeps the
 mismatch within a budget (`precision=mixed`).
 
-The mismatch of a layout is the exact KL(engine || learner), averaged over the token
-positions of calibration texts (the task's prompts with their reference completions): the
-engine is the model in its engine dtype (BF16) with the layout's layers quantized as the
-torch engine quantizes them (the policy's fake-quant modules: the same rounding), the
-learner is the FP32 model. It is the quantity a run's `mismatch/kl_k3` estimates from
-samples, computed over the whole vocabulary instead, so two layouts compare without
-sampling noise. BF16 everywhere is the floor: no layout can go under it.
+The mismatch of a layout is the exact KL(engine || learner), averaged over the positions
+that predict the completion tokens of calibration texts (the task's prompts with their
+reference completions, as a rollout holds them): the engine is the model in its engine
+dtype (BF16) with the layout's layers quantized by the policy's runtime modules (those
+the torch engine runs), the learner is the FP32 model. It is the quantity a run's
+`mismatch/kl_k3` estimates from samples, computed over the whole vocabulary instead, so
+two layouts compare without sampling noise. BF16 everywhere is the floor: no layout can go under it.
 
 A layer's sensitivity is what quantizing it alone adds to the floor. `plan_layout` keeps
-the most sensitive layers in BF16, one at a time, until the layout is within `budget`
-times the floor (each candidate measured whole: sensitivities do not simply add), or
-quantizes the least sensitive layers up to `quantized_share` of the linear FLOPs.
+layers in BF16, the most sensitivity per FLOP first, one at a time, until the layout is
+within `budget` times the floor (each candidate measured whole: sensitivities do not
+simply add), then gives back to the base format each kept layer the layout can do
+without; or it keeps the most sensitivity per FLOP that leaves `quantized_share` of the
+linear FLOPs quantized.
 
     python -m asyncfp8.precision.sensitivity model=small precision.base=int8 precision.budget=1.3
 """
@@ -35,7 +37,7 @@ from .policy import PrecisionPolicy
 class Layout:
     """A measured layout: which layers stay in BF16, and what each choice costs."""
 
-    keep: list[str]  # left in BF16, most sensitive first
+    keep: list[str]  # left in BF16, in the order kept (the most harm per FLOP first)
     floor: float  # KL with every layer in BF16
     full: float  # KL with every layer the base format takes quantized
     kl: float  # KL of this layout
@@ -69,8 +71,9 @@ class Layout:
 
 
 class Switch(nn.Module):
-    """One linear layer of the engine twin: its BF16 copy, or the policy's fake-quant
-    module of the FP32 master weight, as `quantized` says."""
+    """One linear layer of the engine twin: its BF16 copy, or the policy's runtime module
+    of the FP32 master weight (the one the torch engine runs: its fake-quant twin sums in
+    another order, which an AVX2 CPU rounded differently), as `quantized` says."""
 
     def __init__(self, plain: nn.Linear, quantized: nn.Module):
         super().__init__()
@@ -99,7 +102,7 @@ class EngineTwin:
                 master = masters[weight].detach()
                 produced = dict(base.quantize_tensor(weight, master))
                 bias = child.bias.detach() if child.bias is not None else None
-                switch = Switch(child, base.linear_module(weight, produced, bias, real=False))
+                switch = Switch(child, base.linear_module(weight, produced, bias))
                 setattr(parent, child_name, switch)
                 self.switches[layer_of(weight)] = switch
         if not self.switches:
@@ -129,17 +132,32 @@ def mean_kl(engine_logits: torch.Tensor, learner_logits: torch.Tensor, mask: tor
 def calibration_batch(
     task, tokenizer, prompts: int
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The task's first `prompts` prompts with their reference completions, and the mask
-    of the positions measured (each real token that predicts a real next token)."""
-    texts = []
+    """The task's first `prompts` prompts, each followed by its reference completion as a
+    rollout holds them (the prompt's tokens, then the completion's), left-padded, and the
+    mask of the positions measured: those that predict a completion token. A rollout's
+    mismatch (`mismatch/kl_k3`) is over response tokens only; the positions inside the
+    prompt predict tokens no engine samples, and on `small` they carried most of INT8's
+    KL on whole texts (layer 0's down_proj alone 8.5x BF16's)."""
+    rows, starts = [], []
     for i in range(prompts):
         prompt = task.prompt(i)
-        texts.append(prompt.text + task.completion(prompt))
-    batch = dict(tokenizer(texts, return_tensors="pt", padding=True))
-    attention = batch["attention_mask"].bool()
-    mask = torch.zeros_like(attention)
-    mask[:, :-1] = attention[:, :-1] & attention[:, 1:]
-    return batch, mask
+        prompt_ids = tokenizer(prompt.text)["input_ids"]
+        completion_ids = tokenizer(task.completion(prompt), add_special_tokens=False)["input_ids"]
+        if not completion_ids:
+            raise ValueError(f"prompt {i} has an empty reference completion: nothing to measure")
+        rows.append(prompt_ids + completion_ids)
+        starts.append(len(prompt_ids))
+    width = max(len(row) for row in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for r, (row, start) in enumerate(zip(rows, starts, strict=True)):
+        offset = width - len(row)  # left padding, as the engines pad a batch
+        input_ids[r, offset:] = torch.tensor(row)
+        attention[r, offset:] = 1
+        mask[r, offset + start - 1 : width - 1] = True  # each predicts a completion token
+    return {"input_ids": input_ids, "attention_mask": attention}, mask
 
 
 def layout_kl(
@@ -170,8 +188,9 @@ def plan_layout(
     """The layout of `base` over `model` within `budget` x BF16's KL, within an absolute
     mean KL `budget_kl`, or quantizing `quantized_share` of the FLOPs (exactly one of the
     three). `progress(text)` hears of each measurement (one forward pass per layer, then
-    one per layer kept). A `budget_kl` below BF16's own KL on these texts (the floor: no
-    layout goes under it) is refused, naming the floor measured."""
+    one per layer kept and one per layer tried back). A `budget_kl` below BF16's own KL
+    on these texts (the floor: no layout goes under it) is refused, naming the floor
+    measured."""
     if sum(rule is not None for rule in (budget, quantized_share, budget_kl)) != 1:
         raise ValueError("plan_layout needs one of a budget, a budget_kl or a quantized_share")
     if budget is not None and budget < 1:
@@ -204,25 +223,44 @@ def plan_layout(
     for i, name in enumerate(layers):
         sensitivity[name] = measure([name]) - floor
         say(f"sensitivity {i + 1}/{len(layers)}: {name} +{sensitivity[name]:.2e}")
-    by_harm = sorted(layers, key=lambda name: sensitivity[name], reverse=True)
     flops = twin.flops()
+    # a layer kept in BF16 costs its FLOPs: rank by the KL it adds per FLOP, so that a small
+    # harmful layer (a k or v projection under GQA) is kept before a large layer that
+    # harms a little more (on `small`, INT8 at budget 1.3, measured on whole texts: 79% of
+    # the FLOPs quantized instead of 67%; docs/precision.md)
+    by_harm_per_flop = sorted(
+        layers, key=lambda name: sensitivity[name] / flops[name], reverse=True
+    )
     keep: list[str] = []
     if quantized_share is not None:
         total, quantized = sum(flops.values()), sum(flops.values())
-        for name in by_harm:  # keep the worst while the rest still make the share
+        for name in by_harm_per_flop:  # keep the worst that the share leaves room for
             if (quantized - flops[name]) / total < quantized_share - 1e-12:
-                break
+                continue
             keep.append(name)
             quantized -= flops[name]
         kl = measure([n for n in layers if n not in keep])
     else:
         kl = full
-        for name in by_harm:
+        for name in by_harm_per_flop:
             if kl <= budget * floor:
                 break
             keep.append(name)
             kl = measure([n for n in layers if n not in keep])
             say(f"kept {name} in BF16: {kl / floor:.2f}x BF16's KL")
+        # sensitivities do not add: a layer kept early may not be needed once later ones
+        # are kept; each goes back to the base format, the largest first, where the
+        # layout stays within the budget without it (one forward pass per kept layer),
+        # and again until none can (giving one back can lower the KL: they interact)
+        given_back = True
+        while given_back:
+            given_back = False
+            for name in sorted(keep, key=lambda n: (-flops[n], sensitivity[n])):
+                trial = [n for n in keep if n != name]
+                trial_kl = measure([n for n in layers if n not in trial])
+                if trial_kl <= budget * floor:
+                    keep, kl, given_back = trial, trial_kl, True
+                    say(f"{name} back to {base.name}: {kl / floor:.2f}x BF16's KL")
     return Layout(keep, floor, full, kl, sensitivity, flops)
 
 
