@@ -9,9 +9,10 @@ Xeon with AVX-512 against the AMD EPYC recording: step metrics 6.5e-4 relative (
 where the learner's forward is FP8-quantized: a sum that lands on the other side of an
 e4m3 rounding moves a whole FP8 step), parameter norms 7e-6, how far a tensor moved
 3.4e-3, engine log-probs 0.002-0.0035 on average with 1-2 tokens of 75 off by one BF16 or
-FP8 step (0.06 and 0.125). The bounds below leave a few times that. A behaviour change
-(another loss, a missed correction, a version applied wrongly) moves them by orders of
-magnitude more."""
+FP8 step (0.06 and 0.125). On an AMD EPYC Zen 3 (AVX2, no AVX-512: FP8 emulated in
+other sums) the FP8 engine's log-probs were 0.0074 off on average, one token 0.54. The
+bounds below leave room for that. A behaviour change (another loss, a missed correction,
+a version applied wrongly) moves them by orders of magnitude more."""
 
 import json
 
@@ -75,5 +76,6 @@ def test_the_engine_scores_as_before(model_dir, trained, precision):
     diffs = torch.cat(
         [torch.tensor(a) - torch.tensor(b) for a, b in zip(now, before, strict=True)]
     ).abs()
-    # one token may sit on the other side of a BF16 or FP8 rounding: a step of up to 0.125
-    assert diffs.mean().item() < 5e-3 and diffs.max().item() < 0.25, (diffs.mean(), diffs.max())
+    # a token may sit on the other side of a BF16 or FP8 rounding: a step of up to 0.125,
+    # and on an AVX2 CPU one FP8 activation scale moved a token by 0.54
+    assert diffs.mean().item() < 1.5e-2 and diffs.max().item() < 1.0, (diffs.mean(), diffs.max())
