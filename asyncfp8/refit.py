@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from asyncfp8.engines.base import EngineUnsupported, KVScaleReadback, ProbeScoring
+from asyncfp8.models.cpu_bf16 import is_plain_linear
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.precision.fp8_kv import fake_quantize_e4m3, kv_scale_names
 from asyncfp8.precision.manifest import Role, TensorRole
@@ -214,7 +215,7 @@ def _use_reference_linears(model: torch.nn.Module, policy: PrecisionPolicy) -> d
     for prefix, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             name = f"{prefix}.{child_name}.weight".lstrip(".")
-            if type(child) is torch.nn.Linear and policy.quantizes(name, child.weight):
+            if is_plain_linear(child) and policy.quantizes(name, child.weight):
                 setattr(module, child_name, ReferenceLinear(child, name, policy))
                 renamed[name] = name.removesuffix("weight") + "master"
     return renamed

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from .cpu_bf16 import where_cpu_lacks_bf16_gemm
+
 MAKE_ONE = "make one with `python -m asyncfp8.models.tiny --out DIR`"
 
 
@@ -43,10 +45,14 @@ def check_model_dir(path: str | Path) -> Path:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """The HF model in `path`, its weights in `dtype`. In BF16 on a CPU without BF16 GEMM
+    kernels, its linear layers compute each product as one FP32 GEMM rounded to BF16, what
+    a BF16 kernel computes, several times faster there (asyncfp8.models.cpu_bf16)."""
     from transformers import AutoModelForCausalLM
 
     model_dir = check_model_dir(path)
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    return where_cpu_lacks_bf16_gemm(model) if dtype == torch.bfloat16 else model
 
 
 def load_tokenizer(path: str | Path):

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from asyncfp8.models.cpu_bf16 import is_plain_linear
+
 if TYPE_CHECKING:  # the policy imports this module's fake quantization when asked to
     from .policy import PrecisionPolicy
 
@@ -102,6 +104,6 @@ def use_fake_quant(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
     for prefix, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             name = f"{prefix}.{child_name}.weight".lstrip(".")
-            if type(child) is nn.Linear and policy.quantizes(name, child.weight):
+            if is_plain_linear(child) and policy.quantizes(name, child.weight):
                 setattr(module, child_name, FakeQuantLinear(child, name, policy))
     return model

@@ -29,6 +29,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from asyncfp8.models.cpu_bf16 import is_plain_linear, where_cpu_lacks_bf16_gemm
+
 from .mixed import MixedPolicy, layer_of
 from .policy import PrecisionPolicy
 
@@ -92,12 +94,13 @@ class EngineTwin:
         with torch.no_grad():
             for name, param in twin.named_parameters():
                 param.data = base.passthrough(name, param.detach())
+        where_cpu_lacks_bf16_gemm(twin)  # as load_model gives the torch engine its model
         masters = dict(model.named_parameters())
         self.switches: dict[str, Switch] = {}
         for prefix, parent in list(twin.named_modules()):
             for child_name, child in list(parent.named_children()):
                 weight = f"{prefix}.{child_name}.weight".lstrip(".")
-                if type(child) is not nn.Linear or not base.quantizes(weight, masters[weight]):
+                if not is_plain_linear(child) or not base.quantizes(weight, masters[weight]):
                     continue
                 master = masters[weight].detach()
                 produced = dict(base.quantize_tensor(weight, master))

@@ -1,0 +1,75 @@
+"""BF16 linear layers on a CPU without BF16 GEMM kernels, computed as a BF16 GEMM computes.
+
+A BF16 GEMM (a GPU's, or oneDNN's on a CPU with AVX-512) multiplies BF16 values,
+accumulates in FP32 and rounds the result to BF16. Where oneDNN has no BF16 kernel (an
+AVX2-only CPU: torch.ops.mkldnn._is_mkldnn_bf16_supported() is False), torch 2.13 falls
+back to a scalar loop that was measured 67x slower than its FP32 GEMM on a Zen 3 EPYC
+(docs/testing.md), and a BF16 model's forward pass 4.8x slower than the FP32 one. There
+`Fp32AccumulatingLinear` computes the same thing the fast way: the BF16 operands widened
+to FP32 (exactly), one FP32 GEMM, the result rounded to BF16. Only the order of the FP32
+sums differs from a BF16 kernel's, as it differs between any two kernels.
+
+`load_model` swaps a BF16 model's linear layers for these on such a CPU
+(`where_cpu_lacks_bf16_gemm`), as does any copy that must compute what the torch engine
+computes (the mixed-precision planner's `EngineTwin`); elsewhere, and for any other dtype
+or device, the layer is nn.Linear's own forward."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@functools.cache
+def cpu_has_bf16_gemm() -> bool:
+    """Whether torch's CPU backend multiplies BF16 matrices with oneDNN kernels (AVX-512
+    or AMX), rather than its slow scalar fallback."""
+    return bool(
+        torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+class Fp32AccumulatingLinear(nn.Linear):
+    """An nn.Linear (the same `weight` and `bias` parameters, so the same names, ties and
+    state dict) whose BF16 product on a CPU is one FP32 GEMM rounded to BF16."""
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (
+            x.dtype == torch.bfloat16
+            and self.weight.dtype == torch.bfloat16
+            and x.device.type == "cpu"
+        ):
+            return F.linear(x, self.weight, self.bias)
+        bias = self.bias.float() if self.bias is not None else None
+        return F.linear(x.float(), self.weight.float(), bias).to(torch.bfloat16)
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """Whether `module` is an nn.Linear that computes F.linear and nothing else: a layer
+    the precision modules may swap for their own."""
+    return type(module) in (nn.Linear, Fp32AccumulatingLinear)
+
+
+def accumulate_bf16_linears_in_fp32(model: nn.Module) -> nn.Module:
+    """Swaps, in place, every plain nn.Linear of `model` for an Fp32AccumulatingLinear
+    holding the same parameters. Returns the model."""
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, child_name, Fp32AccumulatingLinear(child))
+    return model
+
+
+def where_cpu_lacks_bf16_gemm(model: nn.Module) -> nn.Module:
+    """`accumulate_bf16_linears_in_fp32(model)` on a CPU without BF16 GEMM kernels, else
+    the model unchanged: what a BF16 model must go through to compute on this machine
+    what `load_model`'s BF16 models compute."""
+    return model if cpu_has_bf16_gemm() else accumulate_bf16_linears_in_fp32(model)

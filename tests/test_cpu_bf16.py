@@ -1,0 +1,85 @@
+"""BF16 linear layers on a CPU without BF16 GEMM kernels (asyncfp8.models.cpu_bf16): the
+same product a BF16 GEMM computes (BF16 operands, FP32 sums, one rounding to BF16),
+checked against a float64 reference, and swapped in by load_model only where it applies."""
+
+import pytest
+import torch
+from torch import nn
+
+from asyncfp8.models import cpu_bf16, load_model
+from asyncfp8.models.cpu_bf16 import (
+    Fp32AccumulatingLinear,
+    accumulate_bf16_linears_in_fp32,
+    is_plain_linear,
+)
+
+
+def bf16_linear(seed: int, bias: bool = True) -> tuple[nn.Linear, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(96, 40, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 96, generator=generator))
+        if bias:
+            linear.bias.copy_(torch.randn(40, generator=generator))
+    return linear, torch.randn(3, 7, 96, generator=generator).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_product_is_the_exact_sum_rounded_once_to_bf16(bias):
+    linear, x = bf16_linear(seed=1, bias=bias)
+    exact = x.double() @ linear.weight.double().t()
+    if bias:
+        exact = exact + linear.bias.double()
+    out = Fp32AccumulatingLinear(linear)(x)
+    assert out.dtype == torch.bfloat16
+    # FP32 sums of 96 exact BF16 products sit within 1e-5 (relative to the terms' size)
+    # of the exact sum, far inside half a BF16 step (2^-9 relative), so the rounding to
+    # BF16 is the exact sum's unless that lies right on a rounding boundary.
+    scale = (x.double().abs() @ linear.weight.double().abs().t()).clamp_min(1.0)
+    rounded = exact.to(torch.bfloat16)
+    off = out.double() != rounded.double()
+    assert off.float().mean() < 0.01
+    # where it differs it is one BF16 step (2^-7 of the value) away, no more
+    assert ((out.double() - exact).abs() <= 2**-7 * exact.abs() + 1e-5 * scale).all()
+
+
+def test_it_keeps_the_layers_parameters_and_gradients():
+    linear, x = bf16_linear(seed=2)
+    wrapped = Fp32AccumulatingLinear(linear)
+    assert wrapped.weight is linear.weight and wrapped.bias is linear.bias
+    assert list(wrapped.state_dict()) == list(linear.state_dict())
+    x.requires_grad_(True)
+    wrapped(x).float().square().sum().backward()
+    assert linear.weight.grad is not None and linear.weight.grad.dtype == torch.bfloat16
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+
+
+def test_other_dtypes_run_nn_linears_own_forward():
+    linear, x = bf16_linear(seed=3)
+    linear.float()
+    wrapped = Fp32AccumulatingLinear(linear)
+    assert torch.equal(wrapped(x.float()), linear(x.float()))
+
+
+def test_a_models_linears_are_swapped_and_ties_kept():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10, bias=False))
+    model[1].weight = model[0].weight  # tied, as an LM head to its embeddings
+    accumulate_bf16_linears_in_fp32(model)
+    assert type(model[1]) is Fp32AccumulatingLinear and is_plain_linear(model[1])
+    assert model[1].weight is model[0].weight
+
+
+@pytest.mark.parametrize("has_kernels", [True, False])
+def test_load_model_swaps_only_where_the_cpu_has_no_bf16_gemm(
+    tiny_model_dir, monkeypatch, has_kernels
+):
+    monkeypatch.setattr(cpu_bf16, "cpu_has_bf16_gemm", lambda: has_kernels)
+    model = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(is_plain_linear(m) for m in linears)
+    swapped = {type(m) is Fp32AccumulatingLinear for m in linears}
+    assert swapped == {not has_kernels}
+    assert not any(
+        type(m) is Fp32AccumulatingLinear
+        for m in load_model(tiny_model_dir, dtype=torch.float32).modules()
+    )
