@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from asyncfp8.models.cpu_bf16 import is_plain_linear
+
 DEFAULT_CHUNK_TOKENS = 1024
 
 
@@ -108,7 +110,7 @@ def install_logprob_head(model: nn.Module) -> LogprobHead:
     head = model.get_output_embeddings()
     if isinstance(head, LogprobHead):
         return head
-    if type(head) is not nn.Linear:
+    if not is_plain_linear(head):
         raise ValueError(
             f"the model's output layer is a {type(head).__name__}, not a plain nn.Linear: the "
             "learner's chunked log-probabilities cannot take its place"

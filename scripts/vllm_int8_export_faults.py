@@ -101,8 +101,9 @@ def main() -> None:
             env=env,
             capture_output=True,
             text=True,
-            check=True,
         )
+        if result.returncode != 0:
+            sys.exit(f"{label}: vLLM failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
         print(f"{label:34s} {result.stdout.strip().splitlines()[-1]}", flush=True)
 
 

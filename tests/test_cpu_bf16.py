@@ -1,11 +1,13 @@
 """BF16 linear layers on a CPU without BF16 GEMM kernels (asyncfp8.models.cpu_bf16): the
-same product a BF16 GEMM computes (BF16 operands, FP32 sums, one rounding to BF16),
-checked against a float64 reference, and swapped in by load_model only where it applies."""
+exact sum of the BF16 products converted to BF16, checked against a term-by-term float64
+reference, the same for a row whatever the batch around it, and swapped in by load_model
+only where it applies."""
 
 import pytest
 import torch
 from torch import nn
 
+from asyncfp8.logprobs import LogprobHead, install_logprob_head
 from asyncfp8.models import cpu_bf16, load_model
 from asyncfp8.models.cpu_bf16 import (
     ExactSumLinear,
@@ -72,11 +74,19 @@ def test_other_dtypes_run_nn_linears_own_forward():
 
 
 def test_a_models_linears_are_swapped_and_ties_kept():
-    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10, bias=False))
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)).eval()
     model[1].weight = model[0].weight  # tied, as an LM head to its embeddings
     sum_bf16_linears_exactly(model)
     assert type(model[1]) is ExactSumLinear and is_plain_linear(model[1])
     assert model[1].weight is model[0].weight
+    assert not model[1].training
+
+
+def test_a_large_layer_keeps_the_fallback_that_is_quick_at_one_row():
+    model = nn.Sequential(nn.Linear(1024, 256), nn.Linear(256, 1024))
+    sum_bf16_linears_exactly(model)
+    assert [type(layer) for layer in model] == [nn.Linear, nn.Linear]
+    assert min(layer.weight.numel() for layer in model) > cpu_bf16.LARGEST_SWAPPED
 
 
 @pytest.mark.parametrize("has_kernels", [True, False])
@@ -89,6 +99,8 @@ def test_load_model_swaps_only_where_the_cpu_has_no_bf16_gemm(
     assert linears and all(is_plain_linear(m) for m in linears)
     swapped = {type(m) is ExactSumLinear for m in linears}
     assert swapped == {not has_kernels}
+    # the learner's chunked log-probs take such a head's place as a plain one's
+    assert isinstance(install_logprob_head(model), LogprobHead)
     assert not any(
         type(m) is ExactSumLinear for m in load_model(tiny_model_dir, dtype=torch.float32).modules()
     )
