@@ -46,8 +46,9 @@ def check_model_dir(path: str | Path) -> Path:
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
     """The HF model in `path`, its weights in `dtype`. In BF16 on a CPU without BF16 GEMM
-    kernels, its linear layers compute each product as one FP64 GEMM rounded to BF16 (the
-    exact sum rounded once), several times faster there (asyncfp8.models.cpu_bf16)."""
+    kernels, its linear layers (up to 2^17 weights) compute each product as one FP64 GEMM
+    converted to BF16 (the exact sum's rounding but for ties and cancellation), several
+    times faster there (asyncfp8.models.cpu_bf16)."""
     from transformers import AutoModelForCausalLM
 
     model_dir = check_model_dir(path)
