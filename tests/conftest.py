@@ -4,14 +4,20 @@ from pathlib import Path
 
 import pytest
 
-# The suite's time budget and the fast limit (tests/budget.py).
-pytest_plugins = ["tests.budget"]
+# The suite's time budget and the fast limit (tests/budget.py); the suite split over two
+# pytest processes (tests/parallel.py); pytester for test_parallel's small suite.
+pytest_plugins = ["tests.budget", "tests.parallel", "pytester"]
 
 # vLLM on CPU: reach the engine in-process, cap its KV cache, do not pin threads
 # (DESIGN.md §5). Set before any test imports vllm.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -38,12 +44,15 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """The tiny warm-started model, built once per test session (about 10 s)."""
+    """The tiny warm-started model, built once per test session (about 10 s). Under
+    pytest-xdist both processes ask for it in the directory they share, and the second
+    waits for the first to finish it (make_tiny_model builds under a lock)."""
     from asyncfp8.models import make_tiny_model
 
-    return make_tiny_model(
-        "tiny", out_dir=tmp_path_factory.mktemp("models") / "tiny", progress=False
-    )
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, above each process's own
+    return make_tiny_model("tiny", out_dir=root / "shared-models" / "tiny", progress=False)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,7 +61,8 @@ def pytest_collection_modifyitems(config, items):
     llvmlite's FFI wrapper (`'_lib_fn_wrapper' object has no attribute 'get'`); llvmlite is
     loaded with numba by the first weight delta (asyncfp8.sync.delta) or the first version
     copied through shared memory (asyncfp8.sync.copyhash). A worker starts its
-    engine before it decodes any delta, so only a test session mixing both meets this."""
+    engine before it decodes any delta, so only a test session mixing both meets this
+    (tests/parallel.py keeps it so when `make test` splits the suite over two processes)."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is None)
 
 
