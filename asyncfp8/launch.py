@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -40,7 +41,7 @@ from asyncfp8.failpoints import worker_environment
 from asyncfp8.metrics import METRICS_FILE, loggers_of, wandb_sync_hint
 from asyncfp8.models import run_model_dir
 from asyncfp8.precision import PrecisionPolicy
-from asyncfp8.process import die_with_parent, usable_cores, worker_count
+from asyncfp8.process import die_with_parent, interrupt_requests, usable_cores, worker_count
 from asyncfp8.report import LAST_STEPS, ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW, plot_runs, summarize
 from asyncfp8.run_files import CHECKPOINT_DIR, GUARD_STOPPED, LEARNER_STATE
 from asyncfp8.runconfig import restore_on_resume
@@ -336,7 +337,8 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
         worker.start()
     progress = Progress(run_dir, run.steps)
     try:
-        failed = watch(learner, workers, progress, run.worker_restarts)
+        with interrupt_requests() as interrupted:
+            failed = watch(learner, workers, progress, run.worker_restarts, interrupted)
     except KeyboardInterrupt:
         progress.bar.write("[launch] stopping: the learner checkpoints, the workers exit")
         stop_all(learner, workers)
@@ -454,7 +456,8 @@ def launch_under_slurm(
     try:
         if main_task:
             progress = Progress(run_dir, run.steps)
-            failed = watch(process, [], progress, 0)
+            with interrupt_requests() as interrupted:
+                failed = watch(process, [], progress, 0, interrupted)
             progress.update()
             progress.close()
         else:
@@ -489,14 +492,22 @@ def wait_for(process: Process, restarts: int) -> tuple[Process, int] | None:
 
 
 def watch(
-    learner: Process, workers: list[Process], progress: Progress, restarts: int
+    learner: Process,
+    workers: list[Process],
+    progress: Progress,
+    restarts: int,
+    interrupted: threading.Event,
+    poll_s: float = 0.5,
 ) -> tuple[Process, int] | None:
     """Runs until the learner exits: None when it finished, else the first process whose
     failure ends the run (the learner, a worker with a configuration error, a worker
     that used up its restarts) and its exit code. Checked twice a second, so a failure
-    is reported within a second of the process's exit."""
+    is reported within a second of the process's exit; KeyboardInterrupt once
+    `interrupted` is set (Ctrl-C, `interrupt_requests`)."""
     while True:
-        time.sleep(0.5)
+        time.sleep(poll_s)
+        if interrupted.is_set():
+            raise KeyboardInterrupt
         progress.update()
         code = learner.poll()
         if code is not None:

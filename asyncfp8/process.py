@@ -138,6 +138,21 @@ def setup_logging(name: str) -> logging.Logger:
     return logging.getLogger(f"asyncfp8.{name.split('-')[0]}")
 
 
+@contextlib.contextmanager
+def interrupt_requests():
+    """Ctrl-C (SIGINT) kept as a flag while the launcher watches its processes; its loop
+    raises KeyboardInterrupt at the next check. Python's own KeyboardInterrupt is raised
+    wherever the main thread is when the signal lands, and a finalizer running at that
+    moment drops it ("Exception ignored in ..."): a run would ignore its Ctrl-C. The
+    previous handler is back on exit, so a second Ctrl-C while stopping acts at once."""
+    requested = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda _sig, _frame: requested.set())
+    try:
+        yield requested
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class StopFlag:
     """Set by SIGTERM or SIGINT: the loop finishes what it is doing (a step, a
     generation), checkpoints or flushes, and exits. A second signal exits at once."""
