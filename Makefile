@@ -3,7 +3,7 @@ PY := .venv/bin/python
 # The suite runs on JOBS pytest processes (pytest-xdist; JOBS=0 runs it in this one), each
 # test in the group that keeps what it shares on one process (tests/parallel.py).
 JOBS ?= 2
-PARALLEL := -n $(JOBS) --dist loadgroup --no-loadscope-reorder
+PARALLEL := -n $(JOBS)
 
 .PHONY: run demo test test-fast lint setup clean
 
