@@ -65,9 +65,9 @@ def groups(items: list[pytest.Item]) -> dict[str, str]:
             keys.append(VLLM_GROUP)
         if keys:
             linked[item.nodeid] = keys[0]
-            root(keys[0])
+            first = root(keys[0])  # registers it when it is the test's only key
             for key in keys[1:]:
-                parent[root(key)] = root(keys[0])
+                parent[root(key)] = root(first)
     # one readable name per component: the vllm group's, else its first fixture's
     names: dict[str, str] = {}
     for key in sorted(parent, key=lambda k: k != VLLM_GROUP):
