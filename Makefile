@@ -1,8 +1,7 @@
 # The commands of the README (run, test, test-fast). Each sets up .venv itself (scripts/setup.sh) first.
 PY := .venv/bin/python
 # The suite runs on JOBS pytest processes (pytest-xdist; JOBS=0 runs it in this one), each
-# test in the group that keeps what it shares on one process (tests/parallel.py); the
-# tests marked alone then run on their own (docs/testing.md says why).
+# test in the group that keeps what it shares on one process (tests/parallel.py).
 JOBS ?= 2
 PARALLEL := -n $(JOBS)
 
@@ -20,8 +19,7 @@ test:
 	bash scripts/setup.sh dev vllm wandb ray
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest $(PARALLEL) -m "not cluster and not alone" $(ARGS)
-	$(PY) -m pytest -m "alone and not cluster" $(ARGS) || [ $$? -eq 5 ]  # 5: ARGS left none
+	$(PY) -m pytest $(PARALLEL) -m "not cluster" $(ARGS)
 
 # The inner loop: every test not marked slow (no real multi-process run, no vLLM engine),
 # within 3 minutes on 2 cores; `make test` stays what CI runs (docs/testing.md).

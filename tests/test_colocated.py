@@ -621,7 +621,6 @@ def test_two_colocated_ranks_in_turns_train_on_what_two_ranks_and_a_worker_train
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # under load its resume failed: rank 1's engine a version ahead of rank 0's
 def test_two_overlapped_colocated_ranks_stopped_and_resumed_lose_nothing(tmp_path, tiny_model_dir):
     # Two ranks overlapped (run.mode=async): each rank's rollout thread generates its part
     # of every lease while the learner trains, within one version of staleness, with an

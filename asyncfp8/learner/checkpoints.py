@@ -101,7 +101,8 @@ class Checkpointer:
 
     def restore(self) -> Restored:
         """Every rank reads the newest checkpoint (run.dir must be on storage they all
-        see); the version continues after any number a killed learner reserved since."""
+        see); the version continues after any number a killed learner reserved since
+        (collective)."""
         saved = sorted(self.folder.glob(f"step_*/{LEARNER_STATE}"))
         if not saved and any(self.folder.glob("step_*.pt")):
             raise SystemExit(
@@ -128,8 +129,13 @@ class Checkpointer:
         np.random.set_state(state["rng"]["numpy"])
         version = state["version"]
         latest = self.dir / LATEST_VERSION_FILE
-        if latest.exists():
+        if self.ranks.main and latest.exists():
             version = max(version, int(latest.read_text()))
+        # Rank 0's number, on every rank: read by each rank, a slow rank could see the
+        # file rank 0's first publish after this rewrote (one version ahead), and the
+        # colocated engines would disagree at the first lease. Collective, so no rank
+        # publishes before every rank has its version.
+        version = distributed.broadcast(version)
         return Restored(
             state["step"],
             version,
