@@ -1,5 +1,7 @@
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -44,15 +46,29 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """The tiny warm-started model, built once per test session (about 10 s). Under
-    pytest-xdist both processes ask for it in the directory they share, and the second
-    waits for the first to finish it (make_tiny_model builds under a lock)."""
+    """The tiny model warm-started on the default `arithmetic` task, shipped with the
+    package (the same bytes on every CPU), copied once per test session so that no test
+    can change the shipped one. Under pytest-xdist both processes ask for it in the
+    directory they share; each copies beside it and renames, and the second finds the
+    first's copy."""
     from asyncfp8.models import make_tiny_model
+    from asyncfp8.models.tiny import SHIPPED_DIR
 
+    shipped = make_tiny_model("tiny", progress=False)
+    assert shipped.parent == SHIPPED_DIR, f"no shipped tiny model: {shipped} was built"
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the session's directory, above each process's own
-    return make_tiny_model("tiny", out_dir=root / "shared-models" / "tiny", progress=False)
+    out = root / "shared-models" / "tiny"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".tiny.", dir=out.parent))
+        shutil.copytree(shipped, staging, dirs_exist_ok=True)
+        try:
+            staging.rename(out)
+        except OSError:  # the other process's copy got there first
+            shutil.rmtree(staging)
+    return out
 
 
 def pytest_collection_modifyitems(config, items):
