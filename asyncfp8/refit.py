@@ -233,7 +233,8 @@ class ReferenceForward:
     Why the engine's dtype and not FP32: this tiny model's logits reach -50, where BF16
     resolves 0.25, so an FP32 reference sits up to 6.6 (mean 0.09) from a correct BF16
     engine, far more than one optimizer step moves the log-probs (mean 0.018); a BF16
-    reference sits 0.007 (max 0.28) from it (tools/probe_noise.py)."""
+    reference sits 0.007 (max 0.28) from it (measured when the probe was built, by a
+    script the repository never kept)."""
 
     def __init__(self, model_dir: str | Path, policy: PrecisionPolicy):
         from transformers import AttentionInterface
