@@ -9,7 +9,8 @@
 # e.g. `bash scripts/coverage.sh /tmp/cov -n 2 -m "not cluster"` (what make test runs).
 # Writes OUT_DIR/coverage.txt (the report) and OUT_DIR/coverage.json; prints the total.
 # Processes killed with SIGKILL (the reliability tests' kills) save nothing: their lines
-# count only where another process ran them too. About 1.5x the suite's time.
+# count only where another process ran them too. About 1.3x the suite's time (1,057 s
+# against 837 s on the 2-core Zen 4 VM).
 set -euo pipefail
 out=${1:?usage: bash scripts/coverage.sh OUT_DIR [pytest arguments...]}
 shift
