@@ -3,8 +3,10 @@ small job (`SMALL_RUN`): what test_e2e, test_colocated and the session's shared 
 tests/conftest.py launch; and the launcher's refusal of a config, checked in this
 process."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +34,31 @@ def launch(tmp_path, model_dir, *overrides, timeout=400, env=None):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return run_dir, result.stdout
+
+
+def two_ranks(script: Path, *args: str, timeout: int) -> str:
+    """What a check script printed (stdout and stderr) run as two gloo ranks under torchrun,
+    which must end with exit code 0; the repository on PYTHONPATH so that it imports
+    `tests`."""
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=os.environ | {"PYTHONPATH": str(repo)},
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    return out
 
 
 def refusal(model_dir, run_dir, *overrides) -> str:

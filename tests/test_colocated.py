@@ -4,7 +4,6 @@ same books as the separate placement (leases, ledger, audit), the same samples f
 same seed, the version's tensors as a worker would have received them, the overlap kept
 within the staleness bound, a failed rollout thread reported, and a killed run resumes."""
 
-import os
 import re
 import signal
 import subprocess
@@ -45,7 +44,7 @@ from asyncfp8.sync import (
 from asyncfp8.tasks import build_task
 from tests.config import compose
 from tests.conftest import TURNS, VLLM_TURNS
-from tests.launched import launch, refusal
+from tests.launched import launch, refusal, two_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "tcp://127.0.0.1:*"
@@ -683,24 +682,9 @@ def test_two_overlapped_colocated_ranks_stopped_and_resumed_lose_nothing(tmp_pat
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_failed_rank_engine_stops_the_colocated_rollouts_naming_the_rank(mode, tiny_model_dir):
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            str(REPO / "tests" / "colocated_ranks_check.py"),
-            str(tiny_model_dir),
-            mode,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=os.environ | {"PYTHONPATH": str(REPO)},
+    out = two_ranks(
+        REPO / "tests" / "colocated_ranks_check.py", str(tiny_model_dir), mode, timeout=180
     )
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-3000:]
     assert "rank 0: no failure" not in out
     assert re.search(
         r"rank 0: .*learner rank 1's engine failed: ValueError\('the engine broke'\)", out
