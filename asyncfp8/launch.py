@@ -53,10 +53,13 @@ STOP_GRACE = 60.0  # s the learner gets to checkpoint after SIGTERM before SIGKI
 
 
 def free_ports(count: int) -> list[int]:
-    """Ports free on the loopback now (the learner binds them a moment later)."""
+    """Ports free on every address of this host now (the learner binds them a moment
+    later). Bound on all addresses, not the loopback alone: on Ray the learner binds
+    0.0.0.0, and a port free on 127.0.0.1 may be one a raylet listens on at the node's IP
+    (the learner's bind then fails)."""
     sockets = [socket.socket() for _ in range(count)]
     for s in sockets:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
     ports = [s.getsockname()[1] for s in sockets]
     for s in sockets:
         s.close()

@@ -593,7 +593,8 @@ def run_on_ray(ray, cfg: DictConfig, overrides: list[str], policy, workers: int)
             progress.close()
             print(
                 f"[launch] the learner failed ({why}) and {run_dir / CHECKPOINT_DIR} holds no "
-                "checkpoint to resume from (is run.dir on storage every node sees?); stopped"
+                "checkpoint to resume from (is run.dir on storage every node sees?); stopped. "
+                f"learner.log ends:\n{log_tail(run_dir / 'learner.log', 20)}"
             )
             return 1
         progress.close()

@@ -234,3 +234,45 @@ def test_a_learner_the_guard_stopped_is_not_resumed_on_ray(monkeypatch, tmp_path
     assert code == GUARD_STOPPED and OneIncarnation.started == 1  # not resumed
     assert json.loads((run_dir / "summary.json").read_text())["guard_stopped"]["step"] == 12
     assert "the guard stopped the run" in capsys.readouterr().out
+
+
+def test_a_learner_failed_before_its_first_checkpoint_is_shown_with_its_log(
+    monkeypatch, tmp_path, capsys
+):
+    """A learner that fails on Ray before it wrote any checkpoint cannot be resumed: the
+    driver stops with 1 and prints the end of learner.log, so the reason is on screen
+    (it once printed only that no checkpoint was there). The cluster is faked."""
+    from types import SimpleNamespace
+
+    from asyncfp8 import ray_launch
+    from tests.test_collapse import compose
+
+    class FailsAtOnce:
+        started = 0
+
+        def __init__(self, *args):
+            pass
+
+        def start(self):
+            FailsAtOnce.started += 1
+
+        def watch(self, progress):
+            return "learner", 1
+
+        def teardown(self, learner_grace):
+            pass
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "learner.log").write_text("Traceback (most recent call last):\nOSError: disk full\n")
+    monkeypatch.setattr(ray_launch, "RayRun", FailsAtOnce)
+    cluster = SimpleNamespace(
+        available_resources=lambda: {"CPU": 8.0},
+        cluster_resources=lambda: {"CPU": 8.0},
+        get_runtime_context=lambda: SimpleNamespace(gcs_address="127.0.0.1:6379"),
+    )
+    cfg = compose(f"run.dir={run_dir}", "run.ray=true", "run.steps=12")
+    code = ray_launch.run_on_ray(cluster, cfg, [], SimpleNamespace(spec="bf16"), 2)
+    out = capsys.readouterr().out
+    assert code == 1 and FailsAtOnce.started == 1, out
+    assert "holds no checkpoint to resume from" in out and "OSError: disk full" in out, out
