@@ -6,7 +6,9 @@ are the same run, bit for bit, up to the guard's first rollback. A rollback is
   or after the rollback's step (a collapse long after it may have other causes: the
   step and the collapse's step are printed),
 - **false** when the twin did not: the step the guard undid did not break the run,
-- **not judged** when the twins had already parted before it (an earlier rollback).
+- **not judged** when the twins had already parted before it: after an earlier rollback
+  (the guarded run's weights are no longer the twin's, even while the batches, sampled
+  by versions from before it, still read the same), or where the batches differ.
 
 It also prints how many far tokens (|log ρ| beyond `guard.log_ratio_bound`, the guard's
 `guard/far_tokens`) each batch of the guarded runs had: the count a fatal step must
@@ -25,7 +27,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from asyncfp8.report import per_step, summarize
+from asyncfp8.guard import GuardSettings
+from asyncfp8.report import per_step, run_config, summarize
 
 # The key the twins must agree on at every step before a rollback: the batch's mean
 # reward is what the learner trained on, and two runs that part differ there first.
@@ -38,17 +41,28 @@ def parted_before(guarded: list[dict], twin: list[dict], step: int) -> bool:
     return any(theirs.get(r["step"]) != r.get(SAME_RUN_KEY) for r in guarded if r["step"] < step)
 
 
+def signal_of(record: dict, settings: GuardSettings) -> str:
+    """Which of the guard's rules failed the batch (asyncfp8/guard.py checks them in this
+    order; the metrics keep the evidence, the learner's log the verdict)."""
+    if record.get("guard/far_tokens", 0) >= settings.far_tokens:
+        return "far_tokens"
+    if record.get("guard/far_fraction", 0.0) > settings.far_fraction:
+        return "far_fraction"
+    return "dead_reward"
+
+
 def judge_pair(guarded_dir: Path, twin_dir: Path) -> dict[str, Any]:
     """Each rollback of the guarded run, judged against its twin; the far-token counts of
     the guarded run's batches."""
     guarded, twin = per_step(guarded_dir), per_step(twin_dir)
+    settings = GuardSettings.from_config(run_config(guarded_dir).guard)
     twin_summary, guarded_summary = summarize(twin_dir), summarize(guarded_dir)
     rollbacks = []
     for record in guarded:
         if not record.get("guard/rolled_back"):
             continue
         step = record["step"]
-        if parted_before(guarded, twin, step):
+        if rollbacks or parted_before(guarded, twin, step):
             verdict = "not judged"
         else:
             collapsed_after = twin_summary["collapsed"] and twin_summary["collapse_step"] >= step
@@ -56,6 +70,7 @@ def judge_pair(guarded_dir: Path, twin_dir: Path) -> dict[str, Any]:
         rollbacks.append(
             {
                 "step": step,
+                "signal": signal_of(record, settings),
                 "far_tokens": int(record.get("guard/far_tokens", 0)),
                 "far_fraction": record.get("guard/far_fraction", 0.0),
                 "reward_frac": record.get("guard/reward_frac"),
@@ -106,10 +121,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows = {seed: judge_pair(guarded[seed], twins[seed]) for seed in seeds}
         table[pair] = rows
         print(f"{pair}: seeds {' '.join(map(str, seeds))}")
-        print("  seed  held-out on/off  twin collapsed at  rollbacks (step: far tokens, verdict)")
+        print(
+            "  seed  held-out on/off  twin collapsed at  rollbacks (step: signal, far tokens, verdict)"
+        )
         for seed, row in rows.items():
             listed = ", ".join(
-                f"{r['step']}: {r['far_tokens']}, {r['verdict']}" for r in row["rollbacks"]
+                f"{r['step']}: {r['signal']}, {r['far_tokens']}, {r['verdict']}"
+                for r in row["rollbacks"]
             )
             print(
                 f"  {seed:4d}  {row['heldout_guarded']:.3f} / {row['heldout_twin']:.3f}"

@@ -46,11 +46,14 @@ def test_each_rollback_is_needed_false_or_not_judged_by_its_twin(tmp_path, capsy
     # seed 1: the twin died after step 30: the rollback at 30 was needed
     write_run(tmp_path / "on_seed1", 1, learned, {30: 40})
     write_run(tmp_path / "off_seed1", 1, dead)
-    # seed 2: two rollbacks; the second comes after the runs parted (the guarded run's
-    # reward differs from the first rollback on)
-    parted = learned[:10] + [r + 0.01 for r in learned[10:]]
-    write_run(tmp_path / "on_seed2", 2, parted, {10: 2, 40: 1})
+    # seed 2: two rollbacks: the second comes after the first, whose undoing parted the
+    # weights even where the batches still read the same
+    write_run(tmp_path / "on_seed2", 2, learned, {10: 2, 12: 1})
     write_run(tmp_path / "off_seed2", 2, learned)
+    # seed 3: a rollback after the batches themselves parted (another reward at step 5)
+    parted = learned[:5] + [r + 0.01 for r in learned[5:]]
+    write_run(tmp_path / "on_seed3", 3, parted, {40: 0})  # no far token: dead reward
+    write_run(tmp_path / "off_seed3", 3, learned)
     table = guard_twins.main([str(tmp_path), "on:off", "--json", str(tmp_path / "t.json")])
     verdicts = {
         seed: [(r["step"], r["far_tokens"], r["verdict"]) for r in row["rollbacks"]]
@@ -59,9 +62,12 @@ def test_each_rollback_is_needed_false_or_not_judged_by_its_twin(tmp_path, capsy
     assert verdicts == {
         0: [(20, 1, "false")],
         1: [(30, 40, "needed")],
-        2: [(10, 2, "false"), (40, 1, "not judged")],
+        2: [(10, 2, "false"), (12, 1, "not judged")],
+        3: [(40, 0, "not judged")],
     }
+    signals = [r["signal"] for row in table["on:off"].values() for r in row["rollbacks"]]
+    assert signals == ["far_tokens", "far_tokens", "far_tokens", "far_tokens", "dead_reward"]
     assert table["on:off"][1]["far_token_batches"] == {"0": STEPS - 1, "40": 1}
     printed = capsys.readouterr().out
-    assert "rollbacks: 1 needed, 2 false, 1 not judged" in printed
-    assert "guarded batches by far tokens: 0: 176, 1: 2, 2: 1, 40: 1" in printed
+    assert "rollbacks: 1 needed, 2 false, 2 not judged" in printed
+    assert "guarded batches by far tokens: 0: 236, 1: 2, 2: 1, 40: 1" in printed
