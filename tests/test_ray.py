@@ -190,48 +190,57 @@ def test_ctrl_c_is_reclaimed_after_ray_leaves_its_deferring_handler_behind():
         signal.signal(signal.SIGINT, before)
 
 
+def drive_on_a_fake_cluster(monkeypatch, cfg, failed) -> tuple[int, int]:
+    """`run_on_ray` against a faked cluster whose every incarnation of the run ends with
+    `failed` (who, why) as `RayRun.watch` returns it: the driver's exit code and how
+    many incarnations it started. Only the driver's decisions are under test."""
+    from types import SimpleNamespace
+
+    from asyncfp8 import ray_launch
+
+    started = []
+
+    class Incarnation:
+        def __init__(self, *args):
+            pass
+
+        def start(self):
+            started.append(1)
+
+        def watch(self, progress):
+            return failed
+
+        def teardown(self, learner_grace):
+            pass
+
+    monkeypatch.setattr(ray_launch, "RayRun", Incarnation)
+    cluster = SimpleNamespace(
+        available_resources=lambda: {"CPU": 8.0},
+        cluster_resources=lambda: {"CPU": 8.0},
+        get_runtime_context=lambda: SimpleNamespace(gcs_address="127.0.0.1:6379"),
+    )
+    code = ray_launch.run_on_ray(cluster, cfg, [], SimpleNamespace(spec="bf16"), 2)
+    return code, len(started)
+
+
 def test_a_learner_the_guard_stopped_is_not_resumed_on_ray(monkeypatch, tmp_path, capsys):
     """The learner's exit status 3 on Ray is the guard's verdict, not a lost node: the
     driver writes the run's summary and ends with 3 instead of resuming the learner
     (a resume would take the guard's stop back and train into the same batches). The
     cluster is faked: only the driver's decision is under test."""
-    from types import SimpleNamespace
-
-    from asyncfp8 import ray_launch
     from asyncfp8.run_files import CHECKPOINT_DIR, GUARD_STOP_FILE, GUARD_STOPPED, LEARNER_STATE
     from tests.test_collapse import compose, synthetic_run
-
-    class OneIncarnation:
-        started = 0
-
-        def __init__(self, *args):
-            pass
-
-        def start(self):
-            OneIncarnation.started += 1
-
-        def watch(self, progress):
-            return "learner", GUARD_STOPPED
-
-        def teardown(self, learner_grace):
-            pass
 
     run_dir = Path(synthetic_run(tmp_path / "run", 0, {0: 0.2}, [0.5] * 12))
     (run_dir / GUARD_STOP_FILE).write_text(json.dumps({"step": 12, "signal": "far_tokens"}))
     (run_dir / CHECKPOINT_DIR / "step_00000012").mkdir(parents=True)
     (run_dir / CHECKPOINT_DIR / "step_00000012" / LEARNER_STATE).write_bytes(b"")
     (run_dir / "learner.log").write_text("learner ERROR guard: 3 rollbacks in a row\n")
-    monkeypatch.setattr(ray_launch, "RayRun", OneIncarnation)
-    cluster = SimpleNamespace(
-        available_resources=lambda: {"CPU": 8.0},
-        cluster_resources=lambda: {"CPU": 8.0},
-        get_runtime_context=lambda: SimpleNamespace(gcs_address="127.0.0.1:6379"),
-    )
     cfg = compose(
         f"run.dir={run_dir}", "run.ray=true", "run.steps=12", "run.ray_learner_restarts=2"
     )
-    code = ray_launch.run_on_ray(cluster, cfg, [], SimpleNamespace(spec="bf16"), 2)
-    assert code == GUARD_STOPPED and OneIncarnation.started == 1  # not resumed
+    code, started = drive_on_a_fake_cluster(monkeypatch, cfg, ("learner", GUARD_STOPPED))
+    assert code == GUARD_STOPPED and started == 1  # not resumed
     assert json.loads((run_dir / "summary.json").read_text())["guard_stopped"]["step"] == 12
     assert "the guard stopped the run" in capsys.readouterr().out
 
@@ -242,37 +251,13 @@ def test_a_learner_failed_before_its_first_checkpoint_is_shown_with_its_log(
     """A learner that fails on Ray before it wrote any checkpoint cannot be resumed: the
     driver stops with 1 and prints the end of learner.log, so the reason is on screen
     (it once printed only that no checkpoint was there). The cluster is faked."""
-    from types import SimpleNamespace
-
-    from asyncfp8 import ray_launch
     from tests.test_collapse import compose
-
-    class FailsAtOnce:
-        started = 0
-
-        def __init__(self, *args):
-            pass
-
-        def start(self):
-            FailsAtOnce.started += 1
-
-        def watch(self, progress):
-            return "learner", 1
-
-        def teardown(self, learner_grace):
-            pass
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "learner.log").write_text("Traceback (most recent call last):\nOSError: disk full\n")
-    monkeypatch.setattr(ray_launch, "RayRun", FailsAtOnce)
-    cluster = SimpleNamespace(
-        available_resources=lambda: {"CPU": 8.0},
-        cluster_resources=lambda: {"CPU": 8.0},
-        get_runtime_context=lambda: SimpleNamespace(gcs_address="127.0.0.1:6379"),
-    )
     cfg = compose(f"run.dir={run_dir}", "run.ray=true", "run.steps=12")
-    code = ray_launch.run_on_ray(cluster, cfg, [], SimpleNamespace(spec="bf16"), 2)
+    code, started = drive_on_a_fake_cluster(monkeypatch, cfg, ("learner", 1))
     out = capsys.readouterr().out
-    assert code == 1 and FailsAtOnce.started == 1, out
+    assert code == 1 and started == 1, out
     assert "holds no checkpoint to resume from" in out and "OSError: disk full" in out, out
