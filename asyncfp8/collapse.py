@@ -100,9 +100,12 @@ def run_collapse(records: Sequence[dict], evaluated: Sequence[dict]) -> Collapse
     """`collapse_of` over a run's per-step records and held-out evaluations, as
     `asyncfp8.report.per_step` and `evaluations` read them from metrics.jsonl."""
     rewards = [(r["step"], r["reward/mean"]) for r in records if r.get("reward/mean") is not None]
-    heldout = [
-        (r["step"], r["eval/pass1_greedy"])
-        for r in evaluated
-        if r.get("eval/pass1_greedy") is not None
-    ]
+    heldout = []
+    for r in evaluated:
+        # an evaluation the held-out guard undid (guard.heldout_below) is a point of the
+        # curve too, before the restored weights' own: the run fell, and recovered
+        if r.get("guard/heldout_undone_greedy") is not None:
+            heldout.append((r["step"], r["guard/heldout_undone_greedy"]))
+        if r.get("eval/pass1_greedy") is not None:
+            heldout.append((r["step"], r["eval/pass1_greedy"]))
     return collapse_of(rewards, heldout)

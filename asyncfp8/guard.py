@@ -60,6 +60,7 @@ class GuardSettings:
     reward_good: float = 0.2
     window: int = 20
     keep_states: int = 2
+    heldout_below: float = 0.5
 
     @classmethod
     def from_config(cls, guard: Any) -> GuardSettings:
@@ -75,6 +76,10 @@ class GuardSettings:
         for key in ("far_fraction", "reward_good"):
             if not 0 < getattr(settings, key) <= 1:
                 raise ValueError(f"guard.{key} must be in (0, 1], got {getattr(settings, key)}")
+        if not 0 <= settings.heldout_below < 1:
+            raise ValueError(
+                f"guard.heldout_below must be in [0, 1) (0: off), got {settings.heldout_below}"
+            )
         return settings
 
 

@@ -25,24 +25,23 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
-from tqdm import tqdm
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
 from asyncfp8.checks import auto_placement, check_config, placement_of
 from asyncfp8.export import MODEL_DIR
 from asyncfp8.failpoints import worker_environment
-from asyncfp8.metrics import METRICS_FILE, loggers_of, wandb_sync_hint
+from asyncfp8.metrics import loggers_of, wandb_sync_hint
 from asyncfp8.models import run_model_dir
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.process import die_with_parent, interrupt_requests, usable_cores, worker_count
-from asyncfp8.report import LAST_STEPS, ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW, plot_runs, summarize
+from asyncfp8.progress import Progress
+from asyncfp8.report import LAST_STEPS, plot_runs, summarize
 from asyncfp8.run_files import CHECKPOINT_DIR, GUARD_STOPPED, LEARNER_STATE
 from asyncfp8.runconfig import restore_on_resume
 from asyncfp8.slurm import SlurmTask, role_of, slurm_task
@@ -141,90 +140,6 @@ def indented_tail(text: list[str], lines: int) -> str:
             text = [*text[: starts[-1]][-lines:], "[torchrun]", *summary]
             return "\n".join(f"    {line}" for line in text)
     return "\n".join(f"    {line}" for line in text[-lines:])
-
-
-class Progress:
-    """The run's one progress bar, fed by the learner's metrics file."""
-
-    def __init__(self, run_dir: Path, steps: int, start: int = 0):
-        self.path = run_dir / METRICS_FILE
-        self.bar = tqdm(total=steps, initial=start, desc="steps", unit="step", dynamic_ncols=True)
-        self._start_reading(file=None)
-
-    def _start_reading(self, file: tuple[int, int] | None) -> None:
-        """Reads `file` (device, inode) from its start: at the start, and when a resumed
-        learner has replaced the metrics file with one cut back to its checkpoint (an
-        offset into the old file means nothing in the new one)."""
-        self.file, self.offset = file, 0
-        self.last: dict = {}
-        # Recent steps' share of groups without reward spread.
-        self.zero_spread: deque[float] = deque(maxlen=ZERO_SPREAD_WINDOW)
-        # Held-out greedy pass@1: the first evaluation (before training) and the latest.
-        self.eval_start: float | None = None
-        self.eval: float | None = None
-
-    def update(self) -> None:
-        try:
-            f = self.path.open("rb")
-        except FileNotFoundError:
-            return
-        with f:
-            # The identity of the file this handle reads, not of whatever the path names
-            # a moment later: the learner replaces it by a rename.
-            stat = os.fstat(f.fileno())
-            if (stat.st_dev, stat.st_ino) != self.file or stat.st_size < self.offset:
-                replaced = self.file is not None
-                self._start_reading((stat.st_dev, stat.st_ino))
-                if replaced:
-                    self.bar.reset(total=self.bar.total)
-            f.seek(self.offset)
-            chunk = f.read()
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        self.offset += len(complete)
-        for line in complete.decode().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line torn by a kill, then written past: skipped
-                continue
-            self.bar.update(max(0, record["step"] - self.bar.n))
-            self.last = record
-            if (
-                "groups/frac_zero_advantage" in record
-            ):  # a training step (not the step-0 evaluation)
-                self.zero_spread.append(record["groups/frac_zero_advantage"])
-            if record.get("eval/pass1_greedy") is not None:
-                self.eval = record["eval/pass1_greedy"]
-                if self.eval_start is None:
-                    self.eval_start = self.eval
-        if self.last:
-            r = self.last
-            # The held-out number first: what the run learned, not what it memorized.
-            extra = {}
-            if self.eval is not None:
-                extra["heldout"] = f"{self.eval_start:.3f}->{self.eval:.3f}"
-            if (
-                len(self.zero_spread) == ZERO_SPREAD_WINDOW
-                and sum(self.zero_spread) / ZERO_SPREAD_WINDOW > ZERO_SPREAD_WARN
-            ):
-                extra["warn"] = "most groups without reward spread"
-            if r.get("guard/rollbacks"):  # steps the guard undid (asyncfp8/learner/rollback.py)
-                extra["rollbacks"] = int(r["guard/rollbacks"])
-            if r.get("refit/probe_mean_abs_dlogp") is not None:  # asyncfp8/refit.py
-                extra["probe"] = f"{r['refit/probe_mean_abs_dlogp']:.1e}"
-                if r.get("refit/failures"):
-                    extra["refit_failures"] = int(r["refit/failures"])
-            self.bar.set_postfix(
-                **extra,
-                v=r.get("version"),
-                reward=f"{r.get('reward/mean', float('nan')):.3f}",
-                kl=f"{r.get('mismatch/kl_k3', float('nan')):.1e}",
-                stale=f"{r.get('staleness/mean', float('nan')):.2f}",
-                tok_s=f"{r.get('throughput/tokens_per_s', 0):.0f}",
-                refresh=False,
-            )
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def check_start(cfg: DictConfig) -> PrecisionPolicy:
@@ -405,6 +320,12 @@ def report_end(run_dir: Path, started: float) -> int:
         print(f"[launch] W&B run saved offline; upload it with: {sync}")
     if summary.get("guard_rollbacks") is not None:
         print(f"[launch] guard: {summary['guard_rollbacks']} rollback(s) of a fatal step")
+    for undone in summary.get("guard_heldout_rollbacks", []):
+        print(
+            f"[launch] guard: held-out greedy {undone['undone']:.3f} at step {undone['step']} "
+            f"was below guard.heldout_below x the best; put back the weights of step "
+            f"{undone['restored_step']} (held-out {undone['restored']:.3f})"
+        )
     for warning in summary.get("warnings", []):
         print(f"[launch] warning: {warning}")
     return 0

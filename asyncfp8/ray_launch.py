@@ -52,7 +52,6 @@ from asyncfp8.launch import (
     CONFIG_ERROR,
     PORTS,
     Process,
-    Progress,
     free_ports,
     log_tail,
     report_end,
@@ -61,6 +60,7 @@ from asyncfp8.launch import (
 )
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.process import worker_count
+from asyncfp8.progress import Progress
 from asyncfp8.run_files import CHECKPOINT_DIR, GUARD_STOPPED, LEARNER_STATE
 from asyncfp8.sync.security import CLIENT, CLIENTS_DIR, SERVER
 

@@ -138,6 +138,18 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "eval_pass1_greedy_end_se": _end_se(evaluated),
         # steps the guard rolled back, resumes included (None: a run without the guard)
         "guard_rollbacks": _rollbacks(records),
+        # evaluations the held-out guard undid (guard.heldout_below): the step, the undone
+        # greedy pass@1, the step whose weights came back and their pass@1 now
+        "guard_heldout_rollbacks": [
+            {
+                "step": r["step"],
+                "undone": r["guard/heldout_undone_greedy"],
+                "restored_step": r["guard/heldout_restored_step"],
+                "restored": r["eval/pass1_greedy"],
+            }
+            for r in evaluated
+            if r.get("guard/heldout_undone_greedy") is not None
+        ],
         "collapsed": collapse.collapsed,
         "collapse_signal": collapse.signal,
         "collapse_step": collapse.step,
@@ -580,6 +592,9 @@ def _collapses(rows: list[dict], seeds: list[int]) -> dict[str, Any]:
             for seed, s in collapsed
         ],
         "fell_and_recovered": sum(bool(s["fell_and_recovered"]) for s in rows),
+        # of them, runs the held-out guard recovered (guard.heldout_below; older summaries
+        # have no such key)
+        "heldout_recovered": sum(bool(s.get("guard_heldout_rollbacks")) for s in rows),
         # runs the guard stopped (its rollbacks in a row exhausted): they did not finish,
         # collapsed or not
         "guard_stops": sum(bool(s["guard_stopped"]) for s in rows),
@@ -609,6 +624,7 @@ def _collapse_line(g: dict[str, Any]) -> str:
         f"Wilson)"
         + (f": {which}" if which else "")
         + (f"; {dips} more fell below half their best held-out and recovered" if dips else "")
+        + (f" ({g['heldout_recovered']} by the held-out guard)" if g["heldout_recovered"] else "")
         + (f"\n  {'guard stopped':<17} {g['guard_stops']} of {g['n']}: {stops}" if stops else "")
     )
 

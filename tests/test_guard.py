@@ -29,6 +29,8 @@ from asyncfp8.learner.rollback import LastGood
         ("far_fraction", 0.0, r"guard.far_fraction must be in \(0, 1\]"),
         ("reward_good", 1.5, r"guard.reward_good must be in \(0, 1\]"),
         ("window", True, "guard.window must be a int"),
+        ("heldout_below", 1.0, r"guard.heldout_below must be in \[0, 1\) \(0: off\)"),
+        ("heldout_below", "half", "guard.heldout_below must be a float"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_key(key, value, message):

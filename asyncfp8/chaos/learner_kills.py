@@ -250,7 +250,7 @@ class _Follower:
     report's summary, the audit's ledger) every 50 ms on a thread, keeping any error."""
 
     def __init__(self, run_dir: Path, steps: int):
-        from asyncfp8.launch import Progress
+        from asyncfp8.progress import Progress
 
         self.progress = Progress(run_dir, steps)
         self.run_dir, self.reads, self.errors = run_dir, 0, []

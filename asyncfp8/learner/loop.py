@@ -9,14 +9,14 @@ The loop (`Learner.run`) is the algorithm; each part has its own module:
   calibrated, the refit probe, the background sender);
 - `checkpoints.py`: checkpoints, resume and export;
 - `step_metrics.py`: what rank 0 logs per step;
-- `rollback.py`: the guard that undoes a fatal step (its rules: asyncfp8/guard.py);
+- `rollback.py`: the guard that undoes a fatal step (its rules: asyncfp8/guard.py),
+  and its held-out line (`guard.heldout_below`);
 - `colocated.py`: `run.placement=colocated`, each rank's own engine taking turns with
   training or generating beside it (the hub asks it for each step's groups).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -53,7 +53,7 @@ from .checkpoints import Checkpointer
 from .colocated import COLOCATED_VLLM_MEMORY, Colocated, kept_random_state
 from .hub import Hub, Preempted, RankHub
 from .publisher import FIRST_CALIBRATION_PROMPTS, Publisher
-from .rollback import StepGuard
+from .rollback import HeldOutGuard, StepGuard
 from .step import Share, StepSums, TrainStep, lr_lambda, plan_shares
 from .step_metrics import StepMetrics
 from .versions import VersionWeights, available_memory, choose_proximal
@@ -164,6 +164,8 @@ class Learner:
                 self.dtype,
                 self._evaluation_kv_scales,
             )
+        self.heldout_guard = self._heldout_guard()
+        self.heldout_rolled_back = False  # the latest evaluation put back earlier weights
         self.step = 0
         # Training time before this process (a resumed run), and the step it resumed at.
         self.elapsed_before, self.resumed_from = 0.0, None
@@ -203,7 +205,10 @@ class Learner:
                 published = self._publish() if due else {}
                 if warning := self._drift_warning(published):
                     hub.say("warning: %s", warning)
-                metrics |= published | self._evaluation()
+                evaluated = self._evaluation()
+                if self.heldout_rolled_back and self.step < run.steps:
+                    published |= self._publish()  # the restored weights out at once
+                metrics |= published | evaluated
                 hub.record(self.step, metrics, len(groups or ()), published, self._times(waited))
                 if self.rolled_back and self.train_step.guard.exhausted:
                     return self._stop_by_guard()
@@ -276,6 +281,7 @@ class Learner:
             return {}
         started = time.perf_counter()
         metrics = self.heldout.evaluate(self.model)
+        metrics |= self._judge_heldout(metrics)
         metrics["time/eval_s"] = time.perf_counter() - started
         self.hub.say(
             "held-out pass@1 after %d steps: greedy %.3f, sampled %.3f (%d prompts, %.1f s)",
@@ -359,12 +365,44 @@ class Learner:
             return None
         return StepGuard(GuardSettings.from_config(guard), self.model, self.optimizer)
 
+    def _heldout_guard(self) -> HeldOutGuard | None:
+        guard = self.cfg.get("guard")
+        if self.heldout is None or guard is None or not guard.enabled:
+            return None
+        below = GuardSettings.from_config(guard).heldout_below
+        return HeldOutGuard(below, self.model, self.optimizer) if below else None
+
+    def _judge_heldout(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """guard.heldout_below (learner/rollback.py, HeldOutGuard): an evaluation far
+        below the run's best puts back the weights of the last one that was not; what the
+        run goes on with is evaluated again, and the undone score kept beside it."""
+        guard, self.heldout_rolled_back = self.heldout_guard, False
+        if guard is None:
+            return {}
+        why = guard.judge(metrics["eval/pass1_greedy"], self.step, self.version)
+        if why is None:
+            return {"guard/heldout_rollbacks": guard.rollbacks}
+        log.warning("guard: %s", why)
+        self.heldout_rolled_back = True
+        if self.version_weights is not None:
+            self.version_weights.changed()
+        if self.train_step.guard is not None:  # its kept states are of the undone weights
+            self.train_step.guard.restart_from(guard.kept.step, guard.kept.version, self.version)
+        return self.heldout.evaluate(self.model) | {
+            "guard/heldout_rolled_back": 1,
+            "guard/heldout_rollbacks": guard.rollbacks,
+            "guard/heldout_undone_greedy": metrics["eval/pass1_greedy"],
+            "guard/heldout_restored_step": guard.kept.step,
+        }
+
     def _checkpoint_due(self) -> bool:
         """Every `run.checkpoint_every` steps; and after a rollback when a checkpoint was
         written after the last good step (with the weights the guard has just undone): a
         resume must not read that one."""
         run = self.cfg.run
-        if self.step % run.checkpoint_every == 0 and self.step < run.steps:
+        if self.step < run.steps and (
+            self.step % run.checkpoint_every == 0 or self.heldout_rolled_back
+        ):
             return True
         if not self.rolled_back:
             return False
@@ -376,59 +414,19 @@ class Learner:
         with none yet, the ones this process started from); a checkpoint of them, the
         workers told, and a message naming the signal, the setting and the checkpoint."""
         guard = self.train_step.guard
-        verdict, good = guard.last_verdict, guard.fall_back()
-        if good is not None:
-            folder = self.checkpoint()
-            state = f"the weights after step {good} (the oldest good state kept) in {folder}"
-        else:
-            folder = self.checkpointer.latest()
-            state = (
-                "no good state in memory (no batch passed since this process started); the "
-                f"newest checkpoint is {folder}"
-            )
-        log.error(
-            "guard: %d rollbacks in a row (guard.max_rollbacks=%d); the last at step %d on "
-            "signal %s (%s; bounded by %s). The run stops with %s. Continue with "
-            "run.resume=true run.dir=%s (raise %s or guard.max_rollbacks, or "
-            "guard.enabled=false, to let such batches train)",
-            guard.in_row,
-            guard.settings.max_rollbacks,
-            self.step,
-            verdict.signal,
-            verdict.detail,
-            verdict.setting,
-            state,
-            self.dir,
-            verdict.setting,
-        )
-        if self.ranks.main:
-            (self.dir / GUARD_STOP_FILE).write_text(
-                json.dumps(
-                    {
-                        "step": self.step,
-                        "signal": verdict.signal,
-                        "detail": verdict.detail,
-                        "setting": verdict.setting,
-                        "good_step": good,
-                        "checkpoint": str(folder) if folder is not None else None,
-                    },
-                    indent=2,
-                )
-            )
+        good = guard.fall_back()
+        folder = self.checkpoint() if good is not None else self.checkpointer.latest()
+        guard.report_stop(self.step, good, folder, self.dir, write=self.ranks.main)
         self.hub.finish()
         self.close()
         return GUARD_STOPPED
 
     def _guard_line(self) -> str:
-        guard = self.train_step.guard
-        if guard is None:
-            return "guard off"
-        if not guard.rollbacks:
-            return "guard: 0 rollbacks"
-        return (
-            f"guard: {guard.rollbacks} rollback(s), the last on {guard.last_verdict.signal} "
-            f"({guard.last_verdict.detail})"
-        )
+        guard, heldout = self.train_step.guard, self.heldout_guard
+        line = "guard off" if guard is None else guard.summary_line()
+        if heldout is not None and heldout.rollbacks:
+            line += f"; {heldout.rollbacks} held-out rollback(s) (guard.heldout_below)"
+        return line
 
     def export(self) -> Path:
         return self.checkpointer.export(self.step, self.model_dir)

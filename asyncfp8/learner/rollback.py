@@ -17,17 +17,23 @@ workers go on sending such samples for a step or two. Their tokens say nothing o
 restored weights, so they are left out of the evidence (`ignored_versions`): without that,
 they failed the next batch too and cost a second rollback (a colocated async run of the
 tiny model, the poison at update 6).
+
+`HeldOutGuard` (`guard.heldout_below`) is the last line, for a fall no batch shows: the
+learner's held-out evaluations, judged against the run's best.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
+from pathlib import Path
 
 import torch
 
 from asyncfp8.guard import Evidence, GuardRules, GuardSettings, Verdict
+from asyncfp8.run_files import GUARD_STOP_FILE
 
 log = logging.getLogger("asyncfp8.learner")
 
@@ -160,6 +166,67 @@ class StepGuard:
         self.states[-1].restore()
         return self.states[-1].step
 
+    def restart_from(self, step: int, version: int | None, newest: int | None) -> None:
+        """After the held-out guard put back the weights after `step` (published as
+        `version`): the states kept since are of the undone weights and go; the restored
+        weights are the newest good state; versions up to `newest` leave the evidence."""
+        while self.states:
+            self.spare.append(self.states.pop())
+        self._keep(step, version)
+        self.in_row = 0
+        if version is not None and newest is not None and newest > version:
+            self.ignored_versions = (version, newest)
+
+    def summary_line(self) -> str:
+        """The guard's line in the learner's last message."""
+        if not self.rollbacks:
+            return "guard: 0 rollbacks"
+        verdict = self.last_verdict
+        return (
+            f"guard: {self.rollbacks} rollback(s), the last on {verdict.signal} ({verdict.detail})"
+        )
+
+    def report_stop(
+        self, step: int, good: int | None, folder: Path | None, run_dir: Path, write: bool
+    ) -> None:
+        """The stop after `guard.max_rollbacks` in a row, at `step`: the message naming the
+        signal, its setting and the state the run stops with (`good`: the step of the
+        fallen-back state, None without one; `folder`: its checkpoint, or the newest), and
+        (`write`, rank 0) the record the launcher and the report read (GUARD_STOP_FILE)."""
+        verdict = self.last_verdict
+        if good is not None:
+            state = f"the weights after step {good} (the oldest good state kept) in {folder}"
+        else:
+            state = (
+                "no good state in memory (no batch passed since this process started); the "
+                f"newest checkpoint is {folder}"
+            )
+        log.error(
+            "guard: %d rollbacks in a row (guard.max_rollbacks=%d); the last at step %d on "
+            "signal %s (%s; bounded by %s). The run stops with %s. Continue with "
+            "run.resume=true run.dir=%s (raise %s or guard.max_rollbacks, or "
+            "guard.enabled=false, to let such batches train)",
+            self.in_row,
+            self.settings.max_rollbacks,
+            step,
+            verdict.signal,
+            verdict.detail,
+            verdict.setting,
+            state,
+            run_dir,
+            verdict.setting,
+        )
+        if write:
+            record = {
+                "step": step,
+                "signal": verdict.signal,
+                "detail": verdict.detail,
+                "setting": verdict.setting,
+                "good_step": good,
+                "checkpoint": str(folder) if folder is not None else None,
+            }
+            (run_dir / GUARD_STOP_FILE).write_text(json.dumps(record, indent=2))
+
     def _keep(self, step: int, version: int | None) -> None:
         slot = self.spare.pop() if self.spare else self.states.popleft()
         slot.keep(step, version)
@@ -191,3 +258,43 @@ class StepGuard:
             self.in_row,
             self.settings.max_rollbacks,
         )
+
+
+class HeldOutGuard:
+    """The held-out evaluation as the guard's last line (`guard.heldout_below`): a slide
+    that no batch shows (FP8's late fall of docs/results.md: held-out greedy 0.906 at step
+    280, 0.457 at 300, while no token left its bound) still shows in held-out pass@1.
+    Each evaluation that passes keeps the weights and AdamW's state (one `LastGood`); one
+    whose greedy pass@1 is below `below` times the best so far puts them back. The run
+    goes on from there (its steps still count), and a run that ends on such an evaluation
+    ends, and exports, with the kept weights.
+
+    The held-out prompts then choose between two states of the run, so a restored run's
+    held-out score is a selected one; the line is far below any noise of 256 prompts
+    (half the best), so it selects only against a collapse."""
+
+    def __init__(self, below: float, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.below = below
+        self.kept = LastGood(model, optimizer)
+        self.kept_score: float | None = None
+        self.best: float | None = None
+        self.rollbacks = 0
+
+    def judge(self, score: float, step: int, version: int | None) -> str | None:
+        """Keeps the weights after `step` steps (`version` the newest published) when
+        `score` passes, else puts back the last kept ones and says why."""
+        if self.best is not None and score < self.below * self.best:
+            if self.kept.step is None:  # cannot happen: the first evaluation always passes
+                raise RuntimeError("held-out guard: an evaluation failed before any passed")
+            self.kept.restore()
+            self.rollbacks += 1
+            return (
+                f"held-out greedy pass@1 {score:.3f} after step {step} is below "
+                f"guard.heldout_below={self.below:g} x the best {self.best:.3f}: put back the "
+                f"weights and optimizer state after step {self.kept.step} (held-out "
+                f"{self.kept_score:.3f} then)"
+            )
+        self.best = score if self.best is None else max(self.best, score)
+        self.kept.keep(step, version)
+        self.kept_score = score
+        return None
