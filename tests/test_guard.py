@@ -196,6 +196,52 @@ def test_a_run_stopped_by_the_guard_falls_back_to_the_oldest_good_state():
     assert torch.equal(model.weight, kept[1])
 
 
+def guarded_steps(keep_states: int, steps: int):
+    """A StepGuard over a small layer whose weights move by 1 between `steps` batches that
+    pass (step and version alike), and the weights each kept state holds, by version."""
+    from asyncfp8.learner.rollback import StepGuard
+
+    model = torch.nn.Linear(2, 2)
+    guard = StepGuard(
+        GuardSettings(keep_states=keep_states), model, torch.optim.AdamW(model.parameters())
+    )
+    held = {}
+    for step in range(steps):
+        assert guard.check(CLEAN, step, step) is None
+        held[step] = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+    return guard, model, held
+
+
+CLEAN = {"guard_tokens": 10.0, "guard_samples": 48.0, "guard_rewarded": 24.0}
+DEAD = CLEAN | {"guard_rewarded": 0.0}
+
+
+def test_a_dead_batch_rolls_back_past_the_version_that_sampled_it():
+    # overlapped async: the batch judged after step 6 was sampled by version 5, the
+    # newest state kept; those weights go too, back to version 4's, in one rollback
+    guard, model, held = guarded_steps(keep_states=2, steps=MIN_HISTORY + 1)
+    newest = MIN_HISTORY
+    verdict = guard.check(DEAD, newest + 1, newest + 1, sampled_from=newest)
+    assert verdict.signal == "dead_reward"
+    assert torch.equal(model.weight, held[newest - 1]) and guard.good_step == newest - 1
+    # a far token speaks of the learner's weights: the newest state, as before
+    guard, model, held = guarded_steps(keep_states=2, steps=MIN_HISTORY + 1)
+    far = CLEAN | {"guard_far_tokens": 1.0}
+    assert guard.check(far, newest + 1, newest + 1, sampled_from=newest).signal == "far_tokens"
+    assert torch.equal(model.weight, held[newest])
+
+
+def test_a_dead_batch_older_than_every_kept_state_puts_back_the_oldest_and_says_so(caplog):
+    guard, model, held = guarded_steps(keep_states=2, steps=MIN_HISTORY + 1)
+    newest = MIN_HISTORY
+    with caplog.at_level(logging.WARNING, logger="asyncfp8.learner"):
+        guard.check(DEAD, newest + 1, newest + 1, sampled_from=newest - 3)
+    assert torch.equal(model.weight, held[newest - 1])
+    assert "raise guard.keep_states" in caplog.text
+
+
 # --- on the tiny model ------------------------------------------------------------------
 
 STEPS, POISONED = 6, 3

@@ -120,10 +120,17 @@ class StepGuard:
     def exhausted(self) -> bool:
         return self.in_row >= self.settings.max_rollbacks
 
-    def check(self, sums: dict[str, float], step: int, version: int | None) -> Verdict | None:
+    def check(
+        self,
+        sums: dict[str, float],
+        step: int,
+        version: int | None,
+        sampled_from: int | None = None,
+    ) -> Verdict | None:
         """Judges a batch (`sums` hold the guard's evidence keys, summed over ranks) with
-        the weights after `step` steps, `version` the newest published; keeps them, or
-        restores the last good ones."""
+        the weights after `step` steps, `version` the newest published, `sampled_from` the
+        oldest version that sampled its judged samples; keeps them, or restores the last
+        good ones."""
         started = time.perf_counter()
         evidence = Evidence.from_sums(sums)
         median = self.rules.reward_median()
@@ -132,7 +139,7 @@ class StepGuard:
             self.rollbacks += 1
             self.in_row += 1
             self.last_verdict = verdict
-            self._roll_back(verdict, step)
+            self._roll_back(verdict, step, sampled_from)
             good = self.states[-1].version if self.states else None
             if good is not None and version is not None and version > good:
                 self.ignored_versions = (good, version)
@@ -227,14 +234,34 @@ class StepGuard:
             }
             (run_dir / GUARD_STOP_FILE).write_text(json.dumps(record, indent=2))
 
+    def _drop_sampled_states(self, sampled_from: int) -> None:
+        """A dead batch speaks of the weights that sampled it, not of the learner's: in
+        overlapped async they are a version older than the learner's, and the newest
+        state kept is often those very weights (FP8 seed 1 of the stability study rolled
+        back to them, scored 0 again, and needed a second rollback). So the states from
+        version `sampled_from` on go, back to the newest older one; with none kept that
+        old, the oldest stays (guard.keep_states bounds how far back the guard can go)."""
+        while len(self.states) > 1 and (self.states[-1].version or 0) >= sampled_from:
+            self.spare.append(self.states.pop())
+        if self.states and (self.states[-1].version or 0) >= sampled_from:
+            log.warning(
+                "guard: the dead batch was sampled from version %d on, and no good state "
+                "older than it is kept (the oldest is of version %s): that one is put "
+                "back; raise guard.keep_states to keep more",
+                sampled_from,
+                self.states[-1].version,
+            )
+
     def _keep(self, step: int, version: int | None) -> None:
         slot = self.spare.pop() if self.spare else self.states.popleft()
         slot.keep(step, version)
         self.states.append(slot)
 
-    def _roll_back(self, verdict: Verdict, step: int) -> None:
+    def _roll_back(self, verdict: Verdict, step: int, sampled_from: int | None) -> None:
         if self.in_row > 1 and len(self.states) > 1:  # restored and failed again
             self.spare.append(self.states.pop())
+        if verdict.signal == "dead_reward" and sampled_from is not None:
+            self._drop_sampled_states(sampled_from)
         good = self.good_step
         if good is None:
             log.warning(

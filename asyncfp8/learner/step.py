@@ -201,11 +201,14 @@ class TrainStep:
                     for row, index in enumerate(micro["index"]):
                         seen[index] = learner_logp[row][micro["mask"][row]].cpu()
             if judged:
-                add_reward_evidence(share, self.guard.ignored_versions, sums)
+                oldest = add_reward_evidence(share, self.guard.ignored_versions, sums)
             # The loss is a mean over the whole mini-batch: its sums over micro-batches
             # and ranks, divided by the whole count.
             sums = distributed.sum_over_ranks(sums)
-            if judged and self.guard.check(sums, step, version) is not None:
+            if (
+                judged
+                and self.guard.check(sums, step, version, oldest_over_ranks(oldest)) is not None
+            ):
                 self.optimizer.zero_grad(set_to_none=True)
                 rolled_back = True
                 break
@@ -475,19 +478,31 @@ def add_token_evidence(
     sums["guard_k3"] += (torch.expm1(clamped) - clamped)[mask].sum().item()
 
 
-def add_reward_evidence(share: Share, ignored_versions: tuple[int, int] | None, sums: dict) -> None:
+def add_reward_evidence(
+    share: Share, ignored_versions: tuple[int, int] | None, sums: dict
+) -> int | None:
     """The guard's reward evidence: this rank's samples and how many were rewarded,
-    leaving out those with a token of the versions in `ignored_versions` (after, up to]."""
+    leaving out those with a token of the versions in `ignored_versions` (after, up to];
+    returns the oldest version that sampled a token of those counted (None: none)."""
     after, up_to = ignored_versions or (0, -1)
-    rewards = [
-        t.reward
+    counted = [
+        t
         for mini in share.mini_batches
         for micro in mini
         for _, t, _ in micro
         if not any(after < v <= up_to for v in t.versions)
     ]
-    sums["guard_samples"] += len(rewards)
-    sums["guard_rewarded"] += sum(reward > 0 for reward in rewards)
+    sums["guard_samples"] += len(counted)
+    sums["guard_rewarded"] += sum(t.reward > 0 for t in counted)
+    return min((min(t.versions) for t in counted if t.versions), default=None)
+
+
+def oldest_over_ranks(oldest: int | None) -> int | None:
+    """The oldest of the ranks' `oldest` versions (collective; None where no rank had one)."""
+    reduced = -distributed.max_over_ranks({"oldest": -(math.inf if oldest is None else oldest)})[
+        "oldest"
+    ]
+    return None if math.isinf(reduced) else int(reduced)
 
 
 def all_rewards_equal(group: Group) -> bool:
