@@ -4,16 +4,24 @@ held-out prompts, as the learner evaluates (same prompts, greedy,
 the run's max_new_tokens), with the FP32 forward of those weights.
 
     python scripts/heldout_of_export.py runs/parity/harsh_qfwd_seed* [--prompts 256]
+    python scripts/heldout_of_export.py runs/stability/fp8_seed4 --step 280 --quantized
 
 It matters where the learner evaluated something else: with
 `precision.learner_forward=quantized` the learner's held-out pass@1 is that of its
 quantized forward (the rollout policy), not of the masters it exports.
+
+`--step N` evaluates the run's checkpoint of step N instead (exported to a temporary
+directory). `--quantized` also evaluates the same weights through the run's precision as
+its engine computes them (the policy's fake-quantized forward,
+`precision.learner_forward=quantized`): where the masters fell and the rollout policy did
+not, the two part; where the weights themselves broke, both fall.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -21,17 +29,19 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from asyncfp8.export import MODEL_DIR, export_run
+from asyncfp8.precision import build_policy
 from asyncfp8.stats import binomial_se
 from asyncfp8.tasks import build_task
 
 
 @torch.no_grad()
-def greedy_pass1(run_dir: Path, prompts: int) -> float:
+def greedy_pass1(run_dir: Path, model_dir: Path, prompts: int, quantized: bool = False) -> float:
     cfg = OmegaConf.load(run_dir / "config.yaml")
-    model_dir = run_dir / MODEL_DIR
-    if not model_dir.is_dir():  # a run from before the learner exported: from its checkpoint
-        export_run(run_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if quantized:
+        precision = OmegaConf.to_container(cfg.precision, resolve=True)
+        precision["learner_forward"] = "quantized"
+        model = build_policy(precision, model_dir).prepare_learner(model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
     task = build_task(cfg.task, model_dir)
@@ -50,19 +60,37 @@ def greedy_pass1(run_dir: Path, prompts: int) -> float:
     return sum(task.score(c, p) for c, p in zip(completions, heldout, strict=True)) / len(heldout)
 
 
+def evaluated_model(run_dir: Path, step: int | None, scratch: Path) -> tuple[Path, str]:
+    """The model directory to evaluate and what it is."""
+    if step is not None:
+        out = scratch / f"{run_dir.name}-step{step}"
+        export_run(run_dir, step, out)
+        return out, f"checkpoint of step {step}"
+    if not (run_dir / MODEL_DIR).is_dir():  # a run from before the learner exported
+        export_run(run_dir)
+    return run_dir / MODEL_DIR, "exported model"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--step", type=int, default=None, help="a checkpoint's step")
+    parser.add_argument("--quantized", action="store_true", help="also through the run's precision")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    for run_dir in args.runs:
-        score = greedy_pass1(run_dir, args.prompts)
-        print(
-            f"{run_dir}: exported model's held-out greedy pass@1 {score:.3f} "
-            f"(± {binomial_se(score, args.prompts):.3f} SE, {args.prompts} prompts)",
-            flush=True,
-        )
+    with tempfile.TemporaryDirectory() as scratch:
+        for run_dir in args.runs:
+            model_dir, what = evaluated_model(run_dir, args.step, Path(scratch))
+            forwards = (False, True) if args.quantized else (False,)
+            for quantized in forwards:
+                score = greedy_pass1(run_dir, model_dir, args.prompts, quantized)
+                forward = "quantized forward" if quantized else "FP32 forward"
+                print(
+                    f"{run_dir}: {what}'s held-out greedy pass@1 {score:.3f} ({forward}; "
+                    f"± {binomial_se(score, args.prompts):.3f} SE, {args.prompts} prompts)",
+                    flush=True,
+                )
     return 0
 
 
