@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from asyncfp8.collapse import run_collapse
+from asyncfp8.export import checkpoint_dir, checkpoint_state
 from asyncfp8.failpoints import ENV, POISON_UPDATE
 from asyncfp8.guard import GuardSettings
 from asyncfp8.learner.rollback import HeldOutGuard, StepGuard
@@ -104,7 +105,9 @@ def test_a_poisoned_last_update_collapses_without_it_and_is_undone_with_it(
     assert off["guard_rollbacks"] == 0 and off["collapsed"] and off["collapse_signal"] == "held-out"
     assert off["guard_heldout_rollbacks"] == []
 
-    on_dir, out = launch(tmp_path / "on", tiny_model_dir, *common, env=env)
+    on_dir, out = launch(
+        tmp_path / "on", tiny_model_dir, *common, f"run.checkpoint_every={EVERY}", env=env
+    )
     on = json.loads((on_dir / "summary.json").read_text())
     [undone] = on["guard_heldout_rollbacks"]
     assert undone["step"] == STEPS and undone["restored_step"] == EVERY
@@ -113,6 +116,14 @@ def test_a_poisoned_last_update_collapses_without_it_and_is_undone_with_it(
     # the run ends with the weights of step EVERY: its held-out score is theirs, exactly
     assert on["eval_pass1_greedy_end"] == undone["restored"] == before[-1]
     assert not on["collapsed"] and on["fell_and_recovered"]
+    # and trains, checkpoints and exports them: the last checkpoint holds step EVERY's
+    # weights bit for bit (FSDP2 leaves the root unit unsharded after an evaluation, and
+    # weights put back into that copy once reached the evaluation but not the checkpoint)
+    last, kept = (
+        checkpoint_state(checkpoint_dir(on_dir, s), tiny_model_dir) for s in (STEPS, EVERY)
+    )
+    assert last.keys() == kept.keys()
+    assert all(torch.equal(last[name], kept[name]) for name in kept)
     assert f"put back the weights of step {EVERY}" in out
     log = (on_dir / "learner.log").read_text()
     assert "1 held-out rollback(s) (guard.heldout_below)" in log

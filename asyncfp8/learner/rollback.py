@@ -31,6 +31,7 @@ from collections import deque
 from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from asyncfp8.guard import Evidence, GuardRules, GuardSettings, Verdict
 from asyncfp8.run_files import GUARD_STOP_FILE
@@ -41,6 +42,19 @@ log = logging.getLogger("asyncfp8.learner")
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded (FSDP2 DTensor) tensor, or the tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def resharded(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every FSDP2 unit's parameters sharded. FSDP2 leaves the root unit's
+    (embeddings, final norm, LM head) unsharded after a forward outside training (the
+    held-out evaluation's): `parameters()` then gives unsharded copies that the next
+    reshard drops, so weights put back into them would reach the evaluation after it but
+    not the training or the checkpoint (a held-out rollback of the tiny model checkpointed
+    the undone root weights so, until this)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
 
 
 class LastGood:
@@ -60,7 +74,7 @@ class LastGood:
 
     @torch.no_grad()
     def keep(self, step: int, version: int | None = None) -> None:
-        parameters = list(self.model.parameters())
+        parameters = list(resharded(self.model).parameters())
         if not self.params:
             self.params = [torch.empty_like(local_shard(p), device="cpu") for p in parameters]
         for buffer, p in zip(self.params, parameters, strict=True):
@@ -80,7 +94,7 @@ class LastGood:
 
     @torch.no_grad()
     def restore(self) -> None:
-        parameters = list(self.model.parameters())
+        parameters = list(resharded(self.model).parameters())
         for buffer, p in zip(self.params, parameters, strict=True):
             local_shard(p.data).copy_(buffer)
         for saved, p in zip(self.state, parameters, strict=True):
