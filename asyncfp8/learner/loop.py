@@ -165,7 +165,7 @@ class Learner:
                 self._evaluation_kv_scales,
             )
         self.heldout_guard = self._heldout_guard()
-        self.heldout_rolled_back = False  # the latest evaluation put back earlier weights
+        self.heldout_rolled_back = False  # this step's evaluation put back earlier weights
         self.step = 0
         # Training time before this process (a resumed run), and the step it resumed at.
         self.elapsed_before, self.resumed_from = 0.0, None
@@ -276,7 +276,7 @@ class Learner:
     def _evaluation(self) -> dict[str, Any]:
         """Held-out pass@1 when it is due: before the first step, every `eval.every`
         steps and after the last (collective)."""
-        every = self.cfg.eval.every
+        every, self.heldout_rolled_back = self.cfg.eval.every, False
         if self.heldout is None or (self.step % every and self.step != self.cfg.run.steps):
             return {}
         started = time.perf_counter()
@@ -376,7 +376,7 @@ class Learner:
         """guard.heldout_below (learner/rollback.py, HeldOutGuard): an evaluation far
         below the run's best puts back the weights of the last one that was not; what the
         run goes on with is evaluated again, and the undone score kept beside it."""
-        guard, self.heldout_rolled_back = self.heldout_guard, False
+        guard = self.heldout_guard
         if guard is None:
             return {}
         why = guard.judge(metrics["eval/pass1_greedy"], self.step, self.version)
