@@ -396,9 +396,9 @@ class Learner:
         }
 
     def _checkpoint_due(self) -> bool:
-        """Every `run.checkpoint_every` steps; and after a rollback when a checkpoint was
-        written after the last good step (with the weights the guard has just undone): a
-        resume must not read that one."""
+        """Every `run.checkpoint_every` steps; after a held-out rollback; and after a
+        rollback when a checkpoint was written after the last good step (with the weights
+        the guard has just undone): a resume must not read that one."""
         run = self.cfg.run
         if self.step < run.steps and (
             self.step % run.checkpoint_every == 0 or self.heldout_rolled_back
