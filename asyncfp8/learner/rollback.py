@@ -45,12 +45,16 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def resharded(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` with every FSDP2 unit's parameters sharded. FSDP2 leaves the root unit's
-    (embeddings, final norm, LM head) unsharded after a forward outside training (the
-    held-out evaluation's): `parameters()` then gives unsharded copies that the next
-    reshard drops, so weights put back into them would reach the evaluation after it but
-    not the training or the checkpoint (a held-out rollback of the tiny model checkpointed
-    the undone root weights so, until this)."""
+    """`model` with every FSDP2 unit's parameters sharded: what anything that writes the
+    weights outside the optimizer (a rollback, a version's swap) must write. FSDP2 leaves
+    the root unit's (embeddings, final norm, LM head) unsharded after a forward without
+    gradients (an evaluation, a π_prox forward), and the next forward uses that copy as it
+    is, without gathering again: `parameters()` then gives the copy, which the next
+    reshard drops. Weights written into the copy reached the forward after but not the
+    training or the checkpoint (a held-out rollback of the tiny model checkpointed the
+    undone root weights so); weights written into the shards alone did not reach the
+    next forward (the training forward after a version's swap ran with that version's
+    root weights, learner/versions.py)."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()

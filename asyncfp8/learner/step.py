@@ -205,10 +205,8 @@ class TrainStep:
             # The loss is a mean over the whole mini-batch: its sums over micro-batches
             # and ranks, divided by the whole count.
             sums = distributed.sum_over_ranks(sums)
-            if (
-                judged
-                and self.guard.check(sums, step, version, oldest_over_ranks(oldest)) is not None
-            ):
+            sampled_from = oldest_over_ranks(oldest) if judged else None
+            if judged and self.guard.check(sums, step, version, sampled_from) is not None:
                 self.optimizer.zero_grad(set_to_none=True)
                 rolled_back = True
                 break
@@ -499,9 +497,8 @@ def add_reward_evidence(
 
 def oldest_over_ranks(oldest: int | None) -> int | None:
     """The oldest of the ranks' `oldest` versions (collective; None where no rank had one)."""
-    reduced = -distributed.max_over_ranks({"oldest": -(math.inf if oldest is None else oldest)})[
-        "oldest"
-    ]
+    negated = -(math.inf if oldest is None else oldest)  # the oldest is the largest negated
+    reduced = -distributed.max_over_ranks({"oldest": negated})["oldest"]
     return None if math.isinf(reduced) else int(reduced)
 
 
