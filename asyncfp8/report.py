@@ -592,8 +592,8 @@ def _collapses(rows: list[dict], seeds: list[int]) -> dict[str, Any]:
             for seed, s in collapsed
         ],
         "fell_and_recovered": sum(bool(s["fell_and_recovered"]) for s in rows),
-        # of them, runs the held-out guard recovered (guard.heldout_below; older summaries
-        # have no such key)
+        # runs the held-out guard put back at least once (guard.heldout_below; older
+        # summaries have no such key)
         "heldout_recovered": sum(bool(s.get("guard_heldout_rollbacks")) for s in rows),
         # runs the guard stopped (its rollbacks in a row exhausted): they did not finish,
         # collapsed or not
@@ -624,7 +624,11 @@ def _collapse_line(g: dict[str, Any]) -> str:
         f"Wilson)"
         + (f": {which}" if which else "")
         + (f"; {dips} more fell below half their best held-out and recovered" if dips else "")
-        + (f" ({g['heldout_recovered']} by the held-out guard)" if g["heldout_recovered"] else "")
+        + (
+            f"; the held-out guard put back {g['heldout_recovered']} (guard.heldout_below)"
+            if g["heldout_recovered"]
+            else ""
+        )
         + (f"\n  {'guard stopped':<17} {g['guard_stops']} of {g['n']}: {stops}" if stops else "")
     )
 
