@@ -277,6 +277,28 @@ def gather(obj: Any, group: Any = None) -> list[Any] | None:
     return out
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (FSDP2 DTensor) tensor, or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def resharded(model: nn.Module) -> nn.Module:
+    """`model` with every FSDP2 unit's parameters sharded: what anything that writes the
+    weights outside the optimizer (a rollback, a version's swap) must write. FSDP2 leaves
+    the root unit's (embeddings, final norm, LM head) unsharded after a forward without
+    gradients (an evaluation, a π_prox forward), and the next forward uses that copy as it
+    is, without gathering again: `parameters()` then gives the copy, which the next
+    reshard drops. Weights written into the copy reached the forward after but not the
+    training or the checkpoint (a held-out rollback of the tiny model checkpointed the
+    undone root weights so); weights written into the shards alone did not reach the
+    next forward (the training forward after a version's swap ran with that version's
+    root weights, learner/versions.py)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
 def full_state_dict(model: nn.Module, every_rank: bool = False) -> dict[str, torch.Tensor]:
     """The whole model, gathered to rank 0's CPU (an empty dict on the other ranks), or
     with `every_rank` to every rank's CPU (a colocated run: each rank's engine takes the

@@ -31,34 +31,12 @@ from collections import deque
 from pathlib import Path
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
+from asyncfp8.distributed import local_shard, resharded
 from asyncfp8.guard import Evidence, GuardRules, GuardSettings, Verdict
 from asyncfp8.run_files import GUARD_STOP_FILE
 
 log = logging.getLogger("asyncfp8.learner")
-
-
-def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a sharded (FSDP2 DTensor) tensor, or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def resharded(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` with every FSDP2 unit's parameters sharded: what anything that writes the
-    weights outside the optimizer (a rollback, a version's swap) must write. FSDP2 leaves
-    the root unit's (embeddings, final norm, LM head) unsharded after a forward without
-    gradients (an evaluation, a π_prox forward), and the next forward uses that copy as it
-    is, without gathering again: `parameters()` then gives the copy, which the next
-    reshard drops. Weights written into the copy reached the forward after but not the
-    training or the checkpoint (a held-out rollback of the tiny model checkpointed the
-    undone root weights so); weights written into the shards alone did not reach the
-    next forward (the training forward after a version's swap ran with that version's
-    root weights, learner/versions.py)."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-    return model
 
 
 class LastGood:
@@ -328,9 +306,8 @@ class HeldOutGuard:
     def judge(self, score: float, step: int, version: int | None) -> str | None:
         """Keeps the weights after `step` steps (`version` the newest published) when
         `score` passes, else puts back the last kept ones and says why."""
+        # a best implies a kept state: the first evaluation always passes
         if self.best is not None and score < self.below * self.best:
-            if self.kept.step is None:  # cannot happen: the first evaluation always passes
-                raise RuntimeError("held-out guard: an evaluation failed before any passed")
             self.kept.restore()
             self.rollbacks += 1
             return (

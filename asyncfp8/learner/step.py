@@ -205,7 +205,9 @@ class TrainStep:
             # The loss is a mean over the whole mini-batch: its sums over micro-batches
             # and ranks, divided by the whole count.
             sums = distributed.sum_over_ranks(sums)
-            sampled_from = oldest_over_ranks(oldest) if judged else None
+            # which versions sampled the batch matters only to a dead one (one collective)
+            dead = judged and sums["guard_rewarded"] == 0
+            sampled_from = oldest_over_ranks(oldest) if dead else None
             if judged and self.guard.check(sums, step, version, sampled_from) is not None:
                 self.optimizer.zero_grad(set_to_none=True)
                 rolled_back = True

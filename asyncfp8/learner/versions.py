@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .rollback import local_shard, resharded
+from asyncfp8.distributed import local_shard, resharded
 
 # auto keeps versions only where their copies take at most this share of the host memory
 # available at start: the rest is the engine's, the data's and the checkpoint writer's.
