@@ -12,13 +12,19 @@ step, on three signals, each with its setting:
   less than 2; the fatal step of docs/results.md gave −37.
 - far share: more than `guard.far_fraction` of the tokens with |log ρ| > 5
   (FAR_LOG_RATIO, the `mismatch/frac_abs_log_ratio_gt5` of the metrics).
-- dead reward: no sample of the batch rewarded while the median share of rewarded samples
-  of the last `guard.window` batches that passed is at least `guard.reward_good` (a
-  policy that scored, now scoring nothing). It waits for MIN_HISTORY such batches, and
-  judges only a batch large enough that scoring nothing is no accident: (1 − median)^samples
-  at most DEAD_REWARD_CHANCE. Small batches do score nothing by chance (16 samples of the
-  tiny model, which scores 0.31 of them, do so once in ~400 batches: a false rollback of a
-  clean run was seen in the test suite); the default job's 64 at 0.5 never do.
+- dead reward: `guard.dead_batches` batches in a row with no sample rewarded, while the
+  median share of rewarded samples of the last `guard.window` batches that passed is at
+  least `guard.reward_good` (a policy that scored, now scoring nothing). It waits for
+  MIN_HISTORY such batches, and counts only a batch large enough that scoring nothing is
+  no accident: (1 − median)^samples at most DEAD_REWARD_CHANCE. Small batches do score
+  nothing by chance (16 samples of the tiny model, which scores 0.31 of them, do so once
+  in ~400 batches: a false rollback of a clean run was seen in the test suite); the
+  default job's 64 at 0.5 never do. One dead batch is not enough: FP8 seed 7 of the
+  stability study had one (the FP8 rounding of one version), and its twin without the
+  guard scored 0.41 on the next batch and ended at 0.891 held-out, while the guard that
+  rolled back on it put back the same state 50 times and ended at 0.758. A dead batch
+  trains nothing (every GRPO advantage is 0), so waiting costs little; a collapse stays
+  dead. The batches of a streak neither pass (their weights are not kept as good) nor fail.
 The batch's mismatch k3 is measured too, but judges nothing: on the tiny model a clean
 step's k3 (28.9, one token at log ρ ≈ +8) exceeded a poisoned one's (9.1), so it cannot
 tell them apart (docs/running.md#the-guard-undoing-a-fatal-step).
@@ -60,6 +66,7 @@ class GuardSettings:
     reward_good: float = 0.2
     window: int = 20
     keep_states: int = 2
+    dead_batches: int = 3
     heldout_below: float = 0.5
 
     @classmethod
@@ -83,7 +90,7 @@ class GuardSettings:
         return settings
 
 
-_COUNTS = ("max_rollbacks", "far_tokens", "window", "keep_states")
+_COUNTS = ("max_rollbacks", "far_tokens", "window", "keep_states", "dead_batches")
 
 
 def _check_type(key: str, value: Any) -> None:
@@ -139,18 +146,34 @@ class Evidence:
 
 
 class GuardRules:
-    """The verdicts, and the history of the batches that passed."""
+    """The verdicts, the history of the batches that passed, and the streak of dead ones."""
 
     def __init__(self, settings: GuardSettings):
         self.settings = settings
         self.reward_history: deque[float] = deque(maxlen=settings.window)
+        self.dead_streak = 0  # dead batches in a row, short of guard.dead_batches
+
+    @property
+    def pending(self) -> bool:
+        """A streak of dead batches has begun: the latest batch neither passed nor failed."""
+        return self.dead_streak > 0
 
     def judge(self, evidence: Evidence) -> Verdict | None:
-        """The first signal the batch trips, or None (and the batch joins the history).
-        A batch with no evidence (every sample left out) trips nothing."""
+        """The first signal the batch trips, or None (and the batch joins the history
+        unless it is one of a dead streak). A batch with no evidence (every sample left
+        out) trips nothing and leaves the streak as it is."""
         verdict = self._verdict(evidence)
-        if verdict is None and evidence.samples > 0:
-            self.reward_history.append(evidence.reward_frac)
+        if evidence.samples > 0:
+            if verdict is not None:
+                self.dead_streak = 0
+            elif self._dead(evidence):
+                self.dead_streak += 1
+                if self.dead_streak >= self.settings.dead_batches:
+                    verdict = self._dead_verdict(evidence)
+                    self.dead_streak = 0
+            else:
+                self.dead_streak = 0
+                self.reward_history.append(evidence.reward_frac)
         return verdict
 
     def _verdict(self, evidence: Evidence) -> Verdict | None:
@@ -169,18 +192,25 @@ class GuardRules:
                 f"{evidence.far_fraction:.1%} of {evidence.tokens:.0f} tokens with |log ρ| > "
                 f"{FAR_LOG_RATIO:g} (guard.far_fraction={s.far_fraction:g})",
             )
-        judged = evidence.samples > 0  # all left out (sampled by undone weights): no evidence
-        if judged and len(self.reward_history) >= MIN_HISTORY and evidence.rewarded == 0:
-            median = statistics.median(self.reward_history)
-            by_chance = (1.0 - median) ** evidence.samples
-            if median >= s.reward_good and by_chance <= DEAD_REWARD_CHANCE:
-                return Verdict(
-                    "dead_reward",
-                    "guard.reward_good",
-                    f"no sample of {evidence.samples:.0f} rewarded, after batches with a "
-                    f"median of {median:.2f} rewarded (guard.reward_good={s.reward_good:g})",
-                )
         return None
+
+    def _dead(self, evidence: Evidence) -> bool:
+        """No sample rewarded, from a policy that scored, in a batch too large for chance."""
+        if evidence.rewarded > 0 or len(self.reward_history) < MIN_HISTORY:
+            return False
+        median = statistics.median(self.reward_history)
+        by_chance = (1.0 - median) ** evidence.samples
+        return median >= self.settings.reward_good and by_chance <= DEAD_REWARD_CHANCE
+
+    def _dead_verdict(self, evidence: Evidence) -> Verdict:
+        s = self.settings
+        return Verdict(
+            "dead_reward",
+            "guard.reward_good",
+            f"{s.dead_batches} batch(es) in a row with no sample rewarded (the last of "
+            f"{evidence.samples:.0f}; guard.dead_batches={s.dead_batches}), after batches with "
+            f"a median of {self.reward_median():.2f} rewarded (guard.reward_good={s.reward_good:g})",
+        )
 
     def reward_median(self) -> float:
         """The running median the next batch's reward is judged against (NaN before any)."""

@@ -29,6 +29,7 @@ from asyncfp8.learner.rollback import LastGood
         ("far_fraction", 0.0, r"guard.far_fraction must be in \(0, 1\]"),
         ("reward_good", 1.5, r"guard.reward_good must be in \(0, 1\]"),
         ("window", True, "guard.window must be a int"),
+        ("dead_batches", 0, "guard.dead_batches must be >= 1"),
         ("heldout_below", 1.0, r"guard.heldout_below must be in \[0, 1\) \(0: off\)"),
         ("heldout_below", "half", "guard.heldout_below must be a float"),
     ],
@@ -64,22 +65,42 @@ def test_a_token_beyond_the_bound_or_a_far_share_fails_a_batch_from_the_first():
 
 
 def test_a_dead_reward_fails_only_after_good_batches():
-    rules = GuardRules(GuardSettings())
+    rules = GuardRules(GuardSettings(dead_batches=1))
     assert rules.judge(evidence(rewarded=0)) is None  # no history: not judged
     for _ in range(MIN_HISTORY):
         assert rules.judge(evidence(rewarded=8)) is None
     verdict = rules.judge(evidence(rewarded=0))
     assert (verdict.signal, verdict.setting) == ("dead_reward", "guard.reward_good")
-    poor = GuardRules(GuardSettings())
+    poor = GuardRules(GuardSettings(dead_batches=1))
     for _ in range(MIN_HISTORY + 1):
         poor.judge(evidence(rewarded=1))  # a median of 1/16 rewarded: never good
     assert poor.judge(evidence(rewarded=0)) is None
 
 
+def test_a_dead_reward_fails_only_after_dead_batches_in_a_row():
+    """One dead batch can be the rounding of one version (FP8 seed 7): the verdict waits
+    for guard.dead_batches in a row; a batch that scores ends the streak, one with no
+    evidence leaves it; the streak's batches do not join the history."""
+    rules = GuardRules(GuardSettings(dead_batches=3))
+    for _ in range(MIN_HISTORY):
+        rules.judge(evidence(samples=64, rewarded=32))
+    history = list(rules.reward_history)
+    for _ in range(2):
+        assert rules.judge(evidence(samples=64, rewarded=0)) is None and rules.pending
+    assert rules.judge(evidence(samples=64, rewarded=1)) is None and not rules.pending
+    assert rules.judge(evidence(samples=64, rewarded=0)) is None and rules.dead_streak == 1
+    assert rules.judge(evidence(samples=0, rewarded=0)) is None and rules.dead_streak == 1
+    assert rules.judge(evidence(samples=64, rewarded=0)) is None and rules.dead_streak == 2
+    verdict = rules.judge(evidence(samples=64, rewarded=0))
+    assert verdict.signal == "dead_reward" and "3 batch(es) in a row" in verdict.detail
+    assert not rules.pending
+    assert list(rules.reward_history) == [*history, 1 / 64]  # only the batch that scored
+
+
 def test_a_batch_that_scores_nothing_by_chance_is_not_a_dead_reward():
     # 5 of 16 rewarded (the tiny model's rate): 16 samples all unrewarded happen once in
     # (16/11)^16 ~ 400 clean batches, so such a batch proves nothing; 48 such samples do.
-    rules = GuardRules(GuardSettings())
+    rules = GuardRules(GuardSettings(dead_batches=1))
     for _ in range(MIN_HISTORY):
         assert rules.judge(evidence(rewarded=5)) is None
     assert (11 / 16) ** 16 > DEAD_REWARD_CHANCE >= (11 / 16) ** 48
@@ -196,15 +217,14 @@ def test_a_run_stopped_by_the_guard_falls_back_to_the_oldest_good_state():
     assert torch.equal(model.weight, kept[1])
 
 
-def guarded_steps(keep_states: int, steps: int):
+def guarded_steps(keep_states: int, steps: int, **settings):
     """A StepGuard over a small layer whose weights move by 1 between `steps` batches that
     pass (step and version alike), and the weights each kept state holds, by version."""
     from asyncfp8.learner.rollback import StepGuard
 
     model = torch.nn.Linear(2, 2)
-    guard = StepGuard(
-        GuardSettings(keep_states=keep_states), model, torch.optim.AdamW(model.parameters())
-    )
+    settings = GuardSettings(keep_states=keep_states, **({"dead_batches": 1} | settings))
+    guard = StepGuard(settings, model, torch.optim.AdamW(model.parameters()))
     held = {}
     for step in range(steps):
         assert guard.check(CLEAN, step, step) is None
@@ -240,6 +260,46 @@ def test_a_dead_batch_older_than_every_kept_state_puts_back_the_oldest_and_says_
         guard.check(DEAD, newest + 1, newest + 1, sampled_from=newest - 3)
     assert torch.equal(model.weight, held[newest - 1])
     assert "raise guard.keep_states" in caplog.text
+
+
+def test_a_dead_streak_keeps_no_state_and_its_rollback_goes_past_its_oldest_sampler():
+    # versions 0..5 pass; the streak's batches after steps 6, 7, 8 were sampled from
+    # versions 5, 7, 8 on: their weights are not kept, and the rollback that ends the
+    # streak goes back past version 5, to 4's weights
+    guard, model, held = guarded_steps(keep_states=3, steps=MIN_HISTORY + 1, dead_batches=3)
+    newest = MIN_HISTORY
+    for step, sampled_from in ((newest + 1, newest), (newest + 2, newest + 2)):
+        assert guard.check(DEAD, step, step, sampled_from=sampled_from) is None
+        assert guard.good_step == newest and guard.metrics["guard/dead_streak"] > 0
+        with torch.no_grad():
+            model.weight.add_(1.0)  # a dead batch's update (momentum)
+    verdict = guard.check(DEAD, newest + 3, newest + 3, sampled_from=newest + 3)
+    assert verdict.signal == "dead_reward" and guard.metrics["guard/dead_streak"] == 0
+    assert torch.equal(model.weight, held[newest - 1]) and guard.good_step == newest - 1
+
+
+def test_rollbacks_to_one_state_count_in_a_row_though_batches_pass_between():
+    """FP8 seed 7 without the held-out line: put back, a batch passes, the next update's
+    batch fails again, 50 times over. Rollbacks that do not get past the state last put
+    back count in a row and stop the run at guard.max_rollbacks; once the run has kept
+    keep_states states past it, the count starts again."""
+    guard, model, _ = guarded_steps(keep_states=2, steps=MIN_HISTORY + 1, max_rollbacks=3)
+    step = MIN_HISTORY + 1
+    far = CLEAN | {"guard_far_tokens": 1.0}
+    for expected in (1, 2, 3):
+        assert guard.check(far, step, step).signal == "far_tokens"
+        assert guard.in_row == expected
+        assert guard.check(CLEAN, step + 1, step + 1) is None  # the state put back passes
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        step += 2
+    assert guard.exhausted
+    guard, _, _ = guarded_steps(keep_states=2, steps=MIN_HISTORY + 1, max_rollbacks=3)
+    failed = MIN_HISTORY + 1
+    assert guard.check(far, failed, failed).signal == "far_tokens"
+    for step in (failed + 1, failed + 2):  # two states kept past the one put back
+        assert guard.check(CLEAN, step, step) is None
+    assert guard.in_row == 0
 
 
 # --- on the tiny model ------------------------------------------------------------------

@@ -269,6 +269,7 @@ class GuardConfig:
     reward_good: float = MISSING
     window: int = MISSING
     keep_states: int = MISSING
+    dead_batches: int = MISSING
     heldout_below: float = MISSING
 
 

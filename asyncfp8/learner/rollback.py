@@ -10,7 +10,14 @@ trains nothing; a second failure in a row drops that state as not good after all
 goes one further back. A batch can pass with broken weights when it cannot see them: in
 sync mode the batch was sampled by the broken policy itself (no mismatch) and may still
 score by chance; its own failure comes a step later. After `guard.max_rollbacks` failures
-in a row `exhausted` is set and the learner stops.
+in a row `exhausted` is set and the learner stops. "In a row" lasts until the run has got
+past the state last put back: batches that pass in between do not end it while that state
+is still among those kept. Without that, a state whose next update fails every time was
+put back over and over (FP8 seed 7 of the stability study: 50 rollbacks to one state).
+
+The batches of a dead streak (guard.py: `guard.dead_batches`) neither pass nor fail: their
+weights are not kept as good, and the rollback that ends the streak goes back past the
+oldest version that sampled any of them.
 
 Versions published from the undone weights were sampled by a broken policy; asynchronous
 workers go on sending such samples for a step or two. Their tokens say nothing of the
@@ -102,6 +109,8 @@ class StepGuard:
         self.spare = [LastGood(model, optimizer) for _ in range(settings.keep_states)]
         self.rollbacks = 0
         self.in_row = 0
+        self.restored_step: int | None = None  # the step of the state last put back
+        self.dead_from: int | None = None  # the oldest version that sampled the dead streak
         self.last_verdict: Verdict | None = None
         # (after, up to]: versions published from weights a rollback undid
         self.ignored_versions: tuple[int, int] | None = None
@@ -131,21 +140,29 @@ class StepGuard:
         evidence = Evidence.from_sums(sums)
         median = self.rules.reward_median()
         verdict = self.rules.judge(evidence)
+        if sampled_from is not None and (verdict is not None or self.rules.pending):
+            earlier = self.dead_from if self.dead_from is not None else sampled_from
+            self.dead_from = min(sampled_from, earlier)
         if verdict is not None:
             self.rollbacks += 1
             self.in_row += 1
             self.last_verdict = verdict
-            self._roll_back(verdict, step, sampled_from)
+            self._roll_back(verdict, step, self.dead_from)
             good = self.states[-1].version if self.states else None
             if good is not None and version is not None and version > good:
                 self.ignored_versions = (good, version)
-        elif evidence.samples > 0:  # a batch of left-out samples only verifies nothing
+        # a batch of left-out samples only verifies nothing; a dead streak's waits
+        elif evidence.samples > 0 and not self.rules.pending:
             self._keep(step, version)
-            self.in_row = 0
+            if self.restored_step is None or self.states[0].step > self.restored_step:
+                self.in_row = 0  # past the state last put back
+        if not self.rules.pending:
+            self.dead_from = None
         self.metrics = {
             "guard/rolled_back": int(verdict is not None),
             "guard/rollbacks": self.rollbacks,
             "guard/rollbacks_in_row": self.in_row,
+            "guard/dead_streak": self.rules.dead_streak,
             "guard/far_tokens": evidence.far_tokens,
             "guard/far_fraction": evidence.far_fraction,
             "guard/k3": evidence.k3,
@@ -176,7 +193,7 @@ class StepGuard:
         while self.states:
             self.spare.append(self.states.pop())
         self._keep(step, version)
-        self.in_row = 0
+        self.in_row, self.restored_step = 0, None
         if version is not None and newest is not None and newest > version:
             self.ignored_versions = (version, newest)
 
@@ -270,6 +287,7 @@ class StepGuard:
             )
             return
         self.states[-1].restore()
+        self.restored_step = good
         log.warning(
             "guard: the batch of step %d fails (%s: %s): rolled back to the weights and "
             "optimizer state after step %d and skipped the step (%d in a row of at most "
