@@ -73,8 +73,7 @@ def first_nonfinite_gradient(model: torch.nn.Module) -> tuple[str | None, int]:
         grad = param.grad
         if grad is None:
             continue
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
-        if not bool(torch.isfinite(local).all()):
+        if not bool(torch.isfinite(distributed.local_shard(grad)).all()):
             first, count = min(first, index), count + 1
     # Sharded: a parameter's gradient is split over ranks; the lowest index any rank saw.
     reduced = distributed.max_over_ranks({"first": -first})

@@ -141,8 +141,8 @@ class StepGuard:
         median = self.rules.reward_median()
         verdict = self.rules.judge(evidence)
         if sampled_from is not None and (verdict is not None or self.rules.pending):
-            earlier = self.dead_from if self.dead_from is not None else sampled_from
-            self.dead_from = min(sampled_from, earlier)
+            older = self.dead_from is not None and self.dead_from < sampled_from
+            self.dead_from = self.dead_from if older else sampled_from
         if verdict is not None:
             self.rollbacks += 1
             self.in_row += 1
