@@ -9,7 +9,12 @@ step, on three signals, each with its setting:
   `guard.log_ratio_bound`, log ρ being learner − the token's own version where the
   learner kept that version's weights (what the update did; `add_token_evidence`), else
   learner − rollout. Rounding moves a log-prob by ~1e-2 and one version of staleness by
-  less than 2; the fatal step of docs/results.md gave −37.
+  less than 2; the fatal step of docs/results.md gave −37. A few such tokens are no
+  verdict: the 12,000 batches of the stability study's 40 recommended runs had at most 9
+  (every rollback on so few that a guard-off twin could judge was false, docs/results.md), so the default
+  count, 32, sits above that with room. A broken policy is caught by the far share
+  and the dead reward below in any case (the poison fail point puts a third or more of
+  the next batch's tokens beyond 5).
 - far share: more than `guard.far_fraction` of the tokens with |log ρ| > 5
   (FAR_LOG_RATIO, the `mismatch/frac_abs_log_ratio_gt5` of the metrics).
 - dead reward: `guard.dead_batches` batches in a row with no sample rewarded, while the
@@ -61,7 +66,7 @@ class GuardSettings:
     enabled: bool = True
     max_rollbacks: int = 3
     log_ratio_bound: float = 20.0
-    far_tokens: int = 1
+    far_tokens: int = 32
     far_fraction: float = 0.1
     reward_good: float = 0.2
     window: int = 20

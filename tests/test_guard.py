@@ -52,13 +52,20 @@ def test_a_mistyped_setting_fails_when_the_config_is_composed():
 # --- rules ------------------------------------------------------------------------------
 
 
+FAR_COUNT = float(GuardSettings().far_tokens)  # tokens beyond the bound that fail a batch
+
+
 def evidence(tokens=100, far=0, far5=0, samples=16, rewarded=8):
     return Evidence(tokens, far, far5, 0.01 * tokens, samples, rewarded)
 
 
-def test_a_token_beyond_the_bound_or_a_far_share_fails_a_batch_from_the_first():
+def test_tokens_beyond_the_bound_or_a_far_share_fail_a_batch_from_the_first():
     rules = GuardRules(GuardSettings())
-    assert rules.judge(evidence(far=1)).signal == "far_tokens"
+    count = GuardSettings().far_tokens
+    assert rules.judge(evidence(far=count)).signal == "far_tokens"
+    # a few are no verdict: 9 is the most a clean batch of the stability study had
+    assert rules.judge(evidence(far=9)) is None and count > 9
+    assert GuardRules(GuardSettings(far_tokens=1)).judge(evidence(far=1)).signal == "far_tokens"
     assert rules.judge(evidence(far5=11)).setting == "guard.far_fraction"
     assert rules.judge(evidence(far5=10)) is None  # 10% is not more than 10%
     assert rules.judge(evidence()) is None
@@ -211,7 +218,7 @@ def test_a_run_stopped_by_the_guard_falls_back_to_the_oldest_good_state():
         with torch.no_grad():
             model.weight.add_(1.0)
     # in sync mode the last may have passed only because it could not see the break
-    assert guard.check(clean | {"guard_far_tokens": 1.0}, 3, 3).signal == "far_tokens"
+    assert guard.check(clean | {"guard_far_tokens": FAR_COUNT}, 3, 3).signal == "far_tokens"
     assert guard.exhausted and torch.equal(model.weight, kept[2])
     assert guard.fall_back() == 1  # keep_states=2: the states after steps 1 and 2
     assert torch.equal(model.weight, kept[1])
@@ -248,7 +255,7 @@ def test_a_dead_batch_rolls_back_past_the_version_that_sampled_it():
     assert torch.equal(model.weight, held[newest - 1]) and guard.good_step == newest - 1
     # a far token speaks of the learner's weights: the newest state, as before
     guard, model, held = guarded_steps(keep_states=2, steps=MIN_HISTORY + 1)
-    far = CLEAN | {"guard_far_tokens": 1.0}
+    far = CLEAN | {"guard_far_tokens": FAR_COUNT}
     assert guard.check(far, newest + 1, newest + 1, sampled_from=newest).signal == "far_tokens"
     assert torch.equal(model.weight, held[newest])
 
@@ -285,7 +292,7 @@ def test_rollbacks_to_one_state_count_in_a_row_though_batches_pass_between():
     keep_states states past it, the count starts again."""
     guard, model, _ = guarded_steps(keep_states=2, steps=MIN_HISTORY + 1, max_rollbacks=3)
     step = MIN_HISTORY + 1
-    far = CLEAN | {"guard_far_tokens": 1.0}
+    far = CLEAN | {"guard_far_tokens": FAR_COUNT}
     for expected in (1, 2, 3):
         assert guard.check(far, step, step).signal == "far_tokens"
         assert guard.in_row == expected

@@ -22,7 +22,9 @@ def write_run(path: Path, seed: int, rewards: list[float], rollbacks: dict[int, 
     steps the guard rolled back (every other step's batch had no far token)."""
     rollbacks = rollbacks or {}
     path.mkdir(parents=True)
-    OmegaConf.save(compose(f"run.seed={seed}", f"run.dir={path}"), path / "config.yaml")
+    # a far token or two fails a batch here (guard.far_tokens=1, the default before session 31)
+    config = compose(f"run.seed={seed}", f"run.dir={path}", "guard.far_tokens=1")
+    OmegaConf.save(config, path / "config.yaml")
     (path / "summary.json").write_text("{}")
     log = MetricsLog(path, tensorboard=False)
     evaluation = {"eval/pass1_sampled": 0.1, "eval/prompts": 128}

@@ -69,7 +69,10 @@ def test_after_a_held_out_rollback_the_step_guard_keeps_only_the_restored_weight
     with torch.no_grad():
         model.weight.add_(1.0)
     # a far token now rolls back to the restored weights, not to a state of the undone ones
-    assert guard.check(clean | {"guard_far_tokens": 1.0}, 5, 5).signal == "far_tokens"
+    assert (
+        guard.check(clean | {"guard_far_tokens": float(GuardSettings().far_tokens)}, 5, 5).signal
+        == "far_tokens"
+    )
     assert torch.equal(model.weight, restored)
 
 
