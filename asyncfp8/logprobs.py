@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from asyncfp8.models.cpu_bf16 import is_plain_linear
+from asyncfp8.models.cpu_half import is_plain_linear
 
 DEFAULT_CHUNK_TOKENS = 1024
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from asyncfp8.engines.base import EngineUnsupported, KVScaleReadback, ProbeScoring
-from asyncfp8.models.cpu_bf16 import is_plain_linear
+from asyncfp8.models.cpu_half import is_plain_linear
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.precision.fp8_kv import fake_quantize_e4m3, kv_scale_names
 from asyncfp8.precision.manifest import Role, TensorRole

@@ -32,6 +32,10 @@ all_settings=(
   # rejection under calibrated bounds (correction/geo_rs.yaml), π_prox of the version
   "fp8_geors precision=fp8 correction=geo_rs"
   "fp8_mis precision=fp8 correction=token_mis"
+  # issue 46 (docs/precision.md): FP16 rollouts; mixed INT8 (the launcher measures the
+  # layout first)
+  "fp16 precision=fp16 correction=token_tis"
+  "mixed_int8 precision=mixed precision.base=int8 precision.budget=1.3 correction=token_tis"
 )
 # shellcheck source=scripts/run_settings.sh
 source scripts/run_settings.sh

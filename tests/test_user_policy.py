@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asyncfp8.chaos.cluster import SMALL_RUN, Cluster
-from asyncfp8.models.cpu_bf16 import is_plain_linear
+from asyncfp8.models.cpu_half import is_plain_linear
 from asyncfp8.precision import build_policy, get_policy, version_tensors
 from asyncfp8.precision.export import export_checkpoint
 from asyncfp8.precision.fp8 import FP8BlockLinear

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .cpu_bf16 import where_cpu_lacks_bf16_gemm
+from .cpu_half import where_cpu_lacks_gemm
 
 MAKE_ONE = "make one with `python -m asyncfp8.models.tiny --out DIR`"
 
@@ -45,15 +45,15 @@ def check_model_dir(path: str | Path) -> Path:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
-    """The HF model in `path`, its weights in `dtype`. In BF16 on a CPU without BF16 GEMM
-    kernels, its linear layers (up to 2^17 weights) compute each product as one FP64 GEMM
-    converted to BF16 (the exact sum's rounding but for ties and cancellation), several
-    times faster there (asyncfp8.models.cpu_bf16)."""
+    """The HF model in `path`, its weights in `dtype`. In BF16 or FP16 on a CPU without
+    GEMM kernels for it, its linear layers (up to 2^17 weights) compute each product as one
+    FP64 GEMM converted to that format (the exact sum's rounding but for ties and
+    cancellation), several times faster there (asyncfp8.models.cpu_half)."""
     from transformers import AutoModelForCausalLM
 
     model_dir = check_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
-    return where_cpu_lacks_bf16_gemm(model) if dtype == torch.bfloat16 else model
+    return where_cpu_lacks_gemm(model, dtype)
 
 
 def load_tokenizer(path: str | Path):

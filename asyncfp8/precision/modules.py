@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from asyncfp8.models.cpu_bf16 import is_plain_linear
+from asyncfp8.models.cpu_half import is_plain_linear
 
 if TYPE_CHECKING:  # the policy imports this module's fake quantization when asked to
     from .policy import PrecisionPolicy

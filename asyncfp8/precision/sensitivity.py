@@ -29,7 +29,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from asyncfp8.models.cpu_bf16 import is_plain_linear, where_cpu_lacks_bf16_gemm
+from asyncfp8.models.cpu_half import is_plain_linear, where_cpu_lacks_gemm
 
 from .mixed import MixedPolicy, layer_of
 from .policy import PrecisionPolicy
@@ -94,7 +94,9 @@ class EngineTwin:
         with torch.no_grad():
             for name, param in twin.named_parameters():
                 param.data = base.passthrough(name, param.detach())
-        where_cpu_lacks_bf16_gemm(twin)  # as load_model gives the torch engine its model
+        where_cpu_lacks_gemm(
+            twin, base.engine_dtype
+        )  # as load_model gives the torch engine its model
         masters = dict(model.named_parameters())
         self.switches: dict[str, Switch] = {}
         for prefix, parent in list(twin.named_modules()):
