@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncfp8.failpoints import write_line
-from asyncfp8.metrics import read_jsonl
+from asyncfp8.run_records import read_jsonl
 
 LEDGER_FILE = "ledger.jsonl"
 

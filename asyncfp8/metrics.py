@@ -17,9 +17,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from asyncfp8.failpoints import write_line
+from asyncfp8.report import plot_runs, summarize
+from asyncfp8.run_records import METRICS_FILE, read_jsonl
 
 log = logging.getLogger("asyncfp8.metrics")
-METRICS_FILE = "metrics.jsonl"
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 INSTALL = {
     "tensorboard": 'pip install "asyncfp8[tensorboard]" (in a clone: pip install -c '
@@ -218,8 +219,6 @@ class WandbRun:
         launcher. The launcher's summary.json adds only its wall time (`wall_s`)."""
         import wandb
 
-        from asyncfp8.report import plot_runs, summarize
-
         try:
             summary = summarize(self.run_dir)
         except ValueError as err:  # stopped before its first step: nothing to summarize
@@ -320,22 +319,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every complete record of a run (a line being written is left out)."""
-    return read_jsonl(Path(run_dir) / METRICS_FILE)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete JSON lines of `path` (one being written, or cut short by a kill, is
-    left out); none if it does not exist."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records

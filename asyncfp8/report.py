@@ -39,8 +39,8 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from asyncfp8.collapse import run_collapse
-from asyncfp8.metrics import METRICS_FILE, read_metrics
 from asyncfp8.run_files import GUARD_STOP_FILE
+from asyncfp8.run_records import METRICS_FILE, read_metrics
 from asyncfp8.runconfig import CONFIG_FILE, RESUME_KEYS, SAFE_ON_RESUME
 from asyncfp8.stats import binomial_se, mean_ci, wilson_interval
 

@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 
 from asyncfp8 import process
 from asyncfp8.chaos.cluster import SMALL_RUN
-from asyncfp8.metrics import read_metrics
 from asyncfp8.process import worker_count
+from asyncfp8.run_records import read_metrics
 from asyncfp8.runconfig import restore_on_resume
 from tests.config import compose
 from tests.launched import refusal

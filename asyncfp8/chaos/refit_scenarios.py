@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from asyncfp8.metrics import read_metrics
+from asyncfp8.run_records import read_metrics
 
 from .cluster import Cluster
 from .fault_report import OPEN_ENDED, FaultReport, finish
