@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from asyncfp8.model_dirs import load_tokenizer
+
 from .base import FileTask, Prompt, RewardFn, check_heldout_fraction
 from .verified import math_verify_reward
 
@@ -215,8 +217,6 @@ class DatasetTask(FileTask):
                     "(build_task(cfg.task, model_dir=...))"
                 )
             return None
-        from asyncfp8.models.loading import load_tokenizer
-
         tokenizer = load_tokenizer(model_dir)
         if tokenizer.chat_template is None:
             if setting is True:
