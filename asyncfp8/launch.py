@@ -16,12 +16,8 @@ Each process logs to `<run.dir>/<name>.log`; the learner's metrics go to
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -34,112 +30,17 @@ from omegaconf import DictConfig, open_dict
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
 from asyncfp8.checks import auto_placement, check_config, placement_of
-from asyncfp8.export import MODEL_DIR
 from asyncfp8.failpoints import worker_environment
-from asyncfp8.metrics import loggers_of, wandb_sync_hint
+from asyncfp8.launch_processes import CONFIG_ERROR, PORTS, Process, free_ports, stop_all
+from asyncfp8.launch_report import report_end, report_guard_stop, resume_hint
+from asyncfp8.metrics import loggers_of
 from asyncfp8.models import run_model_dir
 from asyncfp8.precision import PrecisionPolicy
-from asyncfp8.process import die_with_parent, interrupt_requests, usable_cores, worker_count
+from asyncfp8.process import interrupt_requests, usable_cores, worker_count
 from asyncfp8.progress import Progress
-from asyncfp8.report import LAST_STEPS, plot_runs, summarize
 from asyncfp8.run_files import CHECKPOINT_DIR, GUARD_STOPPED, LEARNER_STATE
 from asyncfp8.runconfig import restore_on_resume
 from asyncfp8.slurm import SlurmTask, role_of, slurm_task
-
-PORTS = ("version", "snapshot", "trajectory")
-CONFIG_ERROR = 2  # the exit code of a process that refused its configuration
-STOP_GRACE = 60.0  # s the learner gets to checkpoint after SIGTERM before SIGKILL
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports free on every address of this host now (the learner binds them a moment
-    later). Bound on all addresses, not the loopback alone: on Ray the learner binds
-    0.0.0.0, and a port free on 127.0.0.1 may be one a raylet listens on at the node's IP
-    (the learner's bind then fails)."""
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-class Process:
-    def __init__(
-        self,
-        name: str,
-        module: str,
-        overrides: list[str],
-        run_dir: Path,
-        ranks: int = 1,
-        env: dict[str, str] | None = None,
-    ):
-        self.name, self.module, self.overrides = name, module, overrides
-        self.env = {**os.environ, **env} if env else None  # None: this process's own
-        # Several ranks: torchrun on this host starts them (and stops them all when one fails).
-        self.runner = (
-            ["torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m"]
-            if ranks > 1
-            else []
-        )
-        self.log_path = run_dir / f"{name}.log"
-        self.popen: subprocess.Popen | None = None
-        self.restarts = 0
-
-    def start(self) -> None:
-        log = self.log_path.open("a")
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", *self.runner, self.module, *self.overrides],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.env,
-            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops them in order
-            preexec_fn=die_with_parent,  # no orphans if the launcher dies
-        )
-        log.close()
-
-    def poll(self) -> int | None:
-        return self.popen.poll() if self.popen else None
-
-    def signal(self, sig: int) -> None:
-        if self.popen and self.popen.poll() is None:
-            self.popen.send_signal(sig)
-
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self.popen.wait(timeout) if self.popen else None
-        except subprocess.TimeoutExpired:
-            return None
-
-    def tail(self, lines: int = 15) -> str:
-        return log_tail(self.log_path, lines)
-
-
-def log_tail(log: Path, lines: int = 15) -> str:
-    """A process's log ends (`indented_tail`; empty where it wrote no log)."""
-    if not log.exists():
-        return ""
-    return indented_tail(log.read_text(errors="replace").splitlines(), lines)
-
-
-def indented_tail(text: list[str], lines: int) -> str:
-    """The log's last `lines` lines, indented. When torchrun ends the log with its own
-    report of a failed rank, that report says only which rank died and how: the failing
-    rank's last lines come first, then the report's rank and exit-code lines."""
-    failed = next((i for i in range(len(text) - 1, -1, -1) if "ChildFailedError" in text[i]), None)
-    if failed is not None:
-        starts = [i for i in range(failed) if text[i].startswith("Traceback (most recent")]
-        if starts:
-            summary = [
-                line
-                for line in text[failed:]
-                if re.match(r"\s*(rank|exitcode|traceback)\s*:", line)
-            ]
-            text = [*text[: starts[-1]][-lines:], "[torchrun]", *summary]
-            return "\n".join(f"    {line}" for line in text)
-    return "\n".join(f"    {line}" for line in text[-lines:])
 
 
 def check_start(cfg: DictConfig) -> PrecisionPolicy:
@@ -190,13 +91,6 @@ def chosen_ports(cfg: DictConfig, overrides: list[str]) -> list[int]:
     return [
         cfg.sync[f"{name}_port"] if f"sync.{name}_port" in given else next(free) for name in PORTS
     ]
-
-
-def resume_hint(run_dir: Path) -> str:
-    """How to continue, when there is something to continue from."""
-    if any((run_dir / CHECKPOINT_DIR).glob(f"step_*/{LEARNER_STATE}")):
-        return f"[launch] continue with: run.resume=true run.dir={run_dir}"
-    return "[launch] no checkpoint was written: nothing to resume"
 
 
 def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> int:
@@ -284,51 +178,6 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
             worker.signal(signal.SIGTERM)
     stop_all(learner, workers)
     return report_end(run_dir, started)
-
-
-def report_guard_stop(run_dir: Path, started: float) -> int:
-    """A run the guard stopped is an outcome, not a crash: its summary.json and plots as a
-    finished run's (with `guard_stopped`), the learner's reason (the last line of
-    learner.log), and how to go on."""
-    report_end(run_dir, started)
-    print(
-        f"[launch] the guard stopped the run. learner.log ends:\n{log_tail(run_dir / 'learner.log', 1)}"
-    )
-    print(resume_hint(run_dir))
-    return GUARD_STOPPED
-
-
-def report_end(run_dir: Path, started: float) -> int:
-    """The finished run's summary.json, plots and closing lines."""
-    summary = summarize(run_dir)
-    summary["wall_s"] = time.perf_counter() - started
-    plot = plot_runs([run_dir], run_dir / "plots.png")
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"[launch] {heldout_text(summary)}")
-    print(
-        f"[launch] done in {summary['wall_s']:.0f} s: {summary['steps']} steps, "
-        f"{summary['samples']} samples ({summary['samples_per_s']:.1f}/s); "
-        f"reward {summary['reward_start']:.3f} (first 20% of steps) -> "
-        f"{summary['reward_end']:.3f} (last 20%); mismatch KL k3 {summary['kl_k3_mean']:.2e}"
-        f"{fresh_kl_text(summary)}; mean staleness "
-        f"{summary['staleness_mean']:.2f}, dropped {summary['stale_groups']} stale groups.\n"
-        f"[launch] plots: {plot}; summary: {run_dir / 'summary.json'}"
-    )
-    if (run_dir / MODEL_DIR).is_dir():
-        print(f"[launch] the trained model (Hugging Face, BF16): {run_dir / MODEL_DIR}")
-    if sync := wandb_sync_hint(run_dir):
-        print(f"[launch] W&B run saved offline; upload it with: {sync}")
-    if summary.get("guard_rollbacks") is not None:
-        print(f"[launch] guard: {summary['guard_rollbacks']} rollback(s) of a fatal step")
-    for undone in summary.get("guard_heldout_rollbacks", []):
-        print(
-            f"[launch] guard: held-out greedy {undone['undone']:.3f} at step {undone['step']} "
-            f"was below guard.heldout_below x the best; put back the weights of step "
-            f"{undone['restored_step']} (held-out {undone['restored']:.3f})"
-        )
-    for warning in summary.get("warnings", []):
-        print(f"[launch] warning: {warning}")
-    return 0
 
 
 def launch_under_slurm(
@@ -448,47 +297,6 @@ def watch(
                 f"{worker.restarts}/{restarts}. Its log ends:\n{worker.tail(5)}"
             )
             worker.start()
-
-
-def heldout_text(summary: dict) -> str:
-    """The run's held-out result, the number a reader looks at first."""
-    if not summary.get("eval_steps"):
-        return "held-out pass@1: not evaluated (eval.every=0)"
-    return (
-        f"held-out pass@1 on {summary.get('eval_prompts')} prompts never trained on: greedy "
-        f"{summary['eval_pass1_greedy_start']:.3f} (step {summary['eval_steps'][0]}) -> "
-        f"{summary['eval_pass1_greedy_end']:.3f} (step {summary['eval_steps'][-1]}, ± "
-        f"{summary.get('eval_pass1_greedy_end_se', float('nan')):.3f} SE); sampled "
-        f"{summary['eval_pass1_sampled_start']:.3f} -> {summary['eval_pass1_sampled_end']:.3f}; "
-        f"training-stream reward over the last {LAST_STEPS} steps (the same distribution): "
-        f"{summary['reward_last_steps']:.3f}"
-    )
-
-
-def fresh_kl_text(summary: dict) -> str:
-    """The precision-only KL with its support, or why it is left out."""
-    if summary.get("fresh_kl_k3_mean") is None:
-        return (
-            f" (precision-only KL left out: current-version tokens in only "
-            f"{summary.get('fresh_kl_steps', 0)} steps)"
-        )
-    return (
-        f" (precision-only, current-version tokens: {summary['fresh_kl_k3_mean']:.2e} over "
-        f"{summary['fresh_kl_steps']} steps, {summary['fresh_kl_tokens']} tokens)"
-    )
-
-
-def stop_all(learner: Process, workers: list[Process]) -> None:
-    """Workers first (they flush), then the learner (it checkpoints); SIGKILL whatever
-    is still there after the grace period."""
-    for worker in workers:
-        worker.signal(signal.SIGTERM)
-    learner.signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE
-    for process in [*workers, learner]:
-        if process.wait(max(0.0, deadline - time.monotonic())) is None:
-            process.signal(signal.SIGKILL)
-            process.wait(5)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -48,16 +48,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from asyncfp8.checks import placement_of
-from asyncfp8.launch import (
-    CONFIG_ERROR,
-    PORTS,
-    Process,
-    free_ports,
-    log_tail,
-    report_end,
-    report_guard_stop,
-    resume_hint,
-)
+from asyncfp8.launch_processes import CONFIG_ERROR, PORTS, Process, free_ports, log_tail
+from asyncfp8.launch_report import report_end, report_guard_stop, resume_hint
 from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.process import worker_count
 from asyncfp8.progress import Progress

@@ -182,7 +182,7 @@ def child(spec: dict) -> None:
     from hydra import compose, initialize_config_module
 
     from asyncfp8 import distributed
-    from asyncfp8.launch import free_ports
+    from asyncfp8.launch_processes import free_ports
     from asyncfp8.learner import Learner
 
     world = int(os.environ.get("WORLD_SIZE", 1))

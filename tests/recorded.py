@@ -12,7 +12,7 @@ import torch
 
 from asyncfp8.batches import batch_tensors
 from asyncfp8.inbox import Group
-from asyncfp8.launch import free_ports
+from asyncfp8.launch_processes import free_ports
 from asyncfp8.logprobs import completion_logprobs, install_logprob_head
 from asyncfp8.models import load_model, load_tokenizer
 from asyncfp8.sync import Trajectory

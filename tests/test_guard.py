@@ -458,7 +458,7 @@ def test_the_launcher_writes_the_summary_of_a_run_the_guard_stopped(tmp_path, ca
     stopped, and how to go on."""
     import time
 
-    from asyncfp8.launch import report_guard_stop
+    from asyncfp8.launch_report import report_guard_stop
     from asyncfp8.run_files import CHECKPOINT_DIR, GUARD_STOP_FILE, GUARD_STOPPED, LEARNER_STATE
     from tests.test_collapse import synthetic_run
 

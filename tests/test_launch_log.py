@@ -1,6 +1,6 @@
 """What the launcher shows of a failed learner's log."""
 
-from asyncfp8.launch import indented_tail
+from asyncfp8.launch_processes import indented_tail
 
 RANK_OUTPUT = [
     "08:43:20 learner INFO held-out pass@1 after 6 steps: greedy 0.125",

@@ -17,7 +17,7 @@ from asyncfp8 import distributed
 from asyncfp8.batches import batch_tensors, check_split, plan_step
 from asyncfp8.checks import max_staleness_of
 from asyncfp8.inbox import Inbox
-from asyncfp8.launch import free_ports
+from asyncfp8.launch_processes import free_ports
 from asyncfp8.learner import Learner, lr_lambda
 from asyncfp8.leases import LeaseBook
 from asyncfp8.logprobs import completion_logprobs, install_logprob_head

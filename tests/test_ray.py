@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from asyncfp8.launch import CONFIG_ERROR, free_ports
+from asyncfp8.launch_processes import CONFIG_ERROR, free_ports
 from asyncfp8.ray_launch import (
     bundle,
     cluster_address,

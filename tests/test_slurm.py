@@ -11,7 +11,7 @@ import pytest
 
 from asyncfp8.chaos.audit import audit
 from asyncfp8.chaos.cluster import SMALL_RUN
-from asyncfp8.launch import free_ports
+from asyncfp8.launch_processes import free_ports
 from asyncfp8.slurm import (
     expand_hostlist,
     expand_tasks_per_node,

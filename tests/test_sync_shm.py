@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from asyncfp8.failpoints import ENV as FAILPOINTS_ENV
-from asyncfp8.launch import free_ports
+from asyncfp8.launch_processes import free_ports
 from asyncfp8.precision.manifest import WEIGHT
 from asyncfp8.sync import BackgroundPublisher, PublishFailed, VersionPublisher, VersionSubscriber
 

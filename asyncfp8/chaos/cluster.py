@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from asyncfp8.launch import free_ports
+from asyncfp8.launch_processes import free_ports
 from asyncfp8.ledger import read_ledger
 
 # A few small steps: the tiny model trains one in about 50 ms on a CPU core.
