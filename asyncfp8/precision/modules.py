@@ -15,16 +15,42 @@ kernel arithmetic.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from asyncfp8.models.cpu_half import is_plain_linear
 
-if TYPE_CHECKING:  # the policy imports this module's fake quantization when asked to
-    from .policy import PrecisionPolicy
+
+class QuantizingPolicy(Protocol):
+    """What these layers ask of a policy (asyncfp8.precision.policy.PrecisionPolicy has it
+    all): which weights it quantizes, into which tensors and runtime module, what it does
+    to every other parameter, and its quantize-dequantize rounding for the learner. A
+    protocol, so that the policy module imports this one and not the other way round."""
+
+    name: str
+
+    def quantizes(self, name: str, tensor: torch.Tensor) -> bool: ...
+
+    def quantize_tensor(
+        self, name: str, tensor: torch.Tensor
+    ) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def passthrough(self, name: str, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def linear_module(
+        self,
+        name: str,
+        tensors: Mapping[str, torch.Tensor],
+        bias: torch.Tensor | None,
+        real: bool = True,
+    ) -> nn.Module: ...
+
+    def fake_quantize_weight(self, name: str, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def fake_quantize_input(self, name: str, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class QuantizedLinear(nn.Module):
@@ -45,7 +71,7 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
 
-def apply_policy(model: nn.Module, policy: PrecisionPolicy, real: bool = True) -> nn.Module:
+def apply_policy(model: nn.Module, policy: QuantizingPolicy, real: bool = True) -> nn.Module:
     """Replaces, in place, every linear layer whose weight `policy.quantizes` by
     `policy.linear_module`, and passes every other parameter through the policy (which
     may rescale it, as INT8 smoothing does the norms). Returns the model."""
@@ -84,7 +110,7 @@ class FakeQuantLinear(nn.Linear):
     """An nn.Linear (same `weight` and `bias` parameters, so the same names and optimizer
     state) whose forward multiplies the policy's quantize-dequantized input and weight."""
 
-    def __init__(self, linear: nn.Linear, name: str, policy: PrecisionPolicy):
+    def __init__(self, linear: nn.Linear, name: str, policy: QuantizingPolicy):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
@@ -99,7 +125,7 @@ class FakeQuantLinear(nn.Linear):
         )
 
 
-def use_fake_quant(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
+def use_fake_quant(model: nn.Module, policy: QuantizingPolicy) -> nn.Module:
     """Swaps every linear layer `policy.quantizes` for a FakeQuantLinear, in place."""
     for prefix, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):

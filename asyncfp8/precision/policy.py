@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .manifest import Role, TensorRole
+from .modules import use_fake_quant
 from .schema import check_params, parameters
 from .storage import Storage
 
@@ -192,8 +193,6 @@ class PrecisionPolicy:
         objects are kept, so optimizer, checkpoints and versions see the same model."""
         if self.learner_forward != "quantized":
             return model
-        from .modules import use_fake_quant
-
         return use_fake_quant(model, self)
 
     # -- the model ---------------------------------------------------------------------------
