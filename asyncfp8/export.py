@@ -131,7 +131,7 @@ def export_run(
     with `precision`); the directories written."""
     from omegaconf import OmegaConf
 
-    from asyncfp8.models.loading import run_model_dir
+    from asyncfp8.models.run_model import run_model_dir
     from asyncfp8.runconfig import CONFIG_FILE
 
     run_dir = Path(run_dir)

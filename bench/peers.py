@@ -127,7 +127,7 @@ def trl_job(cfg, steps: int, seed: int, threads: int, save_every: int = 0) -> di
     """What peers_trl.py needs: the model, the prompts in stream order, the reward."""
     from omegaconf import OmegaConf
 
-    from asyncfp8.models.loading import run_model_dir
+    from asyncfp8.models.run_model import run_model_dir
     from asyncfp8.tasks import build_task
 
     model_dir = run_model_dir(cfg)
@@ -389,7 +389,7 @@ def main() -> int:
         keep = args.steps // args.curve + 2
         curve_overrides = [f"run.checkpoint_every={args.curve}", f"run.keep_checkpoints={keep}"]
 
-    from asyncfp8.models.loading import run_model_dir
+    from asyncfp8.models.run_model import run_model_dir
 
     rows = []
     for seed in args.seeds:

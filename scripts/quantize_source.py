@@ -37,7 +37,7 @@ from asyncfp8.engines import SamplingParams
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.export import checkpoint_dir, checkpoint_state
 from asyncfp8.models import load_model
-from asyncfp8.models.loading import run_model_dir
+from asyncfp8.models.run_model import run_model_dir
 from asyncfp8.precision import build_policy
 from asyncfp8.stats import mean_ci
 from asyncfp8.tasks import build_task

@@ -1,6 +1,7 @@
 """Models: the locally made tiny Qwen2 models and helpers to load HF model directories."""
 
-from .loading import check_model_dir, load_model, load_tokenizer, resolve_model_dir, run_model_dir
+from .loading import check_model_dir, load_model, load_tokenizer
+from .run_model import resolve_model_dir, run_model_dir
 
 _TINY_NAMES = ("SIZES", "ModelSpec", "WarmStart", "make_tiny_model", "read_metadata")
 

@@ -11,7 +11,7 @@ from asyncfp8.model_dirs import check_model_dir, load_tokenizer
 
 from .cpu_half import where_cpu_lacks_gemm
 
-__all__ = ["check_model_dir", "load_model", "load_tokenizer", "resolve_model_dir", "run_model_dir"]
+__all__ = ["check_model_dir", "load_model", "load_tokenizer"]
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
@@ -24,20 +24,3 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
     model_dir = check_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
     return where_cpu_lacks_gemm(model, dtype)
-
-
-def resolve_model_dir(path: str | None, size: str = "tiny", seed: int = 0, task=None) -> Path:
-    """The model a run uses: `path` when given (checked), else the locally made tiny
-    model of that size and seed, warm-started on the run's task config `task` where the
-    factory knows how (asyncfp8.models.tiny.warm_start_task): shipped with the package,
-    or built on first use and cached."""
-    if path:
-        return check_model_dir(path)
-    from .tiny import make_tiny_model, warm_start_task
-
-    return make_tiny_model(size, seed=seed, task=warm_start_task(task))
-
-
-def run_model_dir(cfg) -> Path:
-    """The model directory of a run's config (`model` and `task` groups)."""
-    return resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed, cfg.get("task"))
