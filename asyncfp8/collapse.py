@@ -98,7 +98,7 @@ def collapse_of(
 
 def run_collapse(records: Sequence[dict], evaluated: Sequence[dict]) -> Collapse:
     """`collapse_of` over a run's per-step records and held-out evaluations, as
-    `asyncfp8.report.per_step` and `evaluations` read them from metrics.jsonl."""
+    `asyncfp8.run_summary.per_step` and `evaluations` read them from metrics.jsonl."""
     rewards = [(r["step"], r["reward/mean"]) for r in records if r.get("reward/mean") is not None]
     heldout = []
     for r in evaluated:

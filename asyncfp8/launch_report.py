@@ -11,8 +11,9 @@ from pathlib import Path
 from asyncfp8.export import MODEL_DIR
 from asyncfp8.launch_processes import log_tail
 from asyncfp8.metrics import wandb_sync_hint
-from asyncfp8.report import LAST_STEPS, plot_runs, summarize
+from asyncfp8.report_plots import plot_runs
 from asyncfp8.run_files import CHECKPOINT_DIR, GUARD_STOPPED, LEARNER_STATE
+from asyncfp8.run_summary import LAST_STEPS, summarize
 
 
 def resume_hint(run_dir: Path) -> str:

@@ -17,8 +17,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from asyncfp8.failpoints import write_line
-from asyncfp8.report import plot_runs, summarize
+from asyncfp8.report_plots import plot_runs
 from asyncfp8.run_records import METRICS_FILE, read_jsonl
+from asyncfp8.run_summary import summarize
 
 log = logging.getLogger("asyncfp8.metrics")
 LOGGERS = ("jsonl", "tensorboard", "wandb")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from asyncfp8.report import ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
 from asyncfp8.run_records import METRICS_FILE
+from asyncfp8.run_summary import ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
 
 
 class Progress:

@@ -32,7 +32,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from asyncfp8.ledger import read_ledger
-from asyncfp8.report import per_step
+from asyncfp8.run_summary import per_step
 from asyncfp8.stats import mean_ci
 from bench.common import write_json
 

@@ -54,7 +54,7 @@ from bench.common import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 TRL_VERSION = "1.16.0"
-TAIL = 0.2  # first and last 20% of steps, as asyncfp8.report.summarize
+TAIL = 0.2  # first and last 20% of steps, as asyncfp8.run_summary.summarize
 PLACEMENTS = {
     "asyncfp8 separate async, 2 workers": [
         "run.placement=separate",
@@ -210,7 +210,7 @@ def run_asyncfp8(
 ) -> dict:
     """One launcher run and its steady-state figures; `cores`: the CPUs it may use (its
     affinity, which every process it starts inherits and counts its threads from)."""
-    from asyncfp8.report import per_step, summarize
+    from asyncfp8.run_summary import per_step, summarize
 
     start = time.perf_counter()
     result = subprocess.run(

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncfp8.guard import GuardSettings
-from asyncfp8.report import per_step, run_config, summarize
+from asyncfp8.report import run_config
+from asyncfp8.run_summary import per_step, summarize
 
 # The key the twins must agree on at every step before a rollback: the batch's mean
 # reward is what the learner trained on, and two runs that part differ there first.

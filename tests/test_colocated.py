@@ -33,8 +33,8 @@ from asyncfp8.ledger import read_ledger
 from asyncfp8.models import load_model
 from asyncfp8.precision import extra_roles, get_policy, version_weights
 from asyncfp8.precision.manifest import decoder_layers
-from asyncfp8.report import evaluations, per_step
 from asyncfp8.rollout import roll_out, split_lease
+from asyncfp8.run_summary import evaluations, per_step
 from asyncfp8.sync import (
     BackgroundPublisher,
     PublishFailed,

@@ -11,17 +11,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from asyncfp8.metrics import MetricsLog
-from asyncfp8.report import (
-    evaluations,
-    heldout_curve,
-    main,
-    per_step,
-    plot_runs,
-    setting,
-    smooth,
-    summarize,
-    trailing_mean,
-)
+from asyncfp8.report import main
+from asyncfp8.report_plots import heldout_curve, plot_runs, smooth, trailing_mean
+from asyncfp8.run_summary import evaluations, per_step, setting, summarize
 from asyncfp8.stats import binomial_se, mean_ci, t_quantile, t_two_sided_probability
 from tests.config import compose
 

@@ -16,7 +16,7 @@ from asyncfp8.models.cpu_half import is_plain_linear
 from asyncfp8.precision import build_policy, get_policy, version_tensors
 from asyncfp8.precision.export import export_checkpoint
 from asyncfp8.precision.fp8 import FP8BlockLinear
-from asyncfp8.report import per_step
+from asyncfp8.run_summary import per_step
 from tests.config import compose
 from tests.conftest import USER_MODULES, USER_POLICY, USER_POLICY_SPEC, user_modules_env
 from tests.launched import refusal

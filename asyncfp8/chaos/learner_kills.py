@@ -14,8 +14,8 @@ from pathlib import Path
 
 from asyncfp8.failpoints import ENV as FAILPOINTS_ENV
 from asyncfp8.ledger import read_ledger
-from asyncfp8.report import per_step, summarize
 from asyncfp8.run_records import read_metrics
+from asyncfp8.run_summary import per_step, summarize
 
 from .audit import applied_versions
 from .cluster import Cluster

@@ -15,7 +15,7 @@ from asyncfp8.correction.metrics import mismatch_metrics
 from asyncfp8.correction.registry import Correction, make_batch
 from asyncfp8.inbox import Group
 from asyncfp8.refit import refit_summary
-from asyncfp8.report import ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
+from asyncfp8.run_summary import ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
 
 from .step import StepSums, all_rewards_equal
 
