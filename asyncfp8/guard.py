@@ -12,9 +12,10 @@ step, on three signals, each with its setting:
   less than 2; the fatal step of docs/results.md gave −37. A few such tokens are no
   verdict: the 12,000 batches of the stability study's 40 recommended runs had at most 9
   (every rollback on so few that a guard-off twin could judge was false, docs/results.md), so the default
-  count, 32, sits above that with room. A broken policy is caught by the far share
-  and the dead reward below in any case (the poison fail point puts a third or more of
-  the next batch's tokens beyond 5).
+  count, 32, sits above that with room. It is not below every fatal step: FP16 seed 3's
+  break (session 31) put 15-22 in each batch after it and passed; the dead reward fired
+  late and the held-out line put the run back (docs/results.md). At 12 the guard caught
+  it at once but the run broke again and stopped, so the default stays 32 for now.
 - far share: more than `guard.far_fraction` of the tokens with |log ρ| > 5
   (FAR_LOG_RATIO, the `mismatch/frac_abs_log_ratio_gt5` of the metrics).
 - dead reward: `guard.dead_batches` batches in a row with no sample rewarded, while the
