@@ -11,18 +11,29 @@ step, on three signals, each with its setting:
   learner − rollout. Rounding moves a log-prob by ~1e-2 and one version of staleness by
   less than 2; the fatal step of docs/results.md gave −37. A few such tokens are no
   verdict: the 12,000 batches of the stability study's 40 recommended runs had at most 9
-  (every rollback on so few that a guard-off twin could judge was false, docs/results.md), so the default
-  count, 32, sits above that with room. It is not below every fatal step: FP16 seed 3's
-  break (session 31) put 15-22 in each batch after it and passed; the dead reward fired
-  late and the held-out line put the run back (docs/results.md). At 12 the guard caught
-  it at once but the run broke again and stopped, so the default stays 32 for now.
+  but in one run (FP8 seed 3: 32 and 33, a slip its guard-off twin healed by itself), so
+  the default count, 12, sits above them. It was 32 in session 31, when a rollback could
+  not yet hold a break: FP16 seed 3's (15-22 far tokens a batch) passed at 32, and at 12
+  it was caught at once but broke again and three rollbacks stopped the run. Since the
+  updates after a rollback are smaller (`guard.shrink`, learner/rollback.py) the same run
+  at 12 rolls back once, at step 136, and ends at 0.914 held-out (its guard-off twin at
+  0.125; docs/results.md).
 - far share: more than `guard.far_fraction` of the tokens with |log ρ| > 5
   (FAR_LOG_RATIO, the `mismatch/frac_abs_log_ratio_gt5` of the metrics).
-- dead reward: `guard.dead_batches` batches in a row with no sample rewarded, while the
-  median share of rewarded samples of the last `guard.window` batches that passed is at
-  least `guard.reward_good` (a policy that scored, now scoring nothing). It waits for
-  MIN_HISTORY such batches, and counts only a batch large enough that scoring nothing is
-  no accident: (1 − median)^samples at most DEAD_REWARD_CHANCE. Small batches do score
+- dead reward: `guard.dead_batches` batches in a row that score nothing, or next to
+  nothing (a rewarded share below `guard.reward_low` times the median), while the median
+  share of rewarded samples of the last `guard.window` batches that passed is at least
+  `guard.reward_good` (a policy that scored, now scoring next to nothing). It waits for
+  MIN_HISTORY such batches, and counts only a batch large enough that scoring so little
+  is no accident: the binomial chance of at most its rewarded count, at the median's
+  rate, is at most DEAD_REWARD_CHANCE. Why "next to nothing" (session 32): FP16 seed 3's
+  broken policy still scored 6-19% on some batches (the median 0.72), which restarted a
+  streak of wholly dead ones, so the verdict came 13 steps late, after batches that
+  scored 6-9% had passed and been kept as good. In the 40 recommended runs of the
+  stability study a batch that scored at all scored at least 0.30 of the median (FP8
+  seed 7, right after its one dead batch; every other at least 0.36), and in all 113
+  runs three such low batches in a row came only after FP16 seed 3's break
+  (docs/running.md#the-guard-undoing-a-fatal-step). Small batches do score
   nothing by chance (16 samples of the tiny model, which scores 0.31 of them, do so once
   in ~400 batches: a false rollback of a clean run was seen in the test suite); the
   default job's 64 at 0.5 never do. One dead batch is not enough: FP8 seed 7 of the
@@ -38,6 +49,7 @@ tell them apart (docs/running.md#the-guard-undoing-a-fatal-step).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, fields
@@ -67,12 +79,15 @@ class GuardSettings:
     enabled: bool = True
     max_rollbacks: int = 3
     log_ratio_bound: float = 20.0
-    far_tokens: int = 32
+    far_tokens: int = 12
     far_fraction: float = 0.1
     reward_good: float = 0.2
     window: int = 20
     keep_states: int = 2
     dead_batches: int = 3
+    reward_low: float = 0.3
+    shrink: float = 0.5
+    shrink_steps: int = 20
     heldout_below: float = 0.5
 
     @classmethod
@@ -89,6 +104,13 @@ class GuardSettings:
         for key in ("far_fraction", "reward_good"):
             if not 0 < getattr(settings, key) <= 1:
                 raise ValueError(f"guard.{key} must be in (0, 1], got {getattr(settings, key)}")
+        if not 0 <= settings.reward_low < 1:
+            raise ValueError(
+                f"guard.reward_low must be in [0, 1) (0: only batches that score nothing), "
+                f"got {settings.reward_low}"
+            )
+        if not 0 < settings.shrink <= 1:
+            raise ValueError(f"guard.shrink must be in (0, 1] (1: off), got {settings.shrink}")
         if not 0 <= settings.heldout_below < 1:
             raise ValueError(
                 f"guard.heldout_below must be in [0, 1) (0: off), got {settings.heldout_below}"
@@ -96,7 +118,7 @@ class GuardSettings:
         return settings
 
 
-_COUNTS = ("max_rollbacks", "far_tokens", "window", "keep_states", "dead_batches")
+_COUNTS = ("max_rollbacks", "far_tokens", "window", "keep_states", "dead_batches", "shrink_steps")
 
 
 def _check_type(key: str, value: Any) -> None:
@@ -151,6 +173,30 @@ class Evidence:
         return self.rewarded / max(self.samples, 1.0)
 
 
+def binomial_at_most(k: float, n: float, p: float) -> float:
+    """P(X <= k) for X ~ Binomial(n, p): the chance that n samples rewarded at rate p
+    score at most k (samples taken as independent, which flatters a batch of groups of
+    one prompt: DEAD_REWARD_CHANCE is set far out for that)."""
+    k, n = int(k), int(n)
+    if k >= n:
+        return 1.0
+    if p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 0.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    terms = [
+        math.lgamma(n + 1)
+        - math.lgamma(i + 1)
+        - math.lgamma(n - i + 1)
+        + i * log_p
+        + (n - i) * log_q
+        for i in range(k + 1)
+    ]
+    top = max(terms)
+    return math.exp(top) * sum(math.exp(t - top) for t in terms)
+
+
 class GuardRules:
     """The verdicts, the history of the batches that passed, and the streak of dead ones."""
 
@@ -172,7 +218,7 @@ class GuardRules:
         if evidence.samples > 0:
             if verdict is not None:
                 self.dead_streak = 0
-            elif self._dead(evidence):
+            elif self.dead(evidence):
                 self.dead_streak += 1
                 if self.dead_streak >= self.settings.dead_batches:
                     verdict = self._dead_verdict(evidence)
@@ -200,22 +246,29 @@ class GuardRules:
             )
         return None
 
-    def _dead(self, evidence: Evidence) -> bool:
-        """No sample rewarded, from a policy that scored, in a batch too large for chance."""
-        if evidence.rewarded > 0 or len(self.reward_history) < MIN_HISTORY:
+    def dead(self, evidence: Evidence) -> bool:
+        """No sample rewarded, or a share below `guard.reward_low` of the median, from a
+        policy that scored, in a batch too large for chance to score so little."""
+        if evidence.samples <= 0 or len(self.reward_history) < MIN_HISTORY:
             return False
         median = statistics.median(self.reward_history)
-        by_chance = (1.0 - median) ** evidence.samples
-        return median >= self.settings.reward_good and by_chance <= DEAD_REWARD_CHANCE
+        low = evidence.rewarded == 0 or evidence.reward_frac < self.settings.reward_low * median
+        return (
+            low
+            and median >= self.settings.reward_good
+            and binomial_at_most(evidence.rewarded, evidence.samples, median) <= DEAD_REWARD_CHANCE
+        )
 
     def _dead_verdict(self, evidence: Evidence) -> Verdict:
         s = self.settings
         return Verdict(
             "dead_reward",
             "guard.reward_good",
-            f"{s.dead_batches} batch(es) in a row with no sample rewarded (the last of "
-            f"{evidence.samples:.0f}; guard.dead_batches={s.dead_batches}), after batches with "
-            f"a median of {self.reward_median():.2f} rewarded (guard.reward_good={s.reward_good:g})",
+            f"{s.dead_batches} batch(es) in a row with no sample rewarded or under "
+            f"guard.reward_low={s.reward_low:g} x the median (the last: {evidence.rewarded:.0f} "
+            f"of {evidence.samples:.0f}; guard.dead_batches={s.dead_batches}), after batches "
+            f"with a median of {self.reward_median():.2f} rewarded "
+            f"(guard.reward_good={s.reward_good:g})",
         )
 
     def reward_median(self) -> float:

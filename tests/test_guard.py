@@ -30,6 +30,9 @@ from asyncfp8.learner.rollback import LastGood
         ("reward_good", 1.5, r"guard.reward_good must be in \(0, 1\]"),
         ("window", True, "guard.window must be a int"),
         ("dead_batches", 0, "guard.dead_batches must be >= 1"),
+        ("reward_low", 1.0, r"guard.reward_low must be in \[0, 1\)"),
+        ("shrink", 0.0, r"guard.shrink must be in \(0, 1\] \(1: off\)"),
+        ("shrink_steps", 0, "guard.shrink_steps must be >= 1"),
         ("heldout_below", 1.0, r"guard.heldout_below must be in \[0, 1\) \(0: off\)"),
         ("heldout_below", "half", "guard.heldout_below must be a float"),
     ],
@@ -94,14 +97,14 @@ def test_a_dead_reward_fails_only_after_dead_batches_in_a_row():
     history = list(rules.reward_history)
     for _ in range(2):
         assert rules.judge(evidence(samples=64, rewarded=0)) is None and rules.pending
-    assert rules.judge(evidence(samples=64, rewarded=1)) is None and not rules.pending
+    assert rules.judge(evidence(samples=64, rewarded=24)) is None and not rules.pending
     assert rules.judge(evidence(samples=64, rewarded=0)) is None and rules.dead_streak == 1
     assert rules.judge(evidence(samples=0, rewarded=0)) is None and rules.dead_streak == 1
     assert rules.judge(evidence(samples=64, rewarded=0)) is None and rules.dead_streak == 2
     verdict = rules.judge(evidence(samples=64, rewarded=0))
     assert verdict.signal == "dead_reward" and "3 batch(es) in a row" in verdict.detail
     assert not rules.pending
-    assert list(rules.reward_history) == [*history, 1 / 64]  # only the batch that scored
+    assert list(rules.reward_history) == [*history, 24 / 64]  # only the batch that scored
 
 
 def test_a_batch_that_scores_nothing_by_chance_is_not_a_dead_reward():
@@ -114,6 +117,57 @@ def test_a_batch_that_scores_nothing_by_chance_is_not_a_dead_reward():
     assert rules.judge(evidence(rewarded=0)) is None
     verdict = rules.judge(evidence(rewarded=0, samples=48))
     assert verdict is not None and verdict.signal == "dead_reward"
+
+
+def test_a_batch_that_scores_next_to_nothing_counts_as_dead():
+    """FP16 seed 3 (session 31): the broken policy scored 0-19% of 64 samples against a
+    median of 0.72; such batches continue a dead streak instead of passing. A batch at
+    0.36 of the median (the lowest a clean batch of the stability study scored) does
+    not, nor does a small batch that chance alone would bring that low."""
+    rules = GuardRules(GuardSettings(dead_batches=3))
+    for _ in range(MIN_HISTORY):
+        rules.judge(evidence(samples=64, rewarded=46))  # median 46/64 = 0.72
+    assert rules.judge(evidence(samples=64, rewarded=0)) is None and rules.dead_streak == 1
+    assert rules.judge(evidence(samples=64, rewarded=12)) is None and rules.dead_streak == 2
+    verdict = rules.judge(evidence(samples=64, rewarded=4))
+    assert verdict.signal == "dead_reward" and "the last: 4 of 64" in verdict.detail
+    assert rules.judge(evidence(samples=64, rewarded=17)) is None and not rules.pending
+    assert not rules.dead(evidence(samples=64, rewarded=17))  # 0.37 of the median
+    # 1 of 8 is under 0.3 x 0.72, but 8 samples at 0.72 score at most 1 once in ~3,000
+    assert not rules.dead(evidence(samples=8, rewarded=1))
+    assert rules.dead(evidence(samples=64, rewarded=1))
+    assert not GuardRules(GuardSettings(reward_low=0.0)).dead(evidence(samples=64, rewarded=1))
+
+
+@pytest.mark.parametrize("k, n, p", [(0, 16, 0.31), (1, 16, 0.31), (12, 64, 0.72), (5, 9, 0.5)])
+def test_the_binomial_tail_matches_an_exact_rational_sum(k, n, p):
+    from fractions import Fraction
+    from math import comb
+
+    from asyncfp8.guard import binomial_at_most
+
+    q = Fraction(p)
+    exact = sum(comb(n, i) * q**i * (1 - q) ** (n - i) for i in range(k + 1))
+    assert binomial_at_most(k, n, p) == pytest.approx(float(exact), rel=1e-9)
+    assert binomial_at_most(n, n, p) == 1.0 and binomial_at_most(0, 4, 1.0) == 0.0
+
+
+def test_after_a_rollback_the_updates_shrink_and_grow_back():
+    from asyncfp8.learner.rollback import StepGuard
+
+    model = torch.nn.Linear(2, 2)
+    settings = GuardSettings(shrink=0.5, shrink_steps=10, max_rollbacks=5)
+    guard = StepGuard(settings, model, torch.optim.AdamW(model.parameters()))
+    clean = {"guard_tokens": 10.0, "guard_samples": 4.0, "guard_rewarded": 2.0}
+    far = clean | {"guard_far_tokens": FAR_COUNT}
+    assert guard.check(clean, 0, 0) is None and guard.update_scale(0) == 1.0
+    assert guard.check(far, 1, 1) is not None
+    assert guard.metrics["guard/update_scale"] == 0.5
+    assert guard.update_scale(2) == 0.5
+    assert guard.check(far, 3, 3) is not None and guard.update_scale(4) == 0.25
+    assert guard.update_scale(11) == 0.25  # 10 updates after the first: still shrunk
+    assert guard.update_scale(12) == 0.5  # the first has aged out, the second not yet
+    assert guard.update_scale(14) == 1.0
 
 
 def test_the_last_good_state_comes_back_bit_for_bit_with_adams_state():

@@ -270,6 +270,9 @@ class GuardConfig:
     window: int = MISSING
     keep_states: int = MISSING
     dead_batches: int = MISSING
+    reward_low: float = MISSING
+    shrink: float = MISSING
+    shrink_steps: int = MISSING
     heldout_below: float = MISSING
 
 

@@ -109,6 +109,7 @@ class StepGuard:
         self.spare = [LastGood(model, optimizer) for _ in range(settings.keep_states)]
         self.rollbacks = 0
         self.in_row = 0
+        self.rolled_back_at: deque[int] = deque()  # steps of the rollbacks of the last shrink_steps
         self.restored_step: int | None = None  # the step of the state last put back
         self.dead_from: int | None = None  # the oldest version that sampled the dead streak
         self.last_verdict: Verdict | None = None
@@ -146,6 +147,7 @@ class StepGuard:
         if verdict is not None:
             self.rollbacks += 1
             self.in_row += 1
+            self.rolled_back_at.append(step)
             self.last_verdict = verdict
             self._roll_back(verdict, step, self.dead_from)
             good = self.states[-1].version if self.states else None
@@ -168,12 +170,24 @@ class StepGuard:
             "guard/k3": evidence.k3,
             "guard/reward_frac": evidence.reward_frac,
             "guard/reward_median": median,
+            "guard/update_scale": self.update_scale(step),  # of this step's update, if any
             "guard/check_s": time.perf_counter() - started,
             "guard/ignored_tokens": sums.get("guard_ignored_tokens", 0.0),
             # far from the rollout, not from their own version: rounding, not the update
             "guard/excused_tokens": sums.get("guard_excused_tokens", 0.0),
         }
         return verdict
+
+    def update_scale(self, step: int) -> float:
+        """The factor on the learning rate of the update after `step` steps:
+        `guard.shrink` per rollback in the last `guard.shrink_steps` steps. A state put
+        back after a fatal step is often one update from breaking again (FP16 seed 3 of
+        the stability study broke again 3 steps after its first rollback at
+        guard.far_tokens=12, and three rollbacks stopped the run), so the steps after a
+        rollback are smaller, and grow back as the rollbacks age."""
+        while self.rolled_back_at and step - self.rolled_back_at[0] > self.settings.shrink_steps:
+            self.rolled_back_at.popleft()
+        return self.settings.shrink ** len(self.rolled_back_at)
 
     def fall_back(self) -> int | None:
         """Puts back the oldest good state kept (the newer ones dropped) and returns its

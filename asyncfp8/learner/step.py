@@ -42,6 +42,7 @@ from asyncfp8.correction.calibration import (
 from asyncfp8.correction.metrics import FAR_LOG_RATIO
 from asyncfp8.correction.registry import Correction, make_batch
 from asyncfp8.failpoints import POISON_FACTOR, POISON_UPDATE, failpoint, reached
+from asyncfp8.guard import Evidence
 from asyncfp8.inbox import Group
 from asyncfp8.logprobs import completion_logprobs
 from asyncfp8.loss_scale import LossScaler
@@ -205,8 +206,9 @@ class TrainStep:
             # The loss is a mean over the whole mini-batch: its sums over micro-batches
             # and ranks, divided by the whole count.
             sums = distributed.sum_over_ranks(sums)
-            # which versions sampled the batch matters only to a dead one (one collective)
-            dead = judged and sums["guard_rewarded"] == 0
+            # which versions sampled the batch matters only to a dead one (one collective;
+            # the sums are the same on every rank, and so is the answer)
+            dead = judged and self.guard.rules.dead(Evidence.from_sums(sums))
             sampled_from = oldest_over_ranks(oldest) if dead else None
             if judged and self.guard.check(sums, step, version, sampled_from) is not None:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -249,6 +251,8 @@ class TrainStep:
             torch.nn.utils.clip_grads_with_norm_(parameters, optim.grad_clip, total_norm)
             if self.loss_scaler is not None:
                 self.loss_scaler.stepped()
+            if self.guard is not None:  # after a rollback, smaller steps for a while
+                lr_scale *= self.guard.update_scale(step)
             self._optimizer_step(lr_scale)
             totals["grad_norm"] += grad_norm.item()
             totals["updates"] += 1
