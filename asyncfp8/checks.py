@@ -24,7 +24,7 @@ from asyncfp8.metrics import loggers_of
 from asyncfp8.precision import PrecisionPolicy, build_policy
 from asyncfp8.process import check_counts, curve, endpoints
 from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
-from asyncfp8.sync.version_pubsub import is_local
+from asyncfp8.sync.transport import is_local
 from asyncfp8.tasks import Task, build_task
 
 COLOCATED_ENGINES = ("torch", "vllm")  # the engines that run in the learner's process

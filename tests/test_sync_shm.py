@@ -475,7 +475,7 @@ def test_an_address_of_this_hosts_own_interface_is_local_whatever_its_name_resol
     its LAN address (as a Ray node's is) is on this host too, though this machine's name
     resolves to 127.0.0.1: it was taken for remote, and its workers were sent versions
     over TCP. The address is the one the kernel would send from (Ray picks a node's IP so)."""
-    from asyncfp8.sync.version_pubsub import is_local
+    from asyncfp8.sync.transport import is_local
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:

@@ -15,7 +15,7 @@ import zmq
 from asyncfp8.sync import Trajectory
 from asyncfp8.sync.codec import DIGEST_BYTES, seal
 from asyncfp8.sync.trajectories import FORMAT_VERSION, LEASE_FRAME
-from asyncfp8.sync.version_pubsub import SNAPSHOT_REQUEST
+from asyncfp8.sync.transport import SNAPSHOT_REQUEST
 
 
 def genuine_trajectory(sender: str = "chaos/0", seq: int = 0, lease: int = 0) -> bytes:

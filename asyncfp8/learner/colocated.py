@@ -51,7 +51,7 @@ from asyncfp8.engines.base import MemoryRelease
 from asyncfp8.inbox import Inbox
 from asyncfp8.refit import Probe, RefitChecker
 from asyncfp8.rollout import ROLLOUT_STATS, roll_out, split_lease
-from asyncfp8.sync.version_pubsub import PublishStats
+from asyncfp8.sync.version_publisher import PublishStats
 from asyncfp8.tasks import Task
 
 log = logging.getLogger("asyncfp8.learner")

@@ -11,7 +11,8 @@ from .codec import Version, VersionAssembler, decode_version, encode_chunks, enc
 from .limits import Limits, RejectedMessage
 from .security import Curve, HandshakeWatch
 from .trajectories import Trajectory, TrajectoryReceiver, TrajectorySender
-from .version_pubsub import PublishStats, VersionPublisher, VersionSubscriber
+from .version_publisher import PublishStats, VersionPublisher
+from .version_subscriber import VersionSubscriber
 
 __all__ = [
     "BackgroundPublisher",

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..precision.manifest import TensorRole
-from .version_pubsub import PublishStats, VersionPublisher
+from .version_publisher import PublishStats, VersionPublisher
 
 log = logging.getLogger("asyncfp8.sync")
 Quantize = Callable[[Iterable[tuple[str, torch.Tensor]]], Iterator[tuple[str, torch.Tensor]]]
