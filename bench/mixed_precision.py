@@ -4,9 +4,13 @@ learner's recompute; 256 prompts of the default task, seed 0) and, for the layou
 planner's exact KL on the calibration texts and the share of linear FLOPs quantized.
 
     python bench/mixed_precision.py [--model small] [--budgets 1.3 2 4] [--out FILE]
+    python bench/mixed_precision.py --smoothed --only-smoothed --budgets 1.3 2
 
 Rows: bf16, fp8, int8 (whole), NeMo-RL's static rule (first and last decoder layers in
-BF16), and `precision=mixed` at each budget, over FP8 and over INT8.
+BF16), and `precision=mixed` at each budget, over FP8 and over INT8. `--smoothed` adds
+INT8 with a SmoothQuant profile (asyncfp8.precision.profile, folds included, made here
+on the task's prompts), whole and mixed at each budget; `--only-smoothed` keeps bf16 and
+int8 beside those, for their ratios.
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ def demo(model: str, *precision: str) -> dict:
     return {"k3": float(K3.search(out).group(1)), "reward": float(REWARD.search(out).group(1))}
 
 
-def layout(model: str, base: str, rule: str) -> tuple[dict, str]:
-    out = run("asyncfp8.precision.sensitivity", f"model={model}", f"precision.base={base}", rule)
+def layout(model: str, base: str, *rule: str) -> tuple[dict, str]:
+    out = run("asyncfp8.precision.sensitivity", f"model={model}", f"precision.base={base}", *rule)
     found = LAYOUT.search(out)
     keep = out.split("start every process with: ", 1)[1].splitlines()[0]
     return {
@@ -61,6 +65,26 @@ def edges_keep(layers: int) -> str:
     return "precision.keep=[" + ",".join(f"'{n}'" for n in names) + "]"
 
 
+def make_profile(model: str, task: str, out: Path) -> Path:
+    """A SmoothQuant profile of the run's model on `task`'s prompts."""
+    from hydra import compose, initialize_config_module
+
+    from asyncfp8.models.run_model import run_model_dir
+
+    with initialize_config_module("asyncfp8.conf", version_base="1.3"):
+        cfg = compose("config", overrides=[f"model={model}", f"task={task}"])
+    run(
+        "asyncfp8.precision.profile",
+        "--model",
+        str(run_model_dir(cfg)),
+        "--task",
+        task,
+        "--out",
+        str(out),
+    )
+    return out
+
+
 def machine() -> str:
     names = re.findall(r"model name\s*: (.*)", Path("/proc/cpuinfo").read_text())
     return f"{len(names)} x {names[0] if names else platform.machine()}"
@@ -72,12 +96,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the model")
     parser.add_argument("--budgets", type=float, nargs="+", default=[1.3, 2.0, 4.0])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--task", default="addition", help="the profile's prompts (--smoothed)")
+    parser.add_argument("--smoothed", action="store_true", help="add smoothed INT8 rows")
+    parser.add_argument("--only-smoothed", action="store_true", help="bf16, int8 and those")
     args = parser.parse_args()
     rows = []
     started = time.perf_counter()
-    for name in ("bf16", "fp8", "int8"):
+    plain = ("bf16", "int8") if args.only_smoothed else ("bf16", "fp8", "int8")
+    for name in plain:
         rows.append({"precision": name, **demo(args.model, f"precision={name}")})
-    for base in ("fp8", "int8"):
+    for base in () if args.only_smoothed else ("fp8", "int8"):
         keep = edges_keep(args.layers)
         rows.append(
             {
@@ -91,6 +119,19 @@ def main() -> None:
             measured = demo(args.model, "precision=mixed", f"precision.base={base}", keep)
             rows.append({"precision": f"mixed {base}, budget {budget}", **planned, **measured})
         print(f"[bench] {base} done at {time.perf_counter() - started:.0f} s", flush=True)
+    if args.smoothed or args.only_smoothed:
+        profile = make_profile(
+            args.model, args.task, Path("runs") / "bench-smoothquant.safetensors"
+        )
+        smooth = f"precision.profile={profile.resolve()}"
+        rows.append({"precision": "int8, smoothed", **demo(args.model, "precision=int8", smooth)})
+        for budget in args.budgets:
+            planned, keep = layout(args.model, "int8", f"precision.budget={budget}", smooth)
+            measured = demo(args.model, "precision=mixed", "precision.base=int8", smooth, keep)
+            rows.append(
+                {"precision": f"mixed int8 smoothed, budget {budget}", **planned, **measured}
+            )
+        print(f"[bench] smoothed done at {time.perf_counter() - started:.0f} s", flush=True)
     bf16 = rows[0]["k3"]
     print(
         "| precision | k3 (x bf16) | engine reward | linear FLOPs quantized | planner KL (x bf16) |"

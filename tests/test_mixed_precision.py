@@ -209,6 +209,10 @@ def test_bad_settings_are_refused_naming_them(measured):
         get_policy("mixed", base="fp16")
     with pytest.raises(ValueError, match="quantized_share must be in"):
         get_policy("mixed", quantized_share=1.5)
+    with pytest.raises(ValueError, match=r"precision\.base=fp8 takes none"):
+        get_policy("mixed", base="fp8", profile="profile.safetensors")
+    with pytest.raises(FileNotFoundError, match="make one with"):  # handed to the INT8 base
+        get_policy("mixed", base="int8", profile="missing.safetensors")
     model = measured[0]
     unset = get_policy("mixed")
     with pytest.raises(ValueError, match=r"python -m asyncfp8\.precision\.sensitivity"):

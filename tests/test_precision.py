@@ -370,22 +370,28 @@ def test_export_needs_a_calibration_batch_for_kv_scales(tiny_model_dir, tmp_path
 
 
 def test_profile_cli_and_smoothing_preserves_the_float_model(tiny_model_dir, tmp_path):
+    """The whole transform (norms, the layers after them, and the folds down_proj through
+    up_proj and o_proj through v_proj, under GQA: 2 query heads share the tiny model's
+    one kv head) leaves the float model computing what it did."""
     from asyncfp8.models import load_model
-    from asyncfp8.precision.profile import main
+    from asyncfp8.precision.profile import ROWS, main
 
     path = tmp_path / "profile.safetensors"
     main(["--model", str(tiny_model_dir), "--out", str(path), "--samples", "32"])
     policy = get_policy("int8", profile=str(path))
     policy.engine_dtype = torch.float32  # the transform alone, without the cast to BF16
+    for fold in ("mlp.up_proj.weight" + ROWS, "self_attn.v_proj.weight" + ROWS, "mlp.down_proj"):
+        assert any(fold in name for name in policy.smoothing), fold
     model = load_model(tiny_model_dir)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
     smoothed = copy.deepcopy(model)
     with torch.no_grad():  # the smoothing transform alone, without quantization
         for name, param in smoothed.named_parameters():
-            factors = policy.smoothing.get(name)
-            if factors is not None:
-                param.copy_(
-                    policy.passthrough(name, param) if "norm" in name else param * factors[None, :]
-                )
+            param.copy_(policy.passthrough(name, param))
+    changed = [
+        n for n, p in smoothed.named_parameters() if not torch.equal(p, model.get_parameter(n))
+    ]
+    assert any("o_proj" in n for n in changed) and any("v_proj.bias" in n for n in changed)
     ids = calibration_batch(tiny_model_dir, 8)
     with torch.no_grad():
         torch.testing.assert_close(
@@ -393,6 +399,49 @@ def test_profile_cli_and_smoothing_preserves_the_float_model(tiny_model_dir, tmp
         )
     with pytest.raises(FileNotFoundError, match="make one with"):
         get_policy("int8", profile=str(tmp_path / "missing.safetensors"))
+    # --no-fold: the norm groups alone, as before the folds
+    plain = tmp_path / "plain.safetensors"
+    main(["--model", str(tiny_model_dir), "--out", str(plain), "--samples", "32", "--no-fold"])
+    names = set(get_policy("int8", profile=str(plain)).smoothing)
+    assert not any(ROWS in n or "down_proj" in n or "o_proj" in n for n in names)
+
+
+def test_a_folded_profile_keeps_the_quantized_learner_and_the_engine_in_step(
+    tiny_model_dir, tmp_path
+):
+    """The learner's fake quantization (in unsmoothed coordinates) and the torch engine's
+    INT8 modules (on smoothed weights) agree with every layer smoothed, folds included, as
+    they do without a profile; and the smoothing changes what the engine computes."""
+    from asyncfp8.engines.torch_engine import TorchEngine
+    from asyncfp8.models import load_model
+    from asyncfp8.precision import version_tensors
+    from asyncfp8.precision.profile import main
+
+    path = tmp_path / "profile.safetensors"
+    main(["--model", str(tiny_model_dir), "--out", str(path), "--samples", "32"])
+
+    def policy_in_fp32(**params):
+        policy = get_policy("int8", **params)
+        policy.engine_dtype = torch.float32
+        return policy
+
+    batch = calibration_batch(tiny_model_dir, 8)
+    ids = batch["input_ids"][:4, -12:]
+    logps = {}
+    for label, params in (("smoothed", {"profile": str(path)}), ("plain", {})):
+        policy = policy_in_fp32(**params)
+        policy.learner_forward = "quantized"
+        learner = policy.prepare_learner(load_model(tiny_model_dir))
+        version = version_tensors(learner, policy, batch)
+        engine = TorchEngine(str(tiny_model_dir), policy_in_fp32(**params), dtype=torch.float32)
+        engine.update_weights(0, dict(version.weights), version.extra)
+        with torch.no_grad():
+            engine_logp = torch.log_softmax(engine.model(ids).logits, -1)
+            learner_logp = torch.log_softmax(learner(ids).logits, -1)
+        gaps = (learner_logp - engine_logp).abs().amax(-1).flatten()
+        assert (gaps < 1e-4).float().mean().item() >= 0.75, label
+        logps[label] = engine_logp
+    assert not torch.allclose(logps["smoothed"], logps["plain"], atol=1e-4)
 
 
 # --- block sizes --------------------------------------------------------------------------------

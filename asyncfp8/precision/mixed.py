@@ -3,6 +3,10 @@ dtype (BF16) on the layers where quantizing adds the most mismatch.
 
     python -m asyncfp8.launch precision=mixed precision.base=int8 precision.budget=1.3
 
+`profile` (INT8 only) is a SmoothQuant profile (asyncfp8.precision.profile) the INT8 base
+applies to every layer, those kept in BF16 too (the float model stays the same), so the
+sensitivities are measured on the smoothed layers.
+
 `keep` lists the linear layers left in BF16 (module names, `model.layers.3.mlp.down_proj`).
 Left out, the launcher measures it once, on the model the run starts from
 (`asyncfp8.precision.sensitivity.plan_layout`: the layers that add the most mismatch per
@@ -55,6 +59,7 @@ class MixedPolicy(PrecisionPolicy):
         calibration_prompts: int = 64,
         remeasure_every: int = 50,
         budget_kl: float | None = None,
+        profile: str | None = None,
     ):
         if base not in MIXED_BASES:
             raise ValueError(
@@ -86,7 +91,12 @@ class MixedPolicy(PrecisionPolicy):
                 "precision.calibration_prompts must be >= 1 and precision.remeasure_every >= 0 "
                 f"(0: never), got {calibration_prompts} and {remeasure_every}"
             )
-        self.base = get_policy(base)
+        if profile and base != "int8":
+            raise ValueError(
+                f"precision.profile smooths INT8's per-token activations; precision.base={base} "
+                "takes none (use precision.base=int8, or leave the profile out)"
+            )
+        self.base = get_policy(base, profile=profile) if profile else get_policy(base)
         self.keep = None if keep is None else frozenset(keep)
         self.budget, self.quantized_share, self.budget_kl = budget, quantized_share, budget_kl
         self.calibration_prompts, self.remeasure_every = calibration_prompts, remeasure_every

@@ -8,6 +8,16 @@ The INT8 policy multiplies those layers' weight columns by s and divides the nor
 weight by s: the float model computes the same function, but the activations the
 layers see are divided by s, so their outliers shrink before per-token INT8 rounding.
 
+The two linear layers whose input is another linear layer's output, channel for channel,
+are smoothed the same way through that layer (FOLDED): down_proj's input is
+act(gate) · up_proj's output, so dividing up_proj's output channels (its weight's rows)
+by s divides down_proj's input by s; o_proj's input is attention's weighted sum of
+v_proj's outputs, so dividing v_proj's rows and bias by s divides it by s, each of a kv
+head's channels shared by the query heads of its group (GQA: one factor per v channel,
+the largest activation over the group). Both are exact in float. down_proj's input is
+where a decoder's activation outliers sit, and on `small` the layers a mixed INT8 layout
+keeps in BF16 are mostly down_proj and v_proj (docs/precision.md).
+
     python -m asyncfp8.precision.profile --model DIR --task arithmetic --out profile.safetensors
 """
 
@@ -15,23 +25,30 @@ from __future__ import annotations
 
 import argparse
 import re
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+
+from .profile_file import ROWS, save_profile
 
 SMOOTHED_GROUPS = {
     "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
 }
 _LAYER = re.compile(r"^(.*\.layers\.\d+)\.(input_layernorm|post_attention_layernorm)$")
+# consumer -> producer: the consumer's input channels are the producer's output channels
+FOLDED = {"mlp.down_proj": "mlp.up_proj", "self_attn.o_proj": "self_attn.v_proj"}
 
 
 @torch.no_grad()
 def compute_profile(
-    model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], alpha: float = 0.5
+    model: torch.nn.Module,
+    batches: list[dict[str, torch.Tensor]],
+    alpha: float = 0.5,
+    fold: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """{tensor name: per-input-channel factors} for every norm and linear it smooths."""
+    """{tensor name: per-channel factors}: a norm's weight and a producer's bias are
+    divided by theirs, a linear weight's columns multiplied, and a producer's rows (its
+    weight's name + ROWS) divided. `fold`: also smooth FOLDED's consumers."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     modules = dict(model.named_modules())
@@ -46,16 +63,23 @@ def compute_profile(
         raise ValueError(
             "no Llama-family norm -> linear groups (input_layernorm, post_attention_layernorm) found"
         )
+    folds = _folds(modules) if fold else {}
 
     act_max: dict[str, torch.Tensor] = {}
-    hooks = []
-    for norm_name in groups:
 
-        def record(_module, _inputs, output, key=norm_name):
-            flat = output.detach().abs().float().reshape(-1, output.shape[-1]).amax(0)
-            act_max[key] = torch.maximum(act_max[key], flat) if key in act_max else flat
+    def record(key: str, x: torch.Tensor) -> None:
+        flat = x.detach().abs().float().reshape(-1, x.shape[-1]).amax(0)
+        act_max[key] = torch.maximum(act_max[key], flat) if key in act_max else flat
 
-        hooks.append(modules[norm_name].register_forward_hook(record))
+    hooks = [
+        modules[norm].register_forward_hook(lambda _m, _i, out, key=norm: record(key, out))
+        for norm in groups
+    ] + [
+        modules[consumer].register_forward_pre_hook(
+            lambda _m, args, key=consumer: record(key, args[0])
+        )
+        for consumer in folds
+    ]
     try:
         model.eval()
         for batch in batches:
@@ -69,43 +93,61 @@ def compute_profile(
         weight_max = torch.stack(
             [modules[n].weight.detach().abs().float().amax(0) for n in linears]
         ).amax(0)
-        factors = (
-            act_max[norm_name].clamp_min(1e-5).pow(alpha)
-            / weight_max.clamp_min(1e-5).pow(1 - alpha)
-        ).clamp_min(1e-5)
+        factors = _factors(act_max[norm_name], weight_max, alpha)
         profile[f"{norm_name}.weight"] = factors
         for name in linears:
             profile[f"{name}.weight"] = factors.clone()
-    return profile
-
-
-def save_profile(profile: dict[str, torch.Tensor], path: str | Path, **metadata: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {k: v.contiguous() for k, v in profile.items()},
-        path,
-        metadata={k: str(v) for k, v in metadata.items()},
-    )
-    return path
-
-
-def load_profile(path: str | Path) -> dict[str, torch.Tensor]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"INT8 calibration profile {str(path)!r} does not exist; make one with "
-            "`python -m asyncfp8.precision.profile --model DIR --task arithmetic --out FILE`"
+    heads, kv_heads = _heads(model)
+    for consumer, producer in folds.items():
+        acts = act_max[consumer]
+        weights = modules[consumer].weight.detach().abs().float().amax(0)
+        shared = producer.endswith("v_proj") and heads != kv_heads
+        if shared:  # a v channel feeds heads // kv_heads query heads' channels of o_proj
+            acts, weights = (_per_kv_channel(t, heads, kv_heads) for t in (acts, weights))
+        factors = _factors(acts, weights, alpha)
+        profile[f"{producer}.weight{ROWS}"] = factors
+        if getattr(modules[producer], "bias", None) is not None:
+            profile[f"{producer}.bias"] = factors.clone()
+        profile[f"{consumer}.weight"] = (
+            _to_query_channels(factors, heads, kv_heads) if shared else factors.clone()
         )
-    profile = load_file(path)
-    bad = [
-        name
-        for name, t in profile.items()
-        if t.dim() != 1 or not torch.isfinite(t).all() or (t <= 0).any()
-    ]
-    if bad:
-        raise ValueError(f"{path}: factors must be finite, positive 1-D tensors; bad: {bad[:3]}")
     return profile
+
+
+def _factors(acts: torch.Tensor, weights: torch.Tensor, alpha: float) -> torch.Tensor:
+    return (acts.clamp_min(1e-5).pow(alpha) / weights.clamp_min(1e-5).pow(1 - alpha)).clamp_min(
+        1e-5
+    )
+
+
+def _folds(modules: dict[str, torch.nn.Module]) -> dict[str, str]:
+    """{consumer: producer} of every FOLDED pair the model has, as module names."""
+    folds = {}
+    for name in modules:
+        for consumer, producer in FOLDED.items():
+            if name.endswith("." + consumer):
+                other = name.removesuffix(consumer) + producer
+                if other in modules:
+                    folds[name] = other
+    return folds
+
+
+def _heads(model: torch.nn.Module) -> tuple[int, int]:
+    config = model.config
+    heads = config.num_attention_heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def _per_kv_channel(per_query: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """o_proj's input channels (query head h = kv · group + r, then the head's dims, as
+    transformers' repeat_kv lays them out) to v_proj's output channels: the largest over
+    each kv head's group."""
+    return per_query.reshape(kv_heads, heads // kv_heads, -1).amax(1).reshape(-1)
+
+
+def _to_query_channels(per_kv: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    group = heads // kv_heads
+    return per_kv.reshape(kv_heads, 1, -1).expand(kv_heads, group, -1).reshape(-1).clone()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,6 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--alpha", type=float, default=0.5, help="migration strength (SmoothQuant's α)"
     )
+    parser.add_argument(
+        "--no-fold",
+        action="store_true",
+        help="smooth only the layers after a norm, not down_proj and o_proj",
+    )
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model(args.model), load_tokenizer(args.model)
@@ -134,9 +181,15 @@ def main(argv: list[str] | None = None) -> None:
         dict(tokenizer(texts[i : i + args.batch_size], return_tensors="pt", padding=True))
         for i in range(0, len(texts), args.batch_size)
     ]
-    profile = compute_profile(model, batches, args.alpha)
+    profile = compute_profile(model, batches, args.alpha, fold=not args.no_fold)
     path = save_profile(
-        profile, args.out, model=args.model, task=args.task, samples=args.samples, alpha=args.alpha
+        profile,
+        args.out,
+        model=args.model,
+        task=args.task,
+        samples=args.samples,
+        alpha=args.alpha,
+        fold=not args.no_fold,
     )
     spread = torch.cat([v for k, v in profile.items() if "norm" in k])
     print(

@@ -4,10 +4,11 @@ s = max_row(|w|)/127 (floored at 1e-10/127), q = round(w / s) clamped to [−128
 (round half to even), stored in the compressed-tensors `int-quantized` layout that
 vLLM loads: `<prefix>.weight` (int8 [M, N]) and `<prefix>.weight_scale` (fp32 [M, 1]).
 
-An optional SmoothQuant-style profile (per-input-channel factors, computed once by
+An optional SmoothQuant-style profile (per-channel factors, computed once by
 `python -m asyncfp8.precision.profile`) divides each linear layer's input channels by
-a factor and multiplies the preceding norm's weight by it: the product is unchanged,
-activation outliers shrink, and INT8 per-token activations lose less.
+a factor and the preceding norm's weight (or the preceding linear layer's output
+channels: down_proj through up_proj, o_proj through v_proj) by it: the product is
+unchanged, activation outliers shrink, and INT8 per-token activations lose less.
 
 This folder is the whole format (plus conf/precision/int8.yaml): the policy (here), the
 quantizers (quant.py, Triton and torch), the INT8 GEMM (gemm.py) and the built-in
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..policy import PrecisionPolicy, dtype_name, register_policy
+from ..profile_file import ROWS, load_profile
 from ..storage import ScaleLayout, Storage
 from .linear import Int8Linear
 from .quant import (
@@ -89,9 +91,28 @@ class INT8Policy(PrecisionPolicy):
         # an engine on a GPU), copied there once.
         self._smoothing_on: dict[tuple[str, torch.device], torch.Tensor] = {}
         if profile:
-            from ..profile import load_profile
-
             self.smoothing = load_profile(Path(profile))
+
+    def _smoothed(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A weight in the smoothed coordinates: its columns times its input factors, its
+        rows divided by its output divisors (a producer of a fold, profile.ROWS)."""
+        columns, rows = self._factors(name, tensor), self._factors(name + ROWS, tensor)
+        if columns is None and rows is None:
+            return tensor
+        tensor = tensor.float()
+        if columns is not None:
+            tensor = tensor * columns[None, :]
+        if rows is not None:
+            tensor = tensor / rows[:, None]
+        return tensor
+
+    def _unsmoothed(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        columns, rows = self._factors(name, tensor), self._factors(name + ROWS, tensor)
+        if columns is not None:
+            tensor = tensor / columns[None, :]
+        if rows is not None:
+            tensor = tensor * rows[:, None]
+        return tensor
 
     def _factors(self, name: str, like: torch.Tensor) -> torch.Tensor | None:
         """The smoothing factors of `name` on `like`'s device, or None if it has none."""
@@ -119,21 +140,23 @@ class INT8Policy(PrecisionPolicy):
     def quantize_tensor(
         self, name: str, tensor: torch.Tensor
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        factors = self._factors(name, tensor)
-        if factors is not None:
-            # Input channel j of this layer is divided by s_j; the norm before it was
-            # multiplied by s_j (in `passthrough`), so the layer sees x/s·(w·s) = x·w.
-            tensor = tensor.float() * factors[None, :]
-        q, scale = quantize_per_channel(tensor, name=name)
+        # Input channel j of this layer is divided by s_j (the norm or the layer before it
+        # was, in `passthrough`), so the layer sees x/s·(w·s) = x·w; its own output
+        # channels divided by r are multiplied back by the layer after it.
+        q, scale = quantize_per_channel(self._smoothed(name, tensor), name=name)
         yield name, q
         yield name + SCALE_SUFFIX, scale
 
     def passthrough(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        factors = self._factors(name, tensor)
-        if factors is not None:
-            # A norm before smoothed linears is divided by s; a smoothed linear left
-            # unquantized (a subclass's choice) is multiplied by s: the float product stays.
-            tensor = tensor.float() / factors if tensor.dim() == 1 else tensor.float() * factors
+        if tensor.dim() == 1:
+            # A norm before smoothed linears, or a fold's producer's bias, is divided by s.
+            factors = self._factors(name, tensor)
+            if factors is not None:
+                tensor = tensor.float() / factors
+        else:
+            # A smoothed linear left unquantized (a mixed layout's, a subclass's choice)
+            # is smoothed as a quantized one is: the float product stays.
+            tensor = self._smoothed(name, tensor)
         return super().passthrough(name, tensor)
 
     def linear_module(self, name, tensors, bias, real=True):
@@ -142,14 +165,11 @@ class INT8Policy(PrecisionPolicy):
     def fake_quantize_weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         # In the learner's unsmoothed coordinates: dq(q(w·s))/s times dq(q(x/s))·s is the
         # engine's product, and the straight-through gradient stays the float layer's.
-        factors = self._factors(name, weight)
-        scaled = weight.float() * factors[None, :] if factors is not None else weight
-        q, scale = quantize_per_channel(scaled, name=name)
-        dequantized = dequantize_per_channel(q, scale)
-        return dequantized / factors[None, :] if factors is not None else dequantized
+        q, scale = quantize_per_channel(self._smoothed(name, weight), name=name)
+        return self._unsmoothed(name, dequantize_per_channel(q, scale))
 
     def reference_matmul(self, name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self._factors(name, weight) is not None:  # smoothed: the fake-quant product
+        if name in self.smoothing or name + ROWS in self.smoothing:  # the fake-quant product
             return super().reference_matmul(name, x, weight)
         # Int8Linear's order: exact integer sums, then × activation scale × weight scale.
         q, scale = quantize_per_channel(weight, name=name)
