@@ -36,6 +36,8 @@ all_settings=(
   # layout first)
   "fp16 precision=fp16 correction=token_tis"
   "mixed_int8 precision=mixed precision.base=int8 precision.budget=1.3 correction=token_tis"
+  # mixed FP8 at budget 2 (the parity study's session-19 row, before the π_prox fix)
+  "mixed_fp8 precision=mixed precision.base=fp8 precision.budget=2 correction=token_tis"
 )
 # shellcheck source=scripts/run_settings.sh
 source scripts/run_settings.sh
