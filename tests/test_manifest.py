@@ -17,8 +17,9 @@ from asyncfp8.precision import (
     version_tensors,
 )
 from asyncfp8.precision.fp8_kv import kv_scale_names
-from asyncfp8.sync.codec import decode_version, encode_version
+from asyncfp8.sync.codec import encode_version
 from asyncfp8.sync.limits import RejectedMessage
+from asyncfp8.sync.version_decode import decode_version
 
 
 def calibration(tokens: int = 12) -> dict[str, torch.Tensor]:

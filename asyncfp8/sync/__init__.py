@@ -7,10 +7,11 @@ trajectories (workers -> learner), over ZeroMQ, optionally CURVE-authenticated.
 """
 
 from .background import BackgroundPublisher, PublishFailed
-from .codec import Version, VersionAssembler, decode_version, encode_chunks, encode_version
+from .codec import Version, encode_chunks, encode_version
 from .limits import Limits, RejectedMessage
 from .security import Curve, HandshakeWatch
 from .trajectories import Trajectory, TrajectoryReceiver, TrajectorySender
+from .version_decode import VersionAssembler, decode_version
 from .version_publisher import PublishStats, VersionPublisher
 from .version_subscriber import VersionSubscriber
 

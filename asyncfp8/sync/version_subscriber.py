@@ -13,12 +13,7 @@ import numpy as np
 import torch
 import zmq
 
-from .codec import (
-    VERSION_TOPIC,
-    Version,
-    VersionAssembler,
-    parse_header,
-)
+from .codec import VERSION_TOPIC, Version
 from .copyhash import copy_xxh3
 from .limits import Limits, RejectedMessage, RejectionLog
 from .security import Curve, HandshakeWatch, secure_client
@@ -32,6 +27,7 @@ from .shm import (
     parse_notice,
 )
 from .transport import NONE_RETRY, SHM_SNAPSHOT_REQUEST, SNAPSHOT_REQUEST, check_transport, is_local
+from .version_decode import VersionAssembler, parse_header
 
 log = logging.getLogger("asyncfp8.sync")
 
