@@ -336,7 +336,7 @@ def late_mean(curve: list, steps: int) -> float | None:
     return statistics.fmean(late) if late else None
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--skip", type=int, default=20, help="warm-up steps left out")
@@ -370,11 +370,15 @@ def main() -> int:
     args = parser.parse_args()
     if args.curve < 0 or (args.curve and args.curve > args.steps):
         parser.error(f"--curve must be 0 (off) or a step count <= --steps, got {args.curve}")
-    systems = [TRL, *PLACEMENTS]
-    unknown = set(args.only or []) - set(systems)
+    unknown = set(args.only or []) - {TRL, *PLACEMENTS}
     if unknown:
-        parser.error(f"--only: unknown {sorted(unknown)}; choose from {systems}")
-    systems = [s for s in systems if args.only is None or s in args.only]
+        parser.error(f"--only: unknown {sorted(unknown)}; choose from {[TRL, *PLACEMENTS]}")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    systems = [s for s in (TRL, *PLACEMENTS) if args.only is None or s in args.only]
     threads = os.cpu_count() or 1
     python = trl_python(args.trl_venv) if TRL in systems else None
     root = args.keep or Path(tempfile.mkdtemp(prefix="peers-"))
@@ -414,24 +418,7 @@ def main() -> int:
                     *args.overrides,
                 ]
                 row = run_asyncfp8(overrides, out, args.skip, samples_per_step)
-            row.update(heldout(cfg, row["model_dir"], cfg.eval.prompts, cfg.eval.samples))
-            row.update(system=system, seed=seed)
-            if args.curve:
-                points = saved_points(out, trl=system == TRL)
-                row["heldout_curve"] = heldout_curve(cfg, start_dir, points, cfg.eval.prompts)
-                row["heldout_late_mean"] = late_mean(row["heldout_curve"], args.steps)
-                print(
-                    "  held-out greedy by step: "
-                    + " ".join(f"{step}:{score:.2f}" for step, score in row["heldout_curve"]),
-                    flush=True,
-                )
-            rows.append(row)
-            print(
-                f"  {row['trained_samples_per_s']:.1f} trained samples/s, wall {row['wall_s']:.0f} s, "
-                f"reward {row['reward_start']:.3f} -> {row['reward_end']:.3f}, held-out greedy "
-                f"{row['heldout_pass1_greedy']:.3f}",
-                flush=True,
-            )
+            rows.append(score_run(row, cfg, system, seed, out, start_dir, args))
     summary = summarize_rows(rows, systems)
     print_table(summary)
     path = write_json(
@@ -454,6 +441,29 @@ def main() -> int:
     )
     print(f"wrote {path}")
     return 0
+
+
+def score_run(row: dict, cfg, system: str, seed: int, out: Path, start_dir: str, args) -> dict:
+    """A finished run's row with its held-out scores (and, `--curve`, the held-out curve
+    of its saved points), printed as it comes."""
+    row.update(heldout(cfg, row["model_dir"], cfg.eval.prompts, cfg.eval.samples))
+    row.update(system=system, seed=seed)
+    if args.curve:
+        points = saved_points(out, trl=system == TRL)
+        row["heldout_curve"] = heldout_curve(cfg, start_dir, points, cfg.eval.prompts)
+        row["heldout_late_mean"] = late_mean(row["heldout_curve"], args.steps)
+        print(
+            "  held-out greedy by step: "
+            + " ".join(f"{step}:{score:.2f}" for step, score in row["heldout_curve"]),
+            flush=True,
+        )
+    print(
+        f"  {row['trained_samples_per_s']:.1f} trained samples/s, wall {row['wall_s']:.0f} s, "
+        f"reward {row['reward_start']:.3f} -> {row['reward_end']:.3f}, held-out greedy "
+        f"{row['heldout_pass1_greedy']:.3f}",
+        flush=True,
+    )
+    return row
 
 
 def summarize_rows(rows: list[dict], systems: list[str]) -> list[dict]:
