@@ -261,9 +261,14 @@ class ReferenceForward:
     def load(self, masters: Iterable[tuple[str, torch.Tensor]], extra: Mapping[str, torch.Tensor]):
         with torch.no_grad():
             for name, tensor in masters:
-                name = self.renamed.get(name, name)
-                if name in self.params:
-                    self.params[name].copy_(tensor)
+                if name in self.renamed:  # a quantized layer's FP32 master, as it is
+                    self.params[self.renamed[name]].copy_(tensor)
+                elif name in self.params:
+                    # Every other tensor as the engine holds it: cast to its dtype, and,
+                    # where a policy rescales it (INT8 smoothing divides a norm, or the
+                    # layer before a smoothed one, by the factors), rescaled the same way,
+                    # so that the quantized layers' inputs are the engine's.
+                    self.params[name].copy_(self.policy.passthrough(name, tensor))
         if self.fp8_kv:
             for layer, module in enumerate(self.model.model.layers):
                 names = kv_scale_names(layer)

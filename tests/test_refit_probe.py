@@ -63,6 +63,20 @@ def setting(tiny_model_dir):
     )
 
 
+PROFILE = object()  # stands for the tiny model's SmoothQuant profile (profile_path)
+# a mixed layout that keeps a fold's producer (up_proj) and a consumer (o_proj) in BF16
+KEPT = ["model.layers.0.mlp.up_proj", "model.layers.1.self_attn.o_proj"]
+
+
+@pytest.fixture(scope="module")
+def profile_path(tiny_model_dir, tmp_path_factory):
+    from asyncfp8.precision.profile import main
+
+    path = tmp_path_factory.mktemp("profile") / "profile.safetensors"
+    main(["--model", str(tiny_model_dir), "--out", str(path), "--samples", "32"])
+    return path
+
+
 def two_versions(model_dir, setting, spec, fault=None, **params):
     """Versions 0 and 1 through a reference and a torch engine; `fault` damages 1."""
     policy = get_policy(spec, **params)
@@ -92,9 +106,16 @@ def two_versions(model_dir, setting, spec, fault=None, **params):
         ("fp8", {}),
         ("fp8_kv", {}),
         ("int8", {}),
+        # smoothed (norms, and down_proj / o_proj through the layer before): the reference
+        # holds the norms and the layers before as the engine does, divided by s
+        ("int8", {"profile": PROFILE}),
+        ("mixed", {"base": "int8", "profile": PROFILE, "keep": KEPT}),
     ],
 )
-def test_an_intact_version_matches_the_reference_exactly(tiny_model_dir, setting, spec, params):
+def test_an_intact_version_matches_the_reference_exactly(
+    tiny_model_dir, setting, spec, params, profile_path
+):
+    params = {k: str(profile_path) if v is PROFILE else v for k, v in params.items()}
     check = two_versions(tiny_model_dir, setting, spec, **params)
     # The reference runs the engine's arithmetic (BF16 activations, FP32 GEMM
     # accumulation of the fake-quantized operands, the version's KV scales): measured 0.

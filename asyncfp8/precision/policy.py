@@ -179,7 +179,10 @@ class PrecisionPolicy:
 
     def reference_matmul(self, name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [..., K] times the FP32 master `weight` [N, K] of linear layer `name`, without
-        bias, as the engine's GEMM computes it: FP32 [..., N]. By default the fake-quantized
+        bias, as the engine's GEMM computes it: FP32 [..., N]. `x` is the input the engine's
+        layer gets (the reference holds every other tensor as `passthrough` gives it, so a
+        policy that rescales tensors there hands its quantized layers rescaled inputs, and
+        rescales `weight` here as `quantize_tensor` does). By default the fake-quantized
         input times the fake-quantized weight, one FP32 sum over K. A policy whose engine
         GEMM sums or scales in another order overrides it: the refit probe's reference
         (asyncfp8/refit.py) must round as the engine does, because one BF16 ulp of a key

@@ -169,10 +169,11 @@ class INT8Policy(PrecisionPolicy):
         return self._unsmoothed(name, dequantize_per_channel(q, scale))
 
     def reference_matmul(self, name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if name in self.smoothing or name + ROWS in self.smoothing:  # the fake-quant product
-            return super().reference_matmul(name, x, weight)
         # Int8Linear's order: exact integer sums, then × activation scale × weight scale.
-        q, scale = quantize_per_channel(weight, name=name)
+        # `x` is the engine's input, already divided by the smoothing factors (the
+        # reference holds the norms and the layers before as `passthrough` gives them);
+        # the weight is smoothed as `quantize_tensor` smooths it.
+        q, scale = quantize_per_channel(self._smoothed(name, weight), name=name)
         xq, x_scale = quantize_activations_int8(x.reshape(-1, x.shape[-1]))
         out = (xq.double() @ q.double().t()).float() * x_scale * scale.t()
         return out.reshape(*x.shape[:-1], weight.shape[0])
