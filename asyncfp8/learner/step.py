@@ -206,11 +206,7 @@ class TrainStep:
             # The loss is a mean over the whole mini-batch: its sums over micro-batches
             # and ranks, divided by the whole count.
             sums = distributed.sum_over_ranks(sums)
-            # which versions sampled the batch matters only to a dead one (one collective;
-            # the sums are the same on every rank, and so is the answer)
-            dead = judged and self.guard.rules.dead(Evidence.from_sums(sums))
-            sampled_from = oldest_over_ranks(oldest) if dead else None
-            if judged and self.guard.check(sums, step, version, sampled_from) is not None:
+            if judged and self._guard_fails(sums, oldest, step, version):
                 self.optimizer.zero_grad(set_to_none=True)
                 rolled_back = True
                 break
@@ -267,6 +263,17 @@ class TrainStep:
             self._loss_scale_metrics(int(totals.get("loss_scale_skipped", 0))),
             rejection | {"correction/starved_steps": self.starved_updates},
         )
+
+    def _guard_fails(
+        self, sums: dict[str, float], oldest: int | None, step: int, version: int
+    ) -> bool:
+        """Judges the step's first mini-batch (`sums` over every rank) with the weights the
+        previous step left; True when the guard rolled them back. Which versions sampled
+        the batch matters only to a dead one (one collective; the sums are the same on
+        every rank, and so is the answer)."""
+        dead = self.guard.rules.dead(Evidence.from_sums(sums))
+        sampled_from = oldest_over_ranks(oldest) if dead else None
+        return self.guard.check(sums, step, version, sampled_from) is not None
 
     def _gradient_factor(self, mini: list[dict]) -> float:
         """What each micro-batch's loss numerator is multiplied by before its backward: 1,

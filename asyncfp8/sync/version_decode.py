@@ -100,54 +100,60 @@ def parse_header(frame: bytes, limits: Limits) -> dict[str, Any]:
     if header["final"]:
         _check(_is_count(header.get("total_tensors")), "final chunk without total_tensors")
     for entry in header["tensors"]:
-        _check(
-            isinstance(entry, dict) and isinstance(entry.get("name"), str),
-            "tensor entry without a name",
-        )
-        name = entry["name"]
-        entry_role(entry)
-        _check(
-            wire_dtype(entry.get("dtype")) is not None,
-            f"{name}: unknown dtype {entry.get('dtype')!r}",
-        )
-        shape = entry.get("shape")
-        _check(
-            isinstance(shape, list)
-            and len(shape) <= limits.max_ndim
-            and all(_is_count(d) for d in shape),
-            f"{name}: bad shape {shape!r}",
-        )
-        _check(
-            math.prod(shape) * wire_dtype(entry["dtype"]).itemsize <= limits.max_tensor_bytes,
-            f"{name}: {shape} exceeds max_tensor_bytes",
-        )
-        _check(
-            entry.get("encoding") in ("full", "delta"),
-            f"{name}: unknown encoding {entry.get('encoding')!r}",
-        )
-        # A delta's result is checked whole after it is applied; a full tensor is its
-        # parts, each checked against its own checksum (and bytes placed in order).
-        if entry["encoding"] == "delta":
-            _check(_is_count(entry.get("result_checksum")), f"{name}: no checksum")
-        else:
-            _check(entry.get("result_checksum") is None, f"{name}: unexpected result checksum")
-        parts = entry.get("parts")
-        role = "data" if entry["encoding"] == "full" else "delta"
-        _check(
-            isinstance(parts, list)
-            and len(parts) == 1
-            and isinstance(parts[0], dict)
-            and parts[0].get("role") == role,
-            f"{name}: parts do not match the {entry['encoding']} encoding",
-        )
-        part = parts[0]
-        for key in PART_FIELDS[role]:
-            _check(_is_count(part.get(key)), f"{name}: part without a valid {key}")
-        _check(
-            part["offset"] + part["length"] <= header["payload_bytes"],
-            f"{name}: data outside the payload",
-        )
+        _check_entry(entry, header["payload_bytes"], limits)
     return header
+
+
+def _check_entry(entry: Any, payload_bytes: int, limits: Limits) -> None:
+    """One tensor entry of a chunk header: name, role, dtype, shape and size within the
+    limits, encoding, and its one part inside the chunk's `payload_bytes`."""
+    _check(
+        isinstance(entry, dict) and isinstance(entry.get("name"), str),
+        "tensor entry without a name",
+    )
+    name = entry["name"]
+    entry_role(entry)
+    _check(
+        wire_dtype(entry.get("dtype")) is not None,
+        f"{name}: unknown dtype {entry.get('dtype')!r}",
+    )
+    shape = entry.get("shape")
+    _check(
+        isinstance(shape, list)
+        and len(shape) <= limits.max_ndim
+        and all(_is_count(d) for d in shape),
+        f"{name}: bad shape {shape!r}",
+    )
+    _check(
+        math.prod(shape) * wire_dtype(entry["dtype"]).itemsize <= limits.max_tensor_bytes,
+        f"{name}: {shape} exceeds max_tensor_bytes",
+    )
+    _check(
+        entry.get("encoding") in ("full", "delta"),
+        f"{name}: unknown encoding {entry.get('encoding')!r}",
+    )
+    # A delta's result is checked whole after it is applied; a full tensor is its
+    # parts, each checked against its own checksum (and bytes placed in order).
+    if entry["encoding"] == "delta":
+        _check(_is_count(entry.get("result_checksum")), f"{name}: no checksum")
+    else:
+        _check(entry.get("result_checksum") is None, f"{name}: unexpected result checksum")
+    parts = entry.get("parts")
+    role = "data" if entry["encoding"] == "full" else "delta"
+    _check(
+        isinstance(parts, list)
+        and len(parts) == 1
+        and isinstance(parts[0], dict)
+        and parts[0].get("role") == role,
+        f"{name}: parts do not match the {entry['encoding']} encoding",
+    )
+    part = parts[0]
+    for key in PART_FIELDS[role]:
+        _check(_is_count(part.get(key)), f"{name}: part without a valid {key}")
+    _check(
+        part["offset"] + part["length"] <= payload_bytes,
+        f"{name}: data outside the payload",
+    )
 
 
 class VersionAssembler:
