@@ -38,6 +38,14 @@ all_settings=(
   "mixed_int8 precision=mixed precision.base=int8 precision.budget=1.3 correction=token_tis"
   # mixed FP8 at budget 2 (the parity study's session-19 row, before the π_prox fix)
   "mixed_fp8 precision=mixed precision.base=fp8 precision.budget=2 correction=token_tis"
+  # item 5: vLLM in a worker process of its own (the placement of session 13's two vLLM
+  # runs that collapsed), with and without the guard; the torch engine so placed, guard
+  # off, is the control
+  "vllm_bf16 engine=vllm precision=bf16 correction=token_tis run.placement=separate run.workers=1"
+  "vllm_bf16_noguard engine=vllm precision=bf16 correction=token_tis run.placement=separate run.workers=1 guard.enabled=false"
+  "vllm_int8 engine=vllm precision=int8 correction=token_tis run.placement=separate run.workers=1"
+  "vllm_int8_noguard engine=vllm precision=int8 correction=token_tis run.placement=separate run.workers=1 guard.enabled=false"
+  "separate_bf16_noguard precision=bf16 correction=token_tis run.placement=separate run.workers=1 guard.enabled=false"
 )
 # shellcheck source=scripts/run_settings.sh
 source scripts/run_settings.sh
