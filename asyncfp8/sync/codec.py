@@ -36,7 +36,7 @@ import xxhash
 
 from ..precision.manifest import WIRE_KEYS, TensorRole, default_role
 from .copyhash import copy_xxh3
-from .delta import encode_delta
+from .delta import Delta, encode_delta
 from .limits import RejectedMessage
 
 # 3: a full tensor has no result checksum (its parts' checksums cover it); 4: each
@@ -202,6 +202,113 @@ def encode_chunks(
     )
 
 
+class _Chunks:
+    """The chunk `encode_tagged` is filling: its parts (each with its bytes, and where in
+    `base` they also go or None), their tensors' entries and its size; one message each."""
+
+    def __init__(self, header: dict[str, Any], chunk_bytes: int, share_base: bool):
+        self.header = header  # the fields every chunk's header shares
+        self.chunk_bytes, self.share_base = chunk_bytes, share_base
+        self.pending: list[tuple[dict, memoryview, memoryview | None]] = []
+        self.entries: dict[str, dict[str, Any]] = {}  # name -> its entry in this chunk
+        self.size, self.index = 0, 0
+        self.names: set[str] = set()  # every tensor of the version so far
+
+    @property
+    def full(self) -> bool:
+        return self.size >= self.chunk_bytes
+
+    def add(
+        self, entry: dict[str, Any], part: dict[str, Any], data: memoryview, into: memoryview | None
+    ) -> None:
+        self.entries.setdefault(entry["name"], entry | {"parts": []})["parts"].append(part)
+        self.pending.append((part, data, into))
+        self.size += len(data)
+
+    def add_full(
+        self, entry: dict[str, Any], data: memoryview, kept: memoryview | None
+    ) -> Iterator[list[bytes]]:
+        """A whole tensor's bytes, cut where the chunk fills (yielding each chunk filled)."""
+        at = 0
+        while True:
+            if self.full:
+                yield self.flush()
+            length = min(len(data) - at, self.chunk_bytes - self.size)
+            self.add(
+                entry | {"encoding": "full"},
+                {"role": "data", "at": at, "length": length},
+                data[at : at + length],
+                None if kept is None else kept[at : at + length],
+            )
+            at += length
+            if at >= len(data):
+                return
+
+    def flush(self) -> list[bytes]:
+        """The chunk made of what is pending; the next one starts empty."""
+        out = self.message(final=False)
+        self.pending, self.entries, self.size = [], {}, 0
+        self.index += 1
+        return out
+
+    def message(self, final: bool) -> list[bytes]:
+        if self.share_base and len(self.pending) == 1 and self.pending[0][2] is not None:
+            # One slice of one tensor: copied (and hashed, one pass) into the base only,
+            # and sent from there.
+            part, data, into = self.pending[0]
+            part |= {"offset": 0, "checksum": copy_xxh3(data, into)}
+            payload = into
+        else:
+            payload = aligned_empty(self.size)
+            target = memoryview(payload)
+            cursor = 0
+            for part, data, into in self.pending:
+                # One pass: the bytes are hashed from the registers they are copied from.
+                written = target[cursor : cursor + len(data)]
+                part |= {"offset": cursor, "checksum": copy_xxh3(data, written)}
+                if into is not None and len(into):
+                    into[:] = written
+                cursor += len(data)
+        header = self.header | {
+            "chunk": self.index,
+            "final": final,
+            "payload_bytes": self.size,
+            "tensors": list(self.entries.values()),
+            "total_tensors": len(self.names) if final else None,
+        }
+        return [VERSION_TOPIC + seal(msgpack.packb(header, use_bin_type=True)), payload]
+
+
+def _tensor_entry(
+    role: TensorRole, name: str, tensor: torch.Tensor, version: int, names: set[str]
+) -> dict[str, Any]:
+    """A tensor's entry in its chunks' headers (refusing a dtype the wire lacks, and a
+    name sent twice), its name added to `names`."""
+    if dtype_name(tensor.dtype) is None:
+        raise ValueError(f"{name}: dtype {tensor.dtype} cannot be sent")
+    if name in names:
+        raise ValueError(f"{name}: sent twice in version {version}")
+    names.add(name)
+    return {
+        "name": name,
+        **role.wire(),
+        "dtype": dtype_name(tensor.dtype),
+        "shape": list(tensor.shape),
+        "result_checksum": None,  # a full tensor's parts each have theirs
+    }
+
+
+def _delta_part(delta: Delta) -> dict[str, Any]:
+    return {
+        "role": "delta",
+        "length": len(delta.blob),
+        "changes": delta.changes,
+        "escapes": delta.escapes,
+        "gap_bytes": delta.gap_bytes,
+        "raw_bytes": delta.raw_bytes,
+    }
+
+
 def encode_tagged(
     version: int,
     tagged: Tagged,
@@ -221,76 +328,20 @@ def encode_tagged(
     second time: its payload frame is a view of `base` (the caller must then keep `base`
     from changing until ZeroMQ has sent those frames: `VersionPublisher` tracks them)."""
     chunk_bytes = max(1, chunk_bytes)
-    # (part, its bytes, where in `base` they also go or None)
-    pending: list[tuple[dict, memoryview, memoryview | None]] = []
-    entries: dict[str, dict[str, Any]] = {}  # name -> its entry in this chunk
-    size, chunk_index, names = 0, 0, set()
+    header = {
+        "format": FORMAT_VERSION,
+        "kind": "version",
+        "version": version,
+        "stream": stream,
+        "base_version": base_version,
+        "policy": policy,
+        "engine_config": dict(engine_config or {}),
+    }
+    chunks = _Chunks(header, chunk_bytes, share_base)
     cut = False  # the last tensor spanned chunks: whatever comes next starts a new one
-
-    def message(final: bool) -> list[bytes]:
-        if share_base and len(pending) == 1 and pending[0][2] is not None:
-            # One slice of one tensor: copied (and hashed, one pass) into the base only,
-            # and sent from there.
-            part, data, into = pending[0]
-            part |= {"offset": 0, "checksum": copy_xxh3(data, into)}
-            payload = into
-        else:
-            payload = aligned_empty(size)
-            target = memoryview(payload)
-            cursor = 0
-            for part, data, into in pending:
-                # One pass: the bytes are hashed from the registers they are copied from.
-                written = target[cursor : cursor + len(data)]
-                part |= {"offset": cursor, "checksum": copy_xxh3(data, written)}
-                if into is not None and len(into):
-                    into[:] = written
-                cursor += len(data)
-        header = {
-            "format": FORMAT_VERSION,
-            "kind": "version",
-            "version": version,
-            "stream": stream,
-            "base_version": base_version,
-            "policy": policy,
-            "engine_config": dict(engine_config or {}),
-            "chunk": chunk_index,
-            "final": final,
-            "payload_bytes": size,
-            "tensors": list(entries.values()),
-            "total_tensors": len(names) if final else None,
-        }
-        return [VERSION_TOPIC + seal(msgpack.packb(header, use_bin_type=True)), payload]
-
-    def next_chunk() -> list[bytes]:
-        """The chunk made of what is pending; the next one starts empty."""
-        nonlocal pending, entries, size, chunk_index
-        out = message(final=False)
-        pending, entries, size = [], {}, 0
-        chunk_index += 1
-        return out
-
-    def add(
-        entry: dict[str, Any], part: dict[str, Any], data: memoryview, into: memoryview | None
-    ) -> None:
-        nonlocal size
-        entries.setdefault(entry["name"], entry | {"parts": []})["parts"].append(part)
-        pending.append((part, data, into))
-        size += len(data)
-
     for role, name, tensor in tagged:
         tensor = tensor.detach().contiguous()
-        if dtype_name(tensor.dtype) is None:
-            raise ValueError(f"{name}: dtype {tensor.dtype} cannot be sent")
-        if name in names:
-            raise ValueError(f"{name}: sent twice in version {version}")
-        names.add(name)
-        entry = {
-            "name": name,
-            **role.wire(),
-            "dtype": dtype_name(tensor.dtype),
-            "shape": list(tensor.shape),
-            "result_checksum": None,  # a full tensor's parts each have theirs
-        }
+        entry = _tensor_entry(role, name, tensor, version, chunks.names)
         old = None if base is None else base.get(name)
         delta, keep = None, None  # keep: the base tensor a whole tensor is also copied into
         if old is not None and old.dtype == tensor.dtype and old.shape == tensor.shape:
@@ -309,38 +360,18 @@ def encode_tagged(
         # which the receiver takes straight into its tensor (`recv_into`) and the
         # publisher sends from its base, with no copy through a scratch or message buffer.
         spans = delta is None and len(data) > chunk_bytes
-        if size and (cut or spans or (delta is None and size + len(data) > chunk_bytes)):
-            yield next_chunk()
+        if chunks.size and (
+            cut or spans or (delta is None and chunks.size + len(data) > chunk_bytes)
+        ):
+            yield chunks.flush()
         cut = spans
         if delta is not None:
-            part = {
-                "role": "delta",
-                "length": len(delta.blob),
-                "changes": delta.changes,
-                "escapes": delta.escapes,
-                "gap_bytes": delta.gap_bytes,
-                "raw_bytes": delta.raw_bytes,
-            }
-            add(entry | {"encoding": "delta"}, part, data, None)
+            chunks.add(entry | {"encoding": "delta"}, _delta_part(delta), data, None)
         else:
-            at = 0
-            kept = None if keep is None else byte_view(keep)
-            while True:
-                if size >= chunk_bytes:
-                    yield next_chunk()
-                length = min(len(data) - at, chunk_bytes - size)
-                add(
-                    entry | {"encoding": "full"},
-                    {"role": "data", "at": at, "length": length},
-                    data[at : at + length],
-                    None if kept is None else kept[at : at + length],
-                )
-                at += length
-                if at >= len(data):
-                    break
-        if size >= chunk_bytes:
-            yield next_chunk()
-    yield message(final=True)
+            yield from chunks.add_full(entry, data, None if keep is None else byte_view(keep))
+        if chunks.full:
+            yield chunks.flush()
+    yield chunks.message(final=True)
 
 
 def encode_version(
