@@ -99,20 +99,7 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(optim, run.steps)
         )
-        # π_prox of the sample's version: the weights of the versions stale samples can have
-        keep = max_staleness_of(run) + 1
-        self.proximal, why = choose_proximal(
-            str(cfg.correction.get("proximal", "auto")),
-            str(cfg.correction.mode),
-            run.learner_procs,
-            sum(p.numel() for p in self.model.parameters()),
-            keep,
-            available_memory(),
-        )
-        log.info("π_prox: %s (%s)", self.proximal, why)
-        self.version_weights = (
-            VersionWeights(self.model, keep) if self.proximal == "version" else None
-        )
+        self.proximal, self.version_weights = self._proximal()
         self.train_step = self._train_step()
         self.rolled_back = False  # the latest step undid the one before it
         self.checkpointed_step: int | None = None
@@ -150,20 +137,7 @@ class Learner:
             self.checkpointer.stateful["loss_scale"] = self.train_step.loss_scaler
         if self.train_step.calibration is not None:  # and the bounds its first step measured
             self.checkpointer.stateful["bound_calibration"] = self.train_step.calibration
-        self.heldout = None
-        if cfg.eval.every:
-            self.heldout = HeldOut(
-                self.task,
-                tokenizer,
-                cfg.eval.prompts,
-                cfg.eval.samples,
-                run.max_new_tokens,
-                run.temperature,
-                run.seed,
-                self.ranks,
-                self.dtype,
-                self._evaluation_kv_scales,
-            )
+        self.heldout = self._heldout() if cfg.eval.every else None
         self.heldout_guard = self._heldout_guard()
         self.heldout_rolled_back = False  # this step's evaluation put back earlier weights
         self.step = 0
@@ -174,6 +148,37 @@ class Learner:
             self._restore()
         self.hub.open_logs(self.dir, self.step if run.resume else None)
         self._log_start()
+
+    def _proximal(self) -> tuple[str, VersionWeights | None]:
+        """Which π_prox the run takes (`correction.proximal`; auto chooses) and, for each
+        sample's own version, the copies of the versions stale samples can have."""
+        cfg, run = self.cfg, self.cfg.run
+        keep = max_staleness_of(run) + 1
+        proximal, why = choose_proximal(
+            str(cfg.correction.get("proximal", "auto")),
+            str(cfg.correction.mode),
+            run.learner_procs,
+            sum(p.numel() for p in self.model.parameters()),
+            keep,
+            available_memory(),
+        )
+        log.info("π_prox: %s (%s)", proximal, why)
+        return proximal, VersionWeights(self.model, keep) if proximal == "version" else None
+
+    def _heldout(self) -> HeldOut:
+        cfg, run = self.cfg, self.cfg.run
+        return HeldOut(
+            self.task,
+            self.tokenizer,
+            cfg.eval.prompts,
+            cfg.eval.samples,
+            run.max_new_tokens,
+            run.temperature,
+            run.seed,
+            self.ranks,
+            self.dtype,
+            self._evaluation_kv_scales,
+        )
 
     @property
     def version(self) -> int | None:
