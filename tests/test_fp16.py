@@ -122,7 +122,8 @@ def test_an_activation_past_fp16s_range_is_caught_by_the_refit_probe_at_its_laye
     that layer and the cause, so the worker stops instead of sampling from it."""
     from asyncfp8.models import load_tokenizer
     from asyncfp8.precision import version_weights
-    from asyncfp8.refit import TOLERANCES, ReferenceForward, RefitChecker, probe_sequences
+    from asyncfp8.refit import TOLERANCES, RefitChecker, probe_sequences
+    from asyncfp8.refit_reference import ReferenceForward
 
     model = load_model(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():

@@ -17,12 +17,12 @@ from asyncfp8.refit import (
     TOLERANCES,
     Probe,
     ProbeTolerance,
-    ReferenceForward,
     RefitChecker,
     check_probe,
     probe_sequences,
     tolerance_for,
 )
+from asyncfp8.refit_reference import ReferenceForward
 from asyncfp8.tasks import ArithmeticTask
 
 TASK = ArithmeticTask(seed=5)

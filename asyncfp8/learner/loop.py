@@ -46,7 +46,7 @@ from asyncfp8.models import load_model, load_tokenizer, run_model_dir
 from asyncfp8.precision.fp8_kv import kv_scale_names
 from asyncfp8.precision.sensitivity import LayoutDrift, mixed_part
 from asyncfp8.process import StopFlag, endpoints, set_threads, worker_count
-from asyncfp8.refit import ReferenceForward
+from asyncfp8.refit_reference import ReferenceForward
 from asyncfp8.run_files import GUARD_STOP_FILE, GUARD_STOPPED
 
 from .checkpoints import Checkpointer

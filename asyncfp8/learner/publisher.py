@@ -26,7 +26,8 @@ from asyncfp8.logprobs import without_logits
 from asyncfp8.precision import PrecisionPolicy, calibrate_version, extra_roles, version_weights
 from asyncfp8.precision.manifest import decoder_layers
 from asyncfp8.precision.sensitivity import LayoutDrift
-from asyncfp8.refit import Probe, ReferenceForward, probe_sequences
+from asyncfp8.refit import Probe, probe_sequences
+from asyncfp8.refit_reference import ReferenceForward
 from asyncfp8.run_files import LATEST_VERSION_FILE
 from asyncfp8.sync import BackgroundPublisher, Trajectory
 
