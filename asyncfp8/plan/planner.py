@@ -158,40 +158,11 @@ def make_plan(cfg: Mapping[str, Any]) -> dict[str, Any]:
         )
     model = load_model_facts(str(cfg["model"]["path"]))
     gpu = resolve_gpu(cfg["gpu"])
-    engine, workload, plan, learner = cfg["engine"], cfg["workload"], cfg["plan"], cfg["learner"]
-    tp = _positive_int(engine["tp"], "engine.tp")
-    rollout_gpus = _positive_int(workload["rollout_gpus"], "workload.rollout_gpus")
-    if rollout_gpus % tp:
-        raise PlanInputError(
-            f"workload.rollout_gpus={rollout_gpus} is not a multiple of engine.tp={tp}"
-        )
-    for key in ("prompts_per_step", "samples_per_prompt", "prompt_tokens"):
-        _positive_int(workload[key], f"workload.{key}")
-    _positive_int(engine["max_num_seqs"], "engine.max_num_seqs")
-    utilization = _positive(engine["gpu_memory_utilization"], "engine.gpu_memory_utilization")
-    if utilization > 1:
-        raise PlanInputError(f"engine.gpu_memory_utilization must be at most 1, got {utilization}")
-    if cfg["sync"]["mode"] not in ("full", "delta"):
-        raise PlanInputError(f"sync.mode must be full or delta, got {cfg['sync']['mode']!r}")
-    _positive(cfg["sync"]["link_gb_s"], "sync.link_gb_s")
-    if not 0 < _positive(cfg["sync"]["changed_fraction"], "sync.changed_fraction") <= 1:
-        raise PlanInputError("sync.changed_fraction is a share of the weights: at most 1")
-    staleness = cfg["sync"]["max_staleness"]
-    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
-        raise PlanInputError(f"sync.max_staleness must be an integer >= 0, got {staleness!r}")
-    if engine["reserved_gib"] < 0:
-        raise PlanInputError(f"engine.reserved_gib must be >= 0, got {engine['reserved_gib']}")
-    batch_sizes = [_positive_int(b, "plan.batch_sizes[]") for b in plan["batch_sizes"]]
-    precisions = [get_precision(name) for name in plan["precisions"]]
-    if "bf16" not in plan["precisions"]:
-        raise PlanInputError("plan.precisions must include bf16: speed-ups are relative to it")
-
-    kind = str(engine.get("kind", "vllm"))
-    if kind not in ENGINE_KINDS:
-        raise PlanInputError(f"engine.kind must be one of {', '.join(ENGINE_KINDS)}, got {kind}")
-    calibration = load_calibration(choose_calibration(str(plan["calibration"]), gpu, kind))
+    engine, workload = cfg["engine"], cfg["workload"]
+    tp, utilization, staleness, batch_sizes, precisions, kind = _checked_settings(cfg)
+    calibration = load_calibration(choose_calibration(str(cfg["plan"]["calibration"]), gpu, kind))
     lengths = _lengths(workload["response"])
-    engines = rollout_gpus // tp
+    engines = workload["rollout_gpus"] // tp
     per_engine = math.ceil(workload["prompts_per_step"] * workload["samples_per_prompt"] / engines)
     seed = int(workload.get("seed", 0))
     responses = lengths.sample(per_engine, seed)
@@ -218,22 +189,7 @@ def make_plan(cfg: Mapping[str, Any]) -> dict[str, Any]:
             "lower workload.response.max_tokens, or use a GPU with more memory"
         )
 
-    if learner.get("step_s") is not None:
-        learner_s = _positive(learner["step_s"], "learner.step_s")
-        learner_source = "given"
-    else:
-        all_lengths = workload["prompt_tokens"] + lengths.sample(
-            workload["prompts_per_step"] * workload["samples_per_prompt"], seed
-        )
-        learner_s = learner_step_seconds(
-            model,
-            all_lengths,
-            gpu,
-            _positive_int(learner["gpus"], "learner.gpus"),
-            _positive(learner["mfu"], "learner.mfu"),
-            _positive(learner["passes"], "learner.passes"),
-        )
-        learner_source = f"from FLOPs at {learner['mfu']:.0%} MFU on {learner['gpus']} x {gpu.name}"
+    learner_s, learner_source = _learner_seconds(cfg, model, gpu, lengths, seed)
 
     for row in rows.values():
         if not row["fits"]:
@@ -278,6 +234,68 @@ def make_plan(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "precisions": rows,
         "recommendation": recommend(rows, gpu),
     }
+
+
+def _checked_settings(cfg: Mapping[str, Any]) -> tuple[int, float, int, list[int], list, str]:
+    """The engine's, workload's, sync's and plan's settings, each refused naming its key
+    when out of range: (tp, gpu_memory_utilization, max_staleness, batch sizes, the
+    precisions, the engine kind)."""
+    engine, workload, plan = cfg["engine"], cfg["workload"], cfg["plan"]
+    tp = _positive_int(engine["tp"], "engine.tp")
+    rollout_gpus = _positive_int(workload["rollout_gpus"], "workload.rollout_gpus")
+    if rollout_gpus % tp:
+        raise PlanInputError(
+            f"workload.rollout_gpus={rollout_gpus} is not a multiple of engine.tp={tp}"
+        )
+    for key in ("prompts_per_step", "samples_per_prompt", "prompt_tokens"):
+        _positive_int(workload[key], f"workload.{key}")
+    _positive_int(engine["max_num_seqs"], "engine.max_num_seqs")
+    utilization = _positive(engine["gpu_memory_utilization"], "engine.gpu_memory_utilization")
+    if utilization > 1:
+        raise PlanInputError(f"engine.gpu_memory_utilization must be at most 1, got {utilization}")
+    if cfg["sync"]["mode"] not in ("full", "delta"):
+        raise PlanInputError(f"sync.mode must be full or delta, got {cfg['sync']['mode']!r}")
+    _positive(cfg["sync"]["link_gb_s"], "sync.link_gb_s")
+    if not 0 < _positive(cfg["sync"]["changed_fraction"], "sync.changed_fraction") <= 1:
+        raise PlanInputError("sync.changed_fraction is a share of the weights: at most 1")
+    staleness = cfg["sync"]["max_staleness"]
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        raise PlanInputError(f"sync.max_staleness must be an integer >= 0, got {staleness!r}")
+    if engine["reserved_gib"] < 0:
+        raise PlanInputError(f"engine.reserved_gib must be >= 0, got {engine['reserved_gib']}")
+    batch_sizes = [_positive_int(b, "plan.batch_sizes[]") for b in plan["batch_sizes"]]
+    precisions = [get_precision(name) for name in plan["precisions"]]
+    if "bf16" not in plan["precisions"]:
+        raise PlanInputError("plan.precisions must include bf16: speed-ups are relative to it")
+
+    kind = str(engine.get("kind", "vllm"))
+    if kind not in ENGINE_KINDS:
+        raise PlanInputError(f"engine.kind must be one of {', '.join(ENGINE_KINDS)}, got {kind}")
+    return tp, utilization, staleness, batch_sizes, precisions, kind
+
+
+def _learner_seconds(
+    cfg: Mapping[str, Any], model: ModelFacts, gpu: GPU, lengths: length_dists.Lengths, seed: int
+) -> tuple[float, str]:
+    """A learner step's seconds (`learner.step_s`, or from FLOPs) and where they came from."""
+    workload, learner = cfg["workload"], cfg["learner"]
+    if learner.get("step_s") is not None:
+        learner_s = _positive(learner["step_s"], "learner.step_s")
+        learner_source = "given"
+    else:
+        all_lengths = workload["prompt_tokens"] + lengths.sample(
+            workload["prompts_per_step"] * workload["samples_per_prompt"], seed
+        )
+        learner_s = learner_step_seconds(
+            model,
+            all_lengths,
+            gpu,
+            _positive_int(learner["gpus"], "learner.gpus"),
+            _positive(learner["mfu"], "learner.mfu"),
+            _positive(learner["passes"], "learner.passes"),
+        )
+        learner_source = f"from FLOPs at {learner['mfu']:.0%} MFU on {learner['gpus']} x {gpu.name}"
+    return learner_s, learner_source
 
 
 def _calibration_summary(calibration: Calibration, gpu: GPU) -> dict[str, Any]:
