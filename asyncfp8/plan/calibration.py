@@ -373,6 +373,40 @@ def derive(
 ) -> dict[str, Any]:
     """A calibration set from `bench/rollout.py`, `bench/sync.py` and `bench/quantize.py`
     JSON outputs."""
+    points, copies, links, machine, sync, quantize = _read_bench_outputs(paths, engine, model)
+    if not points:
+        raise SystemExit(f"no {engine} rows in {paths}")
+    if not gpu and not (copies and links):
+        raise SystemExit("a CPU calibration needs bench/sync.py output (memcpy and link bandwidth)")
+    device = (
+        {**vars(GPUS[gpu])}
+        if gpu
+        else _cpu_device(machine, statistics.median(copies), statistics.median(links))
+    )
+    fit_names, start = _fit_start({p["precision"] for p in points}, gpu, sync)
+    return {
+        "name": name,
+        "description": f"{engine} engine on {device['name']}: {len(points)} decode rates "
+        "measured by bench/rollout.py"
+        + ("; weight-sync throughput by bench/sync.py" if copies and links else "")
+        + ("; quantization throughput by bench/quantize.py" if quantize else ""),
+        "sources": paths,
+        "device": device,
+        "engine": engine,
+        "efficiency": start,
+        "fit": fit_names,
+        "ceiling": 1.0 if gpu else None,
+        "points": points,
+        "sync": sync,
+        "quantize_gb_s": quantize,
+    }
+
+
+def _read_bench_outputs(
+    paths: list[str], engine: str, model: str | None
+) -> tuple[list[dict], list[float], list[float], dict, dict[str, Any], dict[str, float]]:
+    """From the benches' JSON outputs: `engine`'s decode rates, the copy and link
+    bandwidths, the machine, the weight-sync figures and the quantization throughputs."""
     points, copies, links, machine = [], [], [], {}
     sync: dict[str, Any] = {"delta_bytes_ratio": {}, "publish_to_applied_gb_s": {}}
     quantize: dict[str, float] = {}
@@ -421,16 +455,15 @@ def derive(
                     quantize[row["format"]] = row["gb_per_s"]
         else:
             raise SystemExit(f"{path}: not an output of bench/rollout.py, sync.py or quantize.py")
-    if not points:
-        raise SystemExit(f"no {engine} rows in {paths}")
-    if not gpu and not (copies and links):
-        raise SystemExit("a CPU calibration needs bench/sync.py output (memcpy and link bandwidth)")
-    device = (
-        {**vars(GPUS[gpu])}
-        if gpu
-        else _cpu_device(machine, statistics.median(copies), statistics.median(links))
-    )
-    precisions = {p["precision"] for p in points}
+    return points, copies, links, machine, sync, quantize
+
+
+def _fit_start(
+    precisions: set[str], gpu: str | None, sync: dict[str, Any]
+) -> tuple[list[str], dict[str, Any]]:
+    """The efficiency factors to fit for the measured precisions, and where the fit
+    starts (a GPU's priors, or CPU-scale costs); on a GPU the priors' delta ratio fills
+    `sync` where no bench measured one."""
     fit_names = ["step_overhead_s", "layer_overhead_s", "gemm_launch_s.bf16"]
     fit_names += ["gemm_compute.bf16", "attention_memory.bf16"]
     for weights in ("fp8", "int8"):
@@ -471,22 +504,7 @@ def derive(
             "gemm_compute": {"bf16": 0.3, "fp8": 0.3, "int8": 0.3},
             "attention_memory": {"bf16": 0.3, "fp8": 0.3},
         }
-    return {
-        "name": name,
-        "description": f"{engine} engine on {device['name']}: {len(points)} decode rates "
-        "measured by bench/rollout.py"
-        + ("; weight-sync throughput by bench/sync.py" if copies and links else "")
-        + ("; quantization throughput by bench/quantize.py" if quantize else ""),
-        "sources": paths,
-        "device": device,
-        "engine": engine,
-        "efficiency": start,
-        "fit": fit_names,
-        "ceiling": 1.0 if gpu else None,
-        "points": points,
-        "sync": sync,
-        "quantize_gb_s": quantize,
-    }
+    return fit_names, start
 
 
 def main() -> None:
