@@ -148,36 +148,55 @@ def _decode_ops(
             gemm("gate_up_proj", layers, 2 * i, h, 2 * precision.linear_bytes(i, h))
             gemm("down_proj", layers, h, i, precision.linear_bytes(h, i))
             continue
-        ops.append(
-            Op(
-                "router",
-                "gemm",
-                flops=layers * 2.0 * b * model.num_experts * h,
-                weight_bytes=layers * model.num_experts * h * ACTIVATION_BYTES,
-                io_bytes=layers * b * (h + model.num_experts) * ACTIVATION_BYTES,
-                dtype="bf16",
-                launches=layers,
-            )
-        )
-        i, k = model.moe_intermediate_size, model.experts_per_token
-        touched = distinct_experts(model, b)
-        expert_bytes = 2 * precision.linear_bytes(i, h) + precision.linear_bytes(h, i)
-        ops.append(
-            Op(
-                "experts",
-                "gemm",
-                flops=layers * 2.0 * b * k * 3 * i * h / tp,
-                weight_bytes=layers * touched * expert_bytes / tp,
-                io_bytes=layers * b * k * (2 * h + 3 * i / tp) * ACTIVATION_BYTES,
-                dtype=weights,
-                launches=2 * layers,  # grouped gate/up, then grouped down
-            )
-        )
+        ops += _expert_ops(model, precision, b, layers, tp)
         if model.shared_expert_intermediate_size:
             s = model.shared_expert_intermediate_size
             gemm("shared_gate_up", layers, 2 * s, h, 2 * precision.linear_bytes(s, h))
             gemm("shared_down", layers, h, s, precision.linear_bytes(h, s))
 
+    ops += _per_token_ops(model, precision, b, context_tokens, tp)
+    return ops
+
+
+def _expert_ops(model: ModelFacts, precision: Precision, b: int, layers: int, tp: int) -> list[Op]:
+    """A decode step's router and routed-expert GEMMs over `layers` MoE layers."""
+    h = model.hidden_size
+    weights = precision.weights
+    ops: list[Op] = []
+    ops.append(
+        Op(
+            "router",
+            "gemm",
+            flops=layers * 2.0 * b * model.num_experts * h,
+            weight_bytes=layers * model.num_experts * h * ACTIVATION_BYTES,
+            io_bytes=layers * b * (h + model.num_experts) * ACTIVATION_BYTES,
+            dtype="bf16",
+            launches=layers,
+        )
+    )
+    i, k = model.moe_intermediate_size, model.experts_per_token
+    touched = distinct_experts(model, b)
+    expert_bytes = 2 * precision.linear_bytes(i, h) + precision.linear_bytes(h, i)
+    ops.append(
+        Op(
+            "experts",
+            "gemm",
+            flops=layers * 2.0 * b * k * 3 * i * h / tp,
+            weight_bytes=layers * touched * expert_bytes / tp,
+            io_bytes=layers * b * k * (2 * h + 3 * i / tp) * ACTIVATION_BYTES,
+            dtype=weights,
+            launches=2 * layers,  # grouped gate/up, then grouped down
+        )
+    )
+    return ops
+
+
+def _per_token_ops(
+    model: ModelFacts, precision: Precision, b: int, context_tokens: float, tp: int
+) -> list[Op]:
+    """A decode step's attention, elementwise work, LM head and logits."""
+    h = model.hidden_size
+    ops: list[Op] = []
     kv_heads_per_gpu = -(-model.num_kv_heads // tp)
     layers = model.num_layers
     ops.append(
