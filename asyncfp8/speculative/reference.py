@@ -15,7 +15,7 @@ what `DrafterTrainer.observe` takes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +70,39 @@ def target_forward(model, input_ids, attention_mask, position_ids, cache):
 
 
 @torch.no_grad()
+def _left_padded(
+    prompts: Sequence[Sequence[int]], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as one left-padded batch of ids, and where its tokens are real."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
+    return ids, mask
+
+
+def _keep_emitted(
+    tokens: list[list[int]],
+    logprobs: list[list[float]],
+    emitted: torch.Tensor,
+    emitted_logp: torch.Tensor,
+    counts: torch.Tensor,
+    active: torch.Tensor,
+    done: Callable[[int], bool],
+) -> torch.Tensor:
+    """Appends each active row's emitted tokens up to its budget and its first eos (a
+    prefix of a sample is a sample of the prefix); the count each row kept (0: inactive)."""
+    for row in torch.nonzero(active)[:, 0].tolist():
+        kept = 0
+        for j in range(int(counts[row])):
+            tokens[row].append(int(emitted[row, j]))
+            logprobs[row].append(float(emitted_logp[row, j]))
+            kept += 1
+            if done(row):
+                break
+        counts[row] = kept
+    return torch.where(active, counts, 0)
+
+
 def generate(
     model,
     prompts: Sequence[Sequence[int]],
@@ -88,9 +121,7 @@ def generate(
         raise ValueError(f"k must be >= 1, got {k}")
     batch = len(prompts)
     greedy = sampling.temperature == 0
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts])
-    mask = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
+    ids, mask = _left_padded(prompts, pad_token_id)
     positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache()
     hidden, logits = target_forward(model, ids, mask.long(), positions, cache)
@@ -146,18 +177,7 @@ def generate(
             stats["verify_steps"] += int(active.sum())
             stats["drafted"] += k * int(active.sum())
             stats["accepted"] += int(result.num_accepted[active].sum())
-        # Keep a row's tokens up to its budget and its first eos: a prefix of a sample is
-        # a sample of the prefix.
-        for row in torch.nonzero(active)[:, 0].tolist():
-            kept = 0
-            for j in range(int(counts[row])):
-                tokens[row].append(int(emitted[row, j]))
-                logprobs[row].append(float(emitted_logp[row, j]))
-                kept += 1
-                if done(row):
-                    break
-            counts[row] = kept
-        counts = torch.where(active, counts, 0)
+        counts = _keep_emitted(tokens, logprobs, emitted, emitted_logp, counts, active, done)
         # Input j of a row is real when it is the last token (j = 0) or a draft that was
         # accepted and kept: j < the number of tokens kept.
         real = torch.arange(width)[None, :] < counts[:, None]
