@@ -308,15 +308,7 @@ def fp8_kv_decode_attention_triton(
     # mask is a slice of its [B, Tmax] buffer, and copying it would cost a kernel per layer
     # per step.
     valid = (kv_valid if kv_valid.stride(-1) == 1 else kv_valid.contiguous()).view(torch.uint8)
-    if block_t is None:
-        block_t = 64 if q.is_cuda else 16
-    if block_t < 16 or block_t & (block_t - 1):
-        raise ValueError(f"block_t must be a power of two >= 16, got {block_t}")
-    tiles = ceil_div(t_max, block_t)
-    splits = _splits(batch, kv_heads, tiles, q) if num_splits is None else num_splits
-    splits = max(1, min(int(splits), max(tiles, 1)))
-    tiles_per_split = ceil_div(tiles, splits)
-    splits = max(1, ceil_div(tiles, tiles_per_split))
+    block_t, splits, tiles_per_split = _tiling(q, kv_heads, t_max, num_splits, block_t)
     out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device)
     if kv_len is None:
         lengths, stride_len = valid, 0  # never read (HAS_LEN is off)
@@ -373,25 +365,54 @@ def fp8_kv_decode_attention_triton(
         PRECISION=_dot_precision(q.dtype),
     )
     if splits > 1:
-        _merge_splits_kernel[(batch, q_heads)](
-            partial,
-            maxes,
-            sums,
-            v_scale,
-            out,
-            splits,
-            partial.stride(0),
-            partial.stride(1),
-            partial.stride(2),
-            maxes.stride(0),
-            maxes.stride(1),
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_S=max(2, next_power_of_2(splits)),
-            BLOCK_D=block_d,
-        )
+        _merge_splits(partial, maxes, sums, v_scale, out, block_d)
     return out
+
+
+def _tiling(
+    q: torch.Tensor, kv_heads: int, t_max: int, num_splits: int | None, block_t: int | None
+) -> tuple[int, int, int]:
+    """(cache positions per tile, splits of each sequence's cache, tiles per split)."""
+    if block_t is None:
+        block_t = 64 if q.is_cuda else 16
+    if block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two >= 16, got {block_t}")
+    tiles = ceil_div(t_max, block_t)
+    splits = _splits(q.shape[0], kv_heads, tiles, q) if num_splits is None else num_splits
+    splits = max(1, min(int(splits), max(tiles, 1)))
+    tiles_per_split = ceil_div(tiles, splits)
+    return block_t, max(1, ceil_div(tiles, tiles_per_split)), tiles_per_split
+
+
+def _merge_splits(
+    partial: torch.Tensor,
+    maxes: torch.Tensor,
+    sums: torch.Tensor,
+    v_scale: torch.Tensor,
+    out: torch.Tensor,
+    block_d: int,
+) -> None:
+    """Merges the splits' partial outputs [B, H, S, D] (with their softmax maxima and
+    sums) into `out` [B, H, D]."""
+    batch, q_heads, splits, head_dim = partial.shape
+    _merge_splits_kernel[(batch, q_heads)](
+        partial,
+        maxes,
+        sums,
+        v_scale,
+        out,
+        splits,
+        partial.stride(0),
+        partial.stride(1),
+        partial.stride(2),
+        maxes.stride(0),
+        maxes.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_S=max(2, next_power_of_2(splits)),
+        BLOCK_D=block_d,
+    )
 
 
 def fp8_kv_decode_attention(
