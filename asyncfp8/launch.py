@@ -177,7 +177,7 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
             print(f"[launch] {worker.name} had not exited 30 s after the run ended; stopping it")
             worker.signal(signal.SIGTERM)
     stop_all(learner, workers)
-    return report_end(run_dir, started)
+    return report_end(run_dir, started, [e for worker in workers for e in worker.exits])
 
 
 def launch_under_slurm(
@@ -259,9 +259,10 @@ def wait_for(process: Process, restarts: int) -> tuple[Process, int] | None:
             return None
         if code == CONFIG_ERROR or process.restarts >= restarts:
             return process, code
-        process.restarts += 1
-        print(f"[launch] {process.name} exited with {code}; restart {process.restarts}/{restarts}")
-        process.start()
+        print(
+            f"[launch] {process.name} exited with {code}; restart {process.restarts + 1}/{restarts}"
+        )
+        process.restart(code)
 
 
 def watch(
@@ -291,12 +292,11 @@ def watch(
                 continue
             if code == CONFIG_ERROR or worker.restarts >= restarts:
                 return worker, code
-            worker.restarts += 1
             progress.bar.write(
                 f"[launch] {worker.name} exited with {code}; restart "
-                f"{worker.restarts}/{restarts}. Its log ends:\n{worker.tail(5)}"
+                f"{worker.restarts + 1}/{restarts}. Its log ends:\n{worker.tail(5)}"
             )
-            worker.start()
+            worker.restart(code)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -57,6 +57,9 @@ class Process:
         self.log_path = run_dir / f"{name}.log"
         self.popen: subprocess.Popen | None = None
         self.restarts = 0
+        # Each restart: the exit code, and the last error line of the log it left (a
+        # run's summary.json lists them; a worker's counters die with it).
+        self.exits: list[dict[str, object]] = []
 
     def start(self) -> None:
         log = self.log_path.open("a")
@@ -70,6 +73,14 @@ class Process:
             preexec_fn=die_with_parent,  # no orphans if the launcher dies
         )
         log.close()
+
+    def restart(self, code: int) -> None:
+        """Starts the process again after it exited with `code`, noting why it exited."""
+        self.restarts += 1
+        self.exits.append(
+            {"process": self.name, "exit_code": code, "error": last_error_line(self.log_path)}
+        )
+        self.start()
 
     def poll(self) -> int | None:
         return self.popen.poll() if self.popen else None
@@ -86,6 +97,16 @@ class Process:
 
     def tail(self, lines: int = 15) -> str:
         return log_tail(self.log_path, lines)
+
+
+def last_error_line(log: Path) -> str:
+    """The last line of `log` that reports an error (a logged ERROR, or an exception's
+    last line), else its last line; empty where it wrote no log."""
+    if not log.exists():
+        return ""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"\bERROR\b|^\w*(Error|Exception)\b", line)]
+    return (errors or lines or [""])[-1]
 
 
 def log_tail(log: Path, lines: int = 15) -> str:

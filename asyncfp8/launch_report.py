@@ -35,10 +35,13 @@ def report_guard_stop(run_dir: Path, started: float) -> int:
     return GUARD_STOPPED
 
 
-def report_end(run_dir: Path, started: float) -> int:
-    """The finished run's summary.json, plots and closing lines."""
+def report_end(run_dir: Path, started: float, restarts: list[dict] | None = None) -> int:
+    """The finished run's summary.json, plots and closing lines. `restarts`: the
+    processes the launcher started again (`Process.exits`), listed in the summary as
+    `process_restarts` and each said in a warning."""
     summary = summarize(run_dir)
     summary["wall_s"] = time.perf_counter() - started
+    summary["process_restarts"] = list(restarts or [])
     plot = plot_runs([run_dir], run_dir / "plots.png")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"[launch] {heldout_text(summary)}")
@@ -65,6 +68,11 @@ def report_end(run_dir: Path, started: float) -> int:
         )
     for warning in summary.get("warnings", []):
         print(f"[launch] warning: {warning}")
+    for restarted in summary["process_restarts"]:
+        print(
+            f"[launch] warning: {restarted['process']} exited with {restarted['exit_code']} and was "
+            f"started again; its log said: {restarted['error']}"
+        )
     return 0
 
 

@@ -1,4 +1,7 @@
-"""What the launcher shows of a failed learner's log."""
+"""What the launcher shows of a failed process's log, and of the processes it restarted."""
+
+import json
+from pathlib import Path
 
 from asyncfp8.launch_processes import indented_tail
 
@@ -44,3 +47,42 @@ def test_a_rank_traceback_before_torchruns_report_is_kept():
     rank_traceback = ["Traceback (most recent call last):", '  File "x.py"', "ValueError: bad"]
     shown = indented_tail(rank_traceback + TORCHRUN_REPORT, lines=20)
     assert "ValueError: bad" in shown and "frame 3" not in shown
+
+
+def test_a_worker_restart_is_in_the_summary_with_the_error_its_log_ended_on(tmp_path, capsys):
+    """A worker that exits and is started again loses its counters (a refit failure, say)
+    with its process: the launcher notes each restart (exit code, the log's last error
+    line) and the summary lists them, each said in a warning."""
+    import time
+
+    from asyncfp8.launch_processes import Process
+    from asyncfp8.launch_report import report_end
+    from tests.test_collapse import synthetic_run
+
+    run_dir = Path(synthetic_run(tmp_path / "run", 0, {0: 0.2}, [0.5] * 12))
+    worker = Process("worker-0", "asyncfp8.no_such_module", [], run_dir)
+    worker.start()
+    code = worker.popen.wait()
+    assert code != 0
+    worker.restart(code)
+    worker.popen.wait()
+    assert worker.restarts == 1
+    assert report_end(run_dir, time.perf_counter(), worker.exits) == 0
+    [restarted] = json.loads((run_dir / "summary.json").read_text())["process_restarts"]
+    assert restarted["process"] == "worker-0" and restarted["exit_code"] == code
+    assert "No module named asyncfp8.no_such_module" in restarted["error"]
+    printed = capsys.readouterr().out
+    assert f"warning: worker-0 exited with {code} and was started again" in printed
+
+
+def test_the_last_error_line_of_a_log(tmp_path):
+    from asyncfp8.launch_processes import last_error_line
+
+    log = tmp_path / "worker-0.log"
+    assert last_error_line(log) == ""
+    log.write_text("w INFO applied version 3\nw ERROR version 4: the probe differs\nw INFO bye\n")
+    assert last_error_line(log) == "w ERROR version 4: the probe differs"
+    log.write_text("Traceback (most recent call last):\n  File x\nValueError: bad\n\n")
+    assert last_error_line(log) == "ValueError: bad"
+    log.write_text("killed quietly\n")
+    assert last_error_line(log) == "killed quietly"
