@@ -369,15 +369,17 @@ def test_export_needs_a_calibration_batch_for_kv_scales(tiny_model_dir, tmp_path
 # --- SmoothQuant profile ------------------------------------------------------------------------
 
 
-def test_profile_cli_and_smoothing_preserves_the_float_model(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("alpha", ["0.5", "auto"])
+def test_profile_cli_and_smoothing_preserves_the_float_model(tiny_model_dir, tmp_path, alpha):
     """The whole transform (norms, the layers after them, and the folds down_proj through
     up_proj and o_proj through v_proj, under GQA: 2 query heads share the tiny model's
-    one kv head) leaves the float model computing what it did."""
+    one kv head) leaves the float model computing what it did, with one α or each
+    group's searched."""
     from asyncfp8.models import load_model
     from asyncfp8.precision.profile import ROWS, main
 
     path = tmp_path / "profile.safetensors"
-    main(["--model", str(tiny_model_dir), "--out", str(path), "--samples", "32"])
+    main(["--model", str(tiny_model_dir), "--out", str(path), "--samples", "32", "--alpha", alpha])
     policy = get_policy("int8", profile=str(path))
     policy.engine_dtype = torch.float32  # the transform alone, without the cast to BF16
     for fold in ("mlp.up_proj.weight" + ROWS, "self_attn.v_proj.weight" + ROWS, "mlp.down_proj"):
@@ -404,6 +406,58 @@ def test_profile_cli_and_smoothing_preserves_the_float_model(tiny_model_dir, tmp
     main(["--model", str(tiny_model_dir), "--out", str(plain), "--samples", "32", "--no-fold"])
     names = set(get_policy("int8", profile=str(plain)).smoothing)
     assert not any(ROWS in n or "down_proj" in n or "o_proj" in n for n in names)
+
+
+def test_the_w8a8_product_the_alpha_search_judges_is_the_integer_gemms():
+    """`_w8a8`, the product `alpha="auto"` scores, against INT8 codes multiplied exactly
+    in int64 and scaled by the per-token and per-channel scales the policy computes."""
+    from asyncfp8.precision.int8 import quantize_activations_int8
+    from asyncfp8.precision.profile import _w8a8
+
+    x, w = gaussian(48, 64, seed=1).float() * 3, gaussian(32, 64, seed=2).float() * 0.05
+    xq, xs = quantize_activations_int8(x)
+    wq, ws = quantize_per_channel(w)
+    exact = (xq.long() @ wq.long().T).double() * xs.double() * ws.double().T
+    torch.testing.assert_close(_w8a8(x, w).double(), exact, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("outlier", ["activation", "weight"])
+def test_the_alpha_search_moves_the_difficulty_away_from_the_outlier(outlier):
+    """An input channel 50x the others in the activations wants α high (the factor divides
+    the activations); the same channel 50x in the weights wants α low. The α chosen errs
+    no more than any other on the grid, and no more than α = 0.5."""
+    from asyncfp8.precision.profile import ALPHA_GRID, _best_alpha, _factors, _w8a8
+
+    x, w = gaussian(256, 64, seed=3).float(), gaussian(48, 64, seed=4).float() * 0.05
+    if outlier == "activation":
+        x[:, 7] *= 50
+    else:
+        w[:, 7] *= 50
+    act_max, weight_max = x.abs().amax(0), w.abs().amax(0)
+
+    def factors_at(a):
+        return _factors(act_max, weight_max, a)
+
+    def error(a):
+        s = factors_at(a)
+        return float((_w8a8(x / s, w * s) - x @ w.T).pow(2).sum())
+
+    chosen = {}
+    factors = _best_alpha(factors_at, [x], [w], "layer", chosen)
+    best = chosen["layer"]
+    torch.testing.assert_close(factors, factors_at(best))
+    assert all(error(best) <= error(a) for a in ALPHA_GRID)
+    assert (best >= 0.5) if outlier == "activation" else (best <= 0.5)
+    assert error(best) < error(0.0 if outlier == "activation" else 0.9)
+
+
+def test_a_bad_alpha_is_refused_naming_it(tiny_model_dir, tmp_path):
+    from asyncfp8.precision.profile import compute_profile, main
+
+    with pytest.raises(SystemExit):
+        main(["--model", str(tiny_model_dir), "--out", str(tmp_path / "p"), "--alpha", "most"])
+    with pytest.raises(ValueError, match="alpha must be in"):
+        compute_profile(torch.nn.Linear(2, 2), [], alpha=1.5)
 
 
 def test_a_folded_profile_keeps_the_quantized_learner_and_the_engine_in_step(

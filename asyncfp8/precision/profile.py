@@ -18,6 +18,13 @@ the largest activation over the group). Both are exact in float. down_proj's inp
 where a decoder's activation outliers sit, and on `small` the layers a mixed INT8 layout
 keeps in BF16 are mostly down_proj and v_proj (docs/precision.md).
 
+`--alpha auto` chooses α per group instead (each norm's group, each fold): the α of
+ALPHA_GRID whose smoothed INT8 W8A8 product (per-token activations, per-channel weights,
+rounded as the INT8 policy rounds them) is nearest, in squared error, the float product
+on the calibration activations (at most ROWS_KEPT rows of each input). SmoothQuant's
+paper takes one α for a model; a per-layer search is what Intel Neural Compressor's
+auto-α does.
+
     python -m asyncfp8.precision.profile --model DIR --task arithmetic --out profile.safetensors
 """
 
@@ -28,6 +35,7 @@ import re
 
 import torch
 
+from .int8.quant import dequantize_per_channel, quantize_per_channel_reference
 from .profile_file import ROWS, save_profile
 
 SMOOTHED_GROUPS = {
@@ -37,20 +45,26 @@ SMOOTHED_GROUPS = {
 _LAYER = re.compile(r"^(.*\.layers\.\d+)\.(input_layernorm|post_attention_layernorm)$")
 # consumer -> producer: the consumer's input channels are the producer's output channels
 FOLDED = {"mlp.down_proj": "mlp.up_proj", "self_attn.o_proj": "self_attn.v_proj"}
+ALPHA_GRID = tuple(i / 10 for i in range(10))  # `alpha="auto"`: 0.0, 0.1, ..., 0.9
+ROWS_KEPT = 4096  # activation rows of each input `alpha="auto"` judges on
 
 
 @torch.no_grad()
 def compute_profile(
     model: torch.nn.Module,
     batches: list[dict[str, torch.Tensor]],
-    alpha: float = 0.5,
+    alpha: float | str = 0.5,
     fold: bool = True,
+    chosen: dict[str, float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """{tensor name: per-channel factors}: a norm's weight and a producer's bias are
     divided by theirs, a linear weight's columns multiplied, and a producer's rows (its
-    weight's name + ROWS) divided. `fold`: also smooth FOLDED's consumers."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    weight's name + ROWS) divided. `fold`: also smooth FOLDED's consumers. `alpha`: one
+    for every group, or "auto" (each group's from ALPHA_GRID; `chosen` receives them by
+    the norm's or the consumer's name)."""
+    search = alpha == "auto"
+    if not search and not (isinstance(alpha, int | float) and 0.0 <= alpha <= 1.0):
+        raise ValueError(f"alpha must be in [0, 1] or 'auto', got {alpha!r}")
     modules = dict(model.named_modules())
     groups = {}
     for name in modules:
@@ -66,10 +80,14 @@ def compute_profile(
     folds = _folds(modules) if fold else {}
 
     act_max: dict[str, torch.Tensor] = {}
+    act_rows: dict[str, list[torch.Tensor]] = {}  # alpha="auto": inputs to judge on
 
     def record(key: str, x: torch.Tensor) -> None:
-        flat = x.detach().abs().float().reshape(-1, x.shape[-1]).amax(0)
+        rows = x.detach().float().reshape(-1, x.shape[-1])
+        flat = rows.abs().amax(0)
         act_max[key] = torch.maximum(act_max[key], flat) if key in act_max else flat
+        if search and sum(len(r) for r in act_rows.get(key, [])) < ROWS_KEPT:
+            act_rows.setdefault(key, []).append(rows[:ROWS_KEPT])
 
     hooks = [
         modules[norm].register_forward_hook(lambda _m, _i, out, key=norm: record(key, out))
@@ -93,7 +111,16 @@ def compute_profile(
         weight_max = torch.stack(
             [modules[n].weight.detach().abs().float().amax(0) for n in linears]
         ).amax(0)
-        factors = _factors(act_max[norm_name], weight_max, alpha)
+        weights = [modules[n].weight.detach().float() for n in linears]
+
+        def group_factors(a: float, norm_name=norm_name, weight_max=weight_max) -> torch.Tensor:
+            return _factors(act_max[norm_name], weight_max, a)
+
+        factors = (
+            _best_alpha(group_factors, act_rows[norm_name], weights, norm_name, chosen)
+            if search
+            else group_factors(alpha)
+        )
         profile[f"{norm_name}.weight"] = factors
         for name in linears:
             profile[f"{name}.weight"] = factors.clone()
@@ -104,14 +131,62 @@ def compute_profile(
         shared = producer.endswith("v_proj") and heads != kv_heads
         if shared:  # a v channel feeds heads // kv_heads query heads' channels of o_proj
             acts, weights = (_per_kv_channel(t, heads, kv_heads) for t in (acts, weights))
-        factors = _factors(acts, weights, alpha)
+
+        def fold_factors(a: float, acts=acts, weights=weights) -> torch.Tensor:
+            return _factors(acts, weights, a)
+
+        def on_consumer(factors: torch.Tensor, shared=shared) -> torch.Tensor:
+            return _to_query_channels(factors, heads, kv_heads) if shared else factors
+
+        if search:
+            factors = _best_alpha(
+                fold_factors,
+                act_rows[consumer],
+                [modules[consumer].weight.detach().float()],
+                consumer,
+                chosen,
+                on_consumer,
+            )
+        else:
+            factors = fold_factors(alpha)
         profile[f"{producer}.weight{ROWS}"] = factors
         if getattr(modules[producer], "bias", None) is not None:
             profile[f"{producer}.bias"] = factors.clone()
-        profile[f"{consumer}.weight"] = (
-            _to_query_channels(factors, heads, kv_heads) if shared else factors.clone()
-        )
+        profile[f"{consumer}.weight"] = on_consumer(factors).clone()
     return profile
+
+
+def _best_alpha(
+    factors_at,
+    rows: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    key: str,
+    chosen: dict[str, float] | None,
+    on_weights=lambda factors: factors,
+) -> torch.Tensor:
+    """The factors of the α in ALPHA_GRID whose W8A8 products of the inputs `rows` with
+    `weights` (columns multiplied by `on_weights(factors)`) err least from the float's."""
+    x = torch.cat(rows)[:ROWS_KEPT]
+    exact = [x @ w.T for w in weights]
+    errors = {}
+    for a in ALPHA_GRID:
+        s = on_weights(factors_at(a))
+        errors[a] = sum(
+            float((_w8a8(x / s, w * s) - y).pow(2).sum())
+            for w, y in zip(weights, exact, strict=True)
+        )
+    best = min(errors, key=errors.get)
+    if chosen is not None:
+        chosen[key] = best
+    return factors_at(best)
+
+
+def _w8a8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x wᵀ with x rounded per row (token) and w per row (output channel) to INT8, as the
+    INT8 policy rounds them, in FP32."""
+    xq, xs = quantize_per_channel_reference(x)  # per row, as quantize_activations_int8
+    wq, ws = quantize_per_channel_reference(w)
+    return dequantize_per_channel(xq, xs) @ dequantize_per_channel(wq, ws).T
 
 
 def _factors(acts: torch.Tensor, weights: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -165,7 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument(
-        "--alpha", type=float, default=0.5, help="migration strength (SmoothQuant's α)"
+        "--alpha",
+        type=_alpha_arg,
+        default=0.5,
+        help="migration strength (SmoothQuant's α), or 'auto': each group's, searched",
     )
     parser.add_argument(
         "--no-fold",
@@ -181,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         dict(tokenizer(texts[i : i + args.batch_size], return_tensors="pt", padding=True))
         for i in range(0, len(texts), args.batch_size)
     ]
-    profile = compute_profile(model, batches, args.alpha, fold=not args.no_fold)
+    chosen: dict[str, float] = {}
+    profile = compute_profile(model, batches, args.alpha, fold=not args.no_fold, chosen=chosen)
     path = save_profile(
         profile,
         args.out,
@@ -195,6 +274,17 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"wrote {path}: {len(profile)} tensors, factors {spread.min().item():.3g}..{spread.max().item():.3g}"
     )
+    if chosen:
+        print("α per group: " + ", ".join(f"{k} {a:.1f}" for k, a in chosen.items()))
+
+
+def _alpha_arg(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number in [0, 1] or 'auto', got {text!r}") from None
 
 
 if __name__ == "__main__":
