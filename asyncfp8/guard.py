@@ -5,10 +5,13 @@ the learner (learner/step.py, learner/rollback.py) acts on the verdict.
 
 A batch is judged with the weights the previous step left, before any update of this
 step, on three signals, each with its setting:
-- far tokens: at least `guard.far_tokens` tokens whose |log ρ| exceeds
-  `guard.log_ratio_bound`, log ρ being learner − the token's own version where the
+- far tokens: at least `guard.far_tokens` tokens whose log ρ is below
+  −`guard.log_ratio_bound`, log ρ being learner − the token's own version where the
   learner kept that version's weights (what the update did; `add_token_evidence`), else
-  learner − rollout. Rounding moves a log-prob by ~1e-2 and one version of staleness by
+  learner − rollout, whose bound holds either way. Against a version, below only: a break
+  makes sampled tokens unlikely, and a token the update raised that far above its version
+  was sampled by an engine that disagreed with the version (rounding; session 33: FP8
+  seed 3's 32 and 33, below, were such tokens). Rounding moves a log-prob by ~1e-2 and one version of staleness by
   less than 2; the fatal step of docs/results.md gave −37. A few such tokens are no
   verdict: the 12,000 batches of the stability study's 40 recommended runs had at most 9
   but in one run (FP8 seed 3: 32 and 33, a slip its guard-off twin healed by itself), so
@@ -18,8 +21,8 @@ step, on three signals, each with its setting:
   updates after a rollback are smaller (`guard.shrink`, learner/rollback.py) the same run
   at 12 rolls back once, at step 136, and ends at 0.914 held-out (its guard-off twin at
   0.125; docs/results.md).
-- far share: more than `guard.far_fraction` of the tokens with |log ρ| > 5
-  (FAR_LOG_RATIO, the `mismatch/frac_abs_log_ratio_gt5` of the metrics).
+- far share: more than `guard.far_fraction` of the tokens beyond 5 (FAR_LOG_RATIO; the
+  same sides as far tokens; the metrics' `mismatch/frac_abs_log_ratio_gt5` counts both).
 - dead reward: `guard.dead_batches` batches in a row that score nothing, or next to
   nothing (a rewarded share below `guard.reward_low` times the median), while the median
   share of rewarded samples of the last `guard.window` batches that passed is at least

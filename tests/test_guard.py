@@ -226,6 +226,30 @@ def test_a_token_the_rollout_put_far_but_its_own_version_did_not_is_excused():
     assert sums["guard_k3"] == pytest.approx(before["guard_k3"])
 
 
+def test_a_token_the_update_raised_far_above_its_version_is_not_far():
+    """A break makes sampled tokens unlikely: a token the learner now gives e^20 times
+    what its version gave it (the engine sampled it, so the engine disagreed with the
+    version, and the update sided with the engine) is counted as raised, not far, and
+    counts toward neither far signal; one the update lowered as far is far."""
+    from collections import defaultdict
+
+    from asyncfp8.learner.step import add_token_evidence
+
+    micro = {
+        "mask": torch.tensor([[True, True, True, True]]),
+        "rollout_logp": torch.tensor([[-1.0, -1.0, -0.5, -1.0]]),
+        "versions": torch.tensor([[4, 4, 4, 4]]),
+    }
+    logp = torch.tensor([[-1.2, -1.0, -26.0, -float("inf")]])
+    # tokens 0 and 1: their version gave them -30 and -40 (the engine sampled them at -1):
+    # raised by 28.8 and 39; token 2: lowered from -0.6 to -26; token 3: to -inf
+    own = (torch.tensor([[-30.0, -40.0, -0.6, -1.0]]), torch.ones(1, 4, dtype=torch.bool))
+    sums = defaultdict(float)
+    add_token_evidence(logp, micro, 20.0, None, sums, own_version=own)
+    assert (sums["guard_far_tokens"], sums["guard_raised_tokens"]) == (2, 2)
+    assert sums["guard_far5_tokens"] == 2 and sums["guard_excused_tokens"] == 0
+
+
 def test_tokens_and_samples_of_undone_versions_are_left_out_of_the_evidence():
     from collections import defaultdict
     from types import SimpleNamespace

@@ -175,6 +175,8 @@ class StepGuard:
             "guard/ignored_tokens": sums.get("guard_ignored_tokens", 0.0),
             # far from the rollout, not from their own version: rounding, not the update
             "guard/excused_tokens": sums.get("guard_excused_tokens", 0.0),
+            # the update took them far above their version: it sided with the engine
+            "guard/raised_tokens": sums.get("guard_raised_tokens", 0.0),
         }
         return verdict
 

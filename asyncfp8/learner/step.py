@@ -454,7 +454,7 @@ def add_token_evidence(
     own_version: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """The guard's token evidence of a micro-batch (asyncfp8/guard.py): its real tokens,
-    those with |log ρ| > `bound` and > FAR_LOG_RATIO (an infinite log-prob counts), and
+    those with log ρ < −`bound` and < −FAR_LOG_RATIO (an infinite log-prob counts), and
     their k3 summed (log ρ clamped to ±20 as in the mismatch metrics); tokens of the
     versions in `ignored_versions` (after, up to] left out and counted. A few element-wise
     ops on [B, T].
@@ -466,7 +466,15 @@ def add_token_evidence(
     rollout's rounding alone put far away (an FP8 engine flipping a saturated attention
     head) is the correction's business, and rolling the update back would not bring it
     nearer. Those tokens are counted (`guard_excused_tokens`). The k3 stays the rollout's
-    mismatch."""
+    mismatch.
+
+    Judged on its version, far means far below (session 33): a break makes the tokens the
+    policy sampled unlikely. A token the learner gives more than e^bound times its version's probability
+    was sampled by an engine that disagreed with that version's weights by as much (an
+    engine samples a token of probability e^-20 next to never), and the update sided with
+    the engine: rounding again, not a break. Those are counted (`guard_raised_tokens`);
+    FP8 seed 3 of the stability study rolled back twice on 32 and 33 such tokens, whose
+    k3 against the rollout was the run's median (docs/results.md)."""
     mask = micro["mask"].bool()
     if ignored_versions is not None:
         after, up_to = ignored_versions
@@ -476,16 +484,23 @@ def add_token_evidence(
         mask = mask & ~ignored
     learner = logp.detach().float()
     delta = torch.nan_to_num(learner - micro["rollout_logp"].float(), nan=0.0)
-    judged = delta
+    judged, on_version = delta, torch.zeros_like(mask)
     if own_version is not None:
-        values, where = own_version
-        judged = torch.where(where, torch.nan_to_num(learner - values.float(), nan=0.0), delta)
+        values, on_version = own_version
+        judged = torch.where(on_version, torch.nan_to_num(learner - values.float(), nan=0.0), delta)
         excused = (delta.abs() > bound) & (judged.abs() <= bound) & mask
         sums["guard_excused_tokens"] += excused.sum().item()
     clamped = delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     sums["guard_tokens"] += mask.sum().item()
-    sums["guard_far_tokens"] += ((judged.abs() > bound) & mask).sum().item()
-    sums["guard_far5_tokens"] += ((judged.abs() > FAR_LOG_RATIO) & mask).sum().item()
+
+    def beyond(limit: float) -> torch.Tensor:
+        # below for a token judged on its version; either way on the rollout, whose
+        # log-probs far below the learner's are themselves a fault (the refit probe's)
+        return mask & ((judged < -limit) | (~on_version & (judged > limit)))
+
+    sums["guard_far_tokens"] += beyond(bound).sum().item()
+    sums["guard_raised_tokens"] += (mask & on_version & (judged > bound)).sum().item()
+    sums["guard_far5_tokens"] += beyond(FAR_LOG_RATIO).sum().item()
     sums["guard_k3"] += (torch.expm1(clamped) - clamped)[mask].sum().item()
 
 
