@@ -55,6 +55,7 @@ class Process:
             else []
         )
         self.log_path = run_dir / f"{name}.log"
+        self.log_start = 0  # where in the log the latest start began writing
         self.popen: subprocess.Popen | None = None
         self.restarts = 0
         # Each restart: the exit code, and the last error line of the log it left (a
@@ -62,6 +63,7 @@ class Process:
         self.exits: list[dict[str, object]] = []
 
     def start(self) -> None:
+        self.log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = self.log_path.open("a")
         self.popen = subprocess.Popen(
             [sys.executable, "-m", *self.runner, self.module, *self.overrides],
@@ -78,7 +80,11 @@ class Process:
         """Starts the process again after it exited with `code`, noting why it exited."""
         self.restarts += 1
         self.exits.append(
-            {"process": self.name, "exit_code": code, "error": last_error_line(self.log_path)}
+            {
+                "process": self.name,
+                "exit_code": code,
+                "error": last_error_line(self.log_path, self.log_start),
+            }
         )
         self.start()
 
@@ -99,13 +105,21 @@ class Process:
         return log_tail(self.log_path, lines)
 
 
-def last_error_line(log: Path) -> str:
-    """The last line of `log` that reports an error (a logged ERROR, or an exception's
-    last line), else its last line; empty where it wrote no log."""
+def last_error_line(log: Path, start: int = 0) -> str:
+    """Of what `log` holds from byte `start` on (one start of a process: the log is
+    appended to), the last line that reports an error (a logged ERROR, or an exception's
+    last line), else its last line; empty where it wrote nothing."""
     if not log.exists():
         return ""
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if re.search(r"\bERROR\b|^\w*(Error|Exception)\b", line)]
+    with log.open("rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [
+        line
+        for line in lines
+        if re.search(r"\bERROR\b", line) or re.match(r"[\w.]*(Error|Exception)\b", line)
+    ]
     return (errors or lines or [""])[-1]
 
 

@@ -38,10 +38,13 @@ def report_guard_stop(run_dir: Path, started: float) -> int:
 def report_end(run_dir: Path, started: float, restarts: list[dict] | None = None) -> int:
     """The finished run's summary.json, plots and closing lines. `restarts`: the
     processes the launcher started again (`Process.exits`), listed in the summary as
-    `process_restarts` and each said in a warning."""
+    `process_restarts` and each said in a warning; None where this launcher does not
+    see them (under Slurm each worker task restarts its own process), and the key is
+    left out."""
     summary = summarize(run_dir)
     summary["wall_s"] = time.perf_counter() - started
-    summary["process_restarts"] = list(restarts or [])
+    if restarts is not None:
+        summary["process_restarts"] = list(restarts)
     plot = plot_runs([run_dir], run_dir / "plots.png")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"[launch] {heldout_text(summary)}")
@@ -68,7 +71,7 @@ def report_end(run_dir: Path, started: float, restarts: list[dict] | None = None
         )
     for warning in summary.get("warnings", []):
         print(f"[launch] warning: {warning}")
-    for restarted in summary["process_restarts"]:
+    for restarted in summary.get("process_restarts", []):
         print(
             f"[launch] warning: {restarted['process']} exited with {restarted['exit_code']} and was "
             f"started again; its log said: {restarted['error']}"

@@ -365,6 +365,7 @@ class RayRun:
                 )
             )
         self.restarts = [0] * len(self.workers)
+        self.exits: list[dict] = []  # each restart, for summary.json's process_restarts
         print(
             f"[launch] on Ray: learner ({run.learner_procs} rank(s)) on {where['ip']}, "
             f"{len(self.workers)} worker actor(s); logs and metrics in {self.run_dir}",
@@ -408,6 +409,9 @@ class RayRun:
                 if pids.setdefault(i, pid) != pid:
                     pids[i] = pid
                     self.restarts[worker] += 1
+                    self.exits.append(
+                        {"process": name, "exit_code": None, "error": "its actor died"}
+                    )
                     progress.bar.write(
                         f"[launch] {name}'s actor died and Ray started it again "
                         f"({self.restarts[worker]}/{self.cfg.run.worker_restarts})"
@@ -566,7 +570,7 @@ def run_on_ray(ray, cfg: DictConfig, overrides: list[str], policy, workers: int)
             incarnation.teardown(learner_grace=10.0)
             progress.update()
             progress.close()
-            return report_end(run_dir, started)
+            return report_end(run_dir, started, incarnation.exits)
         who, why = failed
         incarnation.teardown(learner_grace=60.0)
         if who == "learner" and why == GUARD_STOPPED:  # an outcome: resuming would undo it

@@ -248,6 +248,17 @@ def test_a_token_the_update_raised_far_above_its_version_is_not_far():
     add_token_evidence(logp, micro, 20.0, None, sums, own_version=own)
     assert (sums["guard_far_tokens"], sums["guard_raised_tokens"]) == (2, 2)
     assert sums["guard_far5_tokens"] == 2 and sums["guard_excused_tokens"] == 0
+    # judged on the rollout (no kept version, or a version log-prob that is not finite),
+    # far either way: rollout log-probs 38 nats below the learner's are a fault themselves
+    micro["rollout_logp"] = torch.tensor([[-40.0, -1.0, -0.5, -1.0]])
+    logp = torch.tensor([[-2.0, -1.0, -0.5, -1.0]])
+    own = (
+        torch.tensor([[0.0, -float("inf"), -0.5, -1.0]]),
+        torch.tensor([[False, True, True, True]]),
+    )
+    sums = defaultdict(float)
+    add_token_evidence(logp, micro, 20.0, None, sums, own_version=own)
+    assert (sums["guard_far_tokens"], sums["guard_raised_tokens"]) == (1, 0)
 
 
 def test_tokens_and_samples_of_undone_versions_are_left_out_of_the_evidence():

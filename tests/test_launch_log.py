@@ -86,3 +86,9 @@ def test_the_last_error_line_of_a_log(tmp_path):
     assert last_error_line(log) == "ValueError: bad"
     log.write_text("killed quietly\n")
     assert last_error_line(log) == "killed quietly"
+    # an earlier start's error is not this one's: only what was written since `start`
+    log.write_text("w ERROR old\n")
+    start = log.stat().st_size
+    with log.open("a") as f:
+        f.write("w INFO up\nTraceback (most recent call last):\ntorch.OutOfMemoryError: CUDA\n")
+    assert last_error_line(log, start) == "torch.OutOfMemoryError: CUDA"

@@ -487,6 +487,9 @@ def add_token_evidence(
     judged, on_version = delta, torch.zeros_like(mask)
     if own_version is not None:
         values, on_version = own_version
+        # a version log-prob that is not finite says nothing of what the update did: such
+        # a token is judged on the rollout, as one whose version was not kept
+        on_version = on_version & torch.isfinite(values)
         judged = torch.where(on_version, torch.nan_to_num(learner - values.float(), nan=0.0), delta)
         excused = (delta.abs() > bound) & (judged.abs() <= bound) & mask
         sums["guard_excused_tokens"] += excused.sum().item()

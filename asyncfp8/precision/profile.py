@@ -82,12 +82,17 @@ def compute_profile(
     act_max: dict[str, torch.Tensor] = {}
     act_rows: dict[str, list[torch.Tensor]] = {}  # alpha="auto": inputs to judge on
 
+    real: list[torch.Tensor | None] = [None]  # the batch's token positions (not padding)
+
     def record(key: str, x: torch.Tensor) -> None:
         rows = x.detach().float().reshape(-1, x.shape[-1])
         flat = rows.abs().amax(0)
         act_max[key] = torch.maximum(act_max[key], flat) if key in act_max else flat
-        if search and sum(len(r) for r in act_rows.get(key, [])) < ROWS_KEPT:
-            act_rows.setdefault(key, []).append(rows[:ROWS_KEPT])
+        have = sum(len(r) for r in act_rows.get(key, []))
+        if search and have < ROWS_KEPT:
+            if real[0] is not None and real[0].numel() == len(rows):
+                rows = rows[real[0]]  # judged on tokens, not on the padding
+            act_rows.setdefault(key, []).append(rows[: ROWS_KEPT - have].clone())
 
     hooks = [
         modules[norm].register_forward_hook(lambda _m, _i, out, key=norm: record(key, out))
@@ -101,6 +106,8 @@ def compute_profile(
     try:
         model.eval()
         for batch in batches:
+            mask = batch.get("attention_mask")
+            real[0] = None if mask is None else mask.reshape(-1).bool()
             model(**batch)
     finally:
         for hook in hooks:

@@ -69,7 +69,6 @@ def target_forward(model, input_ids, attention_mask, position_ids, cache):
     return hidden, model.lm_head(hidden).float()
 
 
-@torch.no_grad()
 def _left_padded(
     prompts: Sequence[Sequence[int]], pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +102,7 @@ def _keep_emitted(
     return torch.where(active, counts, 0)
 
 
+@torch.no_grad()
 def generate(
     model,
     prompts: Sequence[Sequence[int]],
