@@ -179,6 +179,8 @@ class ProbeCheck:
     problems: list[str] = field(default_factory=list)
     layers: list[str] = field(default_factory=list)
     cause: str = ""
+    #: where the difference sits (`difference_spread`), said with a failure
+    spread: str = ""
 
     @property
     def passed(self) -> bool:
@@ -193,11 +195,28 @@ class ProbeCheck:
 
     def describe(self) -> str:
         where = f"; diverging first at {', '.join(self.layers)}" if self.layers else ""
+        spread = f"; {self.spread}" if self.spread else ""
         return (
             f"version {self.version}: the engine's log-probs on the refit probe differ from "
-            f"the learner's reference ({'; '.join(self.problems)}){where}. Likely cause: "
-            f"{self.cause}"
+            f"the learner's reference ({'; '.join(self.problems)}){where}{spread}. Likely "
+            f"cause: {self.cause}"
         )
+
+
+def difference_spread(delta: torch.Tensor, what: str = "the difference") -> str:
+    """Where |Δ log p| sits: its median, and the tokens beyond 1 nat with their share of
+    the sum. A refit that did not take effect moves every token a little (one optimizer
+    step: mean 0.014-0.12); a knife edge (a saturated attention head that one side's
+    rounding flips) moves a few by a lot, which the mean alone cannot tell apart."""
+    if not delta.numel():
+        return ""
+    size = delta.abs().float()
+    far = size > 1.0
+    share = float(size[far].sum() / size.sum()) if float(size.sum()) > 0 else 0.0
+    return (
+        f"{what}: median |Δ log p| {float(size.median()):.3g}, {int(far.sum())} of "
+        f"{size.numel()} tokens beyond 1 nat holding {share:.0%} of it"
+    )
 
 
 def _cat(rows: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -253,6 +272,12 @@ def check_probe(
     if not check.problems:
         return check
     check.layers = diverging_layers(probe, rows, scores.layer_rms)
+    check.spread = difference_spread(delta)
+    if on_previous:  # stale, or the two references part at a knife edge: which tokens?
+        both = torch.isfinite(prev) & torch.isfinite(ref)
+        check.spread += "; " + difference_spread(
+            (ref - prev)[both], "this version's reference against the previous one's"
+        )
     if kv_wrong:
         check.cause = (
             "the version's KV-cache scales did not reach the engine's cache (dropped or "

@@ -236,6 +236,33 @@ def test_the_check_compares_with_the_reference_independently():
     assert not check_probe(7, probe, engine, ProbeTolerance(0.01, 1.0)).passed
 
 
+def test_a_failure_says_whether_the_difference_is_broad_or_in_a_few_tokens():
+    """A stale engine and a knife edge the engine's rounding did not follow look alike to
+    the mean: the message says where the difference sits, and for a verdict of "the
+    previous version", where the two references part."""
+    from asyncfp8.refit import difference_spread
+
+    assert difference_spread(torch.tensor([0.1, -0.1, 0.1, 3.0])) == (
+        "the difference: median |Δ log p| 0.1, 1 of 4 tokens beyond 1 nat holding 91% of it"
+    )
+    # the references part in one token of eight by 4 nats; the engine sits on the previous
+    previous = torch.full((1, 8), -1.0)
+    reference = previous.clone()
+    reference[0, 3] = -5.0
+    probe = Probe(
+        input_ids=torch.arange(9)[None],
+        lengths=torch.tensor([9]),
+        logprobs=reference,
+        previous=previous,
+        layer_rms=torch.ones(1, 1, 9),
+    )
+    check = check_probe(5, probe, Scores(logprobs=[previous[0]]), ProbeTolerance(0.3, 9.0))
+    assert not check.passed and "previous version" in check.cause
+    text = check.describe()
+    assert "the difference: median |Δ log p| 0, 1 of 8 tokens beyond 1 nat holding 100%" in text
+    assert "this version's reference against the previous one's: median |Δ log p| 0, 1 of 8" in text
+
+
 def test_a_stale_engine_is_told_from_rounding_noise_by_the_measured_noise():
     # This version's reference is 0.2 above the previous one's on every token. An engine
     # 0.05 from the previous and 0.15 from this version is nearer the previous by 0.1:
