@@ -469,10 +469,10 @@ def add_token_evidence(
     mismatch.
 
     Judged on its version, far means far below (session 33): a break makes the tokens the
-    policy sampled unlikely. A token the learner gives more than e^bound times its version's probability
-    was sampled by an engine that disagreed with that version's weights by as much (an
-    engine samples a token of probability e^-20 next to never), and the update sided with
-    the engine: rounding again, not a break. Those are counted (`guard_raised_tokens`);
+    policy sampled unlikely. A token the learner gives more than e^bound times its
+    version's probability was sampled by an engine that disagreed with that version's
+    weights by as much (an engine samples a token of probability e^-20 next to never), and
+    the update sided with the engine: rounding again, not a break. Those are counted (`guard_raised_tokens`);
     FP8 seed 3 of the stability study rolled back twice on 32 and 33 such tokens, whose
     k3 against the rollout was the run's median (docs/results.md)."""
     mask = micro["mask"].bool()
