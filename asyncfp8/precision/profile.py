@@ -35,7 +35,11 @@ import re
 
 import torch
 
-from .int8.quant import dequantize_per_channel, quantize_per_channel_reference
+from .int8.quant import (
+    dequantize_per_channel,
+    quantize_activations_int8,
+    quantize_per_channel_reference,
+)
 from .profile_file import ROWS, save_profile
 
 SMOOTHED_GROUPS = {
@@ -191,7 +195,7 @@ def _best_alpha(
 def _w8a8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x wᵀ with x rounded per row (token) and w per row (output channel) to INT8, as the
     INT8 policy rounds them, in FP32."""
-    xq, xs = quantize_per_channel_reference(x)  # per row, as quantize_activations_int8
+    xq, xs = quantize_activations_int8(x)
     wq, ws = quantize_per_channel_reference(w)
     return dequantize_per_channel(xq, xs) @ dequantize_per_channel(wq, ws).T
 

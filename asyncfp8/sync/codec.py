@@ -25,6 +25,7 @@ assembles the versions received.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,7 @@ import xxhash
 from ..precision.manifest import WIRE_KEYS, TensorRole, default_role
 from .copyhash import copy_xxh3
 from .delta import Delta, encode_delta
-from .limits import RejectedMessage
+from .limits import Limits, RejectedMessage
 
 # 3: a full tensor has no result checksum (its parts' checksums cover it); 4: each
 # tensor's role (role, layer, kv_part) replaces its section
@@ -131,6 +132,37 @@ def entry_role(entry: Mapping[str, Any]) -> TensorRole:
         raise RejectedMessage(f"{entry.get('name')}: {err}") from None
 
 
+def is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def checked_tensor_fields(entry: Any, limits: Limits, prefix: str = "") -> tuple[str, int]:
+    """A received tensor entry's name, role, dtype and shape, checked (a RejectedMessage
+    naming what is wrong, after `prefix`): its name and its size in bytes. The chunk
+    headers (version_decode.py) and the shared-memory notices (shm.py) both hold them."""
+
+    def check(condition: bool, reason: str) -> None:
+        if not condition:
+            raise RejectedMessage(prefix + reason)
+
+    check(
+        isinstance(entry, dict) and isinstance(entry.get("name"), str),
+        "tensor entry without a name",
+    )
+    name = entry["name"]
+    entry_role(entry)
+    dtype = wire_dtype(entry.get("dtype"))
+    check(dtype is not None, f"{name}: unknown dtype {entry.get('dtype')!r}")
+    shape = entry.get("shape")
+    check(
+        isinstance(shape, list)
+        and len(shape) <= limits.max_ndim
+        and all(is_count(d) for d in shape),
+        f"{name}: bad shape {shape!r}",
+    )
+    return name, math.prod(shape) * dtype.itemsize
+
+
 def same_role(entry: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
     return all(entry.get(key) == other.get(key) for key in WIRE_KEYS)
 
@@ -171,35 +203,18 @@ def encode_chunks(
     version: int,
     weights: Iterable[tuple[str, torch.Tensor]],
     extra: Mapping[str, torch.Tensor] | None = None,
-    base: dict[str, torch.Tensor] | None = None,
-    base_version: int | None = None,
-    policy: str = "",
-    engine_config: Mapping[str, Any] | None = None,
-    chunk_bytes: int = 4 << 20,
-    update_base: bool = False,
-    stream: str = "",
-    zstd_level: int = 1,
     roles: Mapping[str, TensorRole] | None = None,
+    **options: Any,
 ) -> Iterator[list[bytes]]:
     """One `[header, payload]` message per chunk of about `chunk_bytes`, streamed from
-    `weights` then `extra`, each tensor with its role in `roles` (`tag_sections`). Tensors with an entry of the same dtype and shape in `base`
-    (the receiver's previous version) go as deltas when that is smaller. With
+    `weights` then `extra`, each tensor with its role in `roles` (`tag_sections`);
+    `options` are `encode_tagged`'s. Tensors with an entry of the same dtype and shape in
+    `base` (the receiver's previous version) go as deltas when that is smaller. With
     `update_base`, `base` holds this version afterwards: tensors it has are overwritten
     in place, new ones are copied in, so a sender keeps one copy of the model. `stream`
     names the sending process: a receiver never assembles one version from chunks of
     two streams (a learner that died mid-publish and the one that resumed it)."""
-    return encode_tagged(
-        version,
-        tag_sections(weights, extra, roles),
-        base=base,
-        base_version=base_version,
-        policy=policy,
-        engine_config=engine_config,
-        chunk_bytes=chunk_bytes,
-        update_base=update_base,
-        stream=stream,
-        zstd_level=zstd_level,
-    )
+    return encode_tagged(version, tag_sections(weights, extra, roles), **options)
 
 
 class _Chunks:

@@ -46,8 +46,10 @@ from .codec import (
     Storage,
     Version,
     byte_view,
+    checked_tensor_fields,
     dtype_name,
     entry_role,
+    is_count,
     received_version,
     same_role,
     seal,
@@ -381,13 +383,10 @@ def parse_notice(frame: bytes, limits: Limits) -> dict[str, Any]:
         if not condition:
             raise RejectedMessage(f"notice: {reason}")
 
-    def count(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
     check(isinstance(notice, dict), "not a map")
     check(notice.get("format") == FORMAT and notice.get("kind") == "shm", "unknown format")
     for key in ("version", "generation", "seq", "segment_bytes", "chunk"):
-        check(count(notice.get(key)), f"field {key!r} missing or not a count")
+        check(is_count(notice.get(key)), f"field {key!r} missing or not a count")
     for key in ("stream", "address"):
         check(isinstance(notice.get(key), str), f"field {key!r} missing or not a string")
     check(notice.get("segment") in (0, 1), "segment is not 0 or 1")
@@ -395,27 +394,13 @@ def parse_notice(frame: bytes, limits: Limits) -> dict[str, Any]:
     check(isinstance(notice.get("tensors"), list), "no tensor list")
     check(len(notice["tensors"]) <= limits.max_tensors, "too many tensors")
     if notice["final"]:
-        check(count(notice.get("total_tensors")), "final notice without total_tensors")
+        check(is_count(notice.get("total_tensors")), "final notice without total_tensors")
         check(isinstance(notice.get("policy"), str), "final notice without policy")
         check(isinstance(notice.get("engine_config"), dict), "final notice without engine_config")
     for entry in notice["tensors"]:
-        check(isinstance(entry, dict) and isinstance(entry.get("name"), str), "unnamed tensor")
-        name = entry["name"]
-        entry_role(entry)
-        check(
-            wire_dtype(entry.get("dtype")) is not None,
-            f"{name}: unknown dtype {entry.get('dtype')!r}",
-        )
-        shape = entry.get("shape")
-        check(
-            isinstance(shape, list) and len(shape) <= limits.max_ndim and all(map(count, shape)),
-            f"{name}: bad shape",
-        )
+        name, nbytes = checked_tensor_fields(entry, limits, "notice: ")
         for key in ("offset", "bytes", "at", "length", "checksum"):
-            check(count(entry.get(key)), f"{name}: {key} missing or not a count")
-        nbytes = wire_dtype(entry["dtype"]).itemsize
-        for d in shape:
-            nbytes *= d
+            check(is_count(entry.get(key)), f"{name}: {key} missing or not a count")
         check(entry["bytes"] == nbytes, f"{name}: byte count does not match its shape")
         check(
             entry["offset"] >= HEADER_BYTES

@@ -6,7 +6,6 @@ version, every checksum verified (`VersionAssembler`, `decode_version`)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -21,8 +20,9 @@ from .codec import (
     Storage,
     Version,
     byte_view,
+    checked_tensor_fields,
     checksum,
-    entry_role,
+    is_count,
     received_version,
     same_role,
     unseal,
@@ -35,10 +35,6 @@ from .limits import Limits, RejectedMessage
 def _check(condition: bool, reason: str) -> None:
     if not condition:
         raise RejectedMessage(reason)
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 PART_FIELDS = {
@@ -98,7 +94,7 @@ def parse_header(frame: bytes, limits: Limits) -> dict[str, Any]:
         f"{len(header['tensors'])} tensors exceed {limits.max_tensors}",
     )
     if header["final"]:
-        _check(_is_count(header.get("total_tensors")), "final chunk without total_tensors")
+        _check(is_count(header.get("total_tensors")), "final chunk without total_tensors")
     for entry in header["tensors"]:
         _check_entry(entry, header["payload_bytes"], limits)
     return header
@@ -107,26 +103,10 @@ def parse_header(frame: bytes, limits: Limits) -> dict[str, Any]:
 def _check_entry(entry: Any, payload_bytes: int, limits: Limits) -> None:
     """One tensor entry of a chunk header: name, role, dtype, shape and size within the
     limits, encoding, and its one part inside the chunk's `payload_bytes`."""
+    name, nbytes = checked_tensor_fields(entry, limits)
     _check(
-        isinstance(entry, dict) and isinstance(entry.get("name"), str),
-        "tensor entry without a name",
-    )
-    name = entry["name"]
-    entry_role(entry)
-    _check(
-        wire_dtype(entry.get("dtype")) is not None,
-        f"{name}: unknown dtype {entry.get('dtype')!r}",
-    )
-    shape = entry.get("shape")
-    _check(
-        isinstance(shape, list)
-        and len(shape) <= limits.max_ndim
-        and all(_is_count(d) for d in shape),
-        f"{name}: bad shape {shape!r}",
-    )
-    _check(
-        math.prod(shape) * wire_dtype(entry["dtype"]).itemsize <= limits.max_tensor_bytes,
-        f"{name}: {shape} exceeds max_tensor_bytes",
+        nbytes <= limits.max_tensor_bytes,
+        f"{name}: {entry['shape']} exceeds max_tensor_bytes",
     )
     _check(
         entry.get("encoding") in ("full", "delta"),
@@ -135,7 +115,7 @@ def _check_entry(entry: Any, payload_bytes: int, limits: Limits) -> None:
     # A delta's result is checked whole after it is applied; a full tensor is its
     # parts, each checked against its own checksum (and bytes placed in order).
     if entry["encoding"] == "delta":
-        _check(_is_count(entry.get("result_checksum")), f"{name}: no checksum")
+        _check(is_count(entry.get("result_checksum")), f"{name}: no checksum")
     else:
         _check(entry.get("result_checksum") is None, f"{name}: unexpected result checksum")
     parts = entry.get("parts")
@@ -149,7 +129,7 @@ def _check_entry(entry: Any, payload_bytes: int, limits: Limits) -> None:
     )
     part = parts[0]
     for key in PART_FIELDS[role]:
-        _check(_is_count(part.get(key)), f"{name}: part without a valid {key}")
+        _check(is_count(part.get(key)), f"{name}: part without a valid {key}")
     _check(
         part["offset"] + part["length"] <= payload_bytes,
         f"{name}: data outside the payload",
