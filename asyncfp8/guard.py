@@ -10,9 +10,9 @@ step, on three signals, each with its setting:
   learner kept that version's weights (what the update did; `add_token_evidence`), else
   learner − rollout, whose bound holds either way. Against a version, below only: a break
   makes sampled tokens unlikely, and a token the update raised that far above its version
-  was sampled by an engine that disagreed with the version (rounding; session 33: FP8
-  seed 3's 32 and 33, below, were such tokens). Rounding moves a log-prob by ~1e-2 and one version of staleness by
-  less than 2; the fatal step of docs/results.md gave −37. A few such tokens are no
+  was sampled by an engine that disagreed with the version (rounding). Rounding moves a
+  log-prob by ~1e-2 and one version of staleness by less than 2; the fatal step of
+  docs/results.md gave −37. A few such tokens are no
   verdict: the 12,000 batches of the stability study's 40 recommended runs had at most 9
   (FP8 seed 3's 32 and 33, counted either side until session 33, were raised), so the
   default count, 12, sits above them. It was 32 in session 31, when a rollback could

@@ -73,8 +73,8 @@ def report_end(run_dir: Path, started: float, restarts: list[dict] | None = None
         print(f"[launch] warning: {warning}")
     for restarted in summary.get("process_restarts", []):
         print(
-            f"[launch] warning: {restarted['process']} exited with {restarted['exit_code']} and was "
-            f"started again; its log said: {restarted['error']}"
+            f"[launch] warning: {restarted['process']} exited with {restarted['exit_code']} "
+            f"and was started again; its log said: {restarted['error']}"
         )
     return 0
 

@@ -472,9 +472,9 @@ def add_token_evidence(
     policy sampled unlikely. A token the learner gives more than e^bound times its
     version's probability was sampled by an engine that disagreed with that version's
     weights by as much (an engine samples a token of probability e^-20 next to never), and
-    the update sided with the engine: rounding again, not a break. Those are counted (`guard_raised_tokens`);
-    FP8 seed 3 of the stability study rolled back twice on 32 and 33 such tokens, whose
-    k3 against the rollout was the run's median (docs/results.md)."""
+    the update sided with the engine: rounding again, not a break. Those are counted
+    (`guard_raised_tokens`); FP8 seed 3 of the stability study rolled back twice on 32 and
+    33 such tokens, whose k3 against the rollout was the run's median (docs/results.md)."""
     mask = micro["mask"].bool()
     if ignored_versions is not None:
         after, up_to = ignored_versions

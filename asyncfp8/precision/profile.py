@@ -92,8 +92,10 @@ def compute_profile(
         rows = x.detach().float().reshape(-1, x.shape[-1])
         flat = rows.abs().amax(0)
         act_max[key] = torch.maximum(act_max[key], flat) if key in act_max else flat
+        if not search:
+            return
         have = sum(len(r) for r in act_rows.get(key, []))
-        if search and have < ROWS_KEPT:
+        if have < ROWS_KEPT:
             if real[0] is not None and real[0].numel() == len(rows):
                 rows = rows[real[0]]  # judged on tokens, not on the padding
             act_rows.setdefault(key, []).append(rows[: ROWS_KEPT - have].clone())
