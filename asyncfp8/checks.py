@@ -14,18 +14,19 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from asyncfp8.batches import check_split
 from asyncfp8.correction import Correction, build_correction
 from asyncfp8.engines import supports as engine_supports
 from asyncfp8.engines.base import check_slots
-from asyncfp8.guard import GuardSettings
-from asyncfp8.loss_scale import LossScaleSettings
-from asyncfp8.metrics import loggers_of
+from asyncfp8.engines.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
 from asyncfp8.precision import PrecisionPolicy, build_policy
-from asyncfp8.process import check_counts, curve, endpoints
-from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
+from asyncfp8.report.metrics import loggers_of
+from asyncfp8.run.process import check_counts
+from asyncfp8.sync.endpoints import curve, endpoints
 from asyncfp8.sync.transport import is_local
 from asyncfp8.tasks import Task, build_task
+from asyncfp8.train.batches import check_split
+from asyncfp8.train.guard import GuardSettings
+from asyncfp8.train.loss_scale import LossScaleSettings
 
 COLOCATED_ENGINES = ("torch", "vllm")  # the engines that run in the learner's process
 TENSORBOARD_INSTALL = 'pip install -c constraints.txt -e ".[tensorboard]"'

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from asyncfp8.precision.export import COPIED_FILES
-from asyncfp8.run_files import CHECKPOINT_DIR, LEARNER_STATE
+from asyncfp8.run.files import CHECKPOINT_DIR, LEARNER_STATE
 
 MODEL_DIR = "model"  # <run.dir>/model: the exported policy
 EXPORT_INFO = "asyncfp8_export.json"
@@ -112,7 +112,7 @@ def checkpoint_state(checkpoint: Path, source_dir: Path) -> dict[str, torch.Tens
     read without a process group into tensors shaped like the source model's."""
     import torch.distributed.checkpoint as dcp
 
-    from asyncfp8.models import load_model
+    from asyncfp8.hf.loading import load_model
 
     state = {"model": load_model(source_dir, dtype=torch.float32).state_dict()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -132,7 +132,7 @@ def export_run(
     from omegaconf import OmegaConf
 
     from asyncfp8.models.run_model import run_model_dir
-    from asyncfp8.runconfig import CONFIG_FILE
+    from asyncfp8.run.resume import CONFIG_FILE
 
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).exists():

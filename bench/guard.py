@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import median_seconds, write_json
 
-from asyncfp8.learner.rollback import LastGood
-from asyncfp8.learner.step import add_token_evidence
 from asyncfp8.models import load_model
+from asyncfp8.train.rollback import LastGood
+from asyncfp8.train.step import add_token_evidence
 
 
 def measure(name: str, model_dir: Path, rows: int, tokens: int) -> dict:

@@ -149,8 +149,8 @@ def build_model(name: str, folder: Path, device: str = "cpu") -> Path:
 
 
 def groups_of(samples: int, length: int, vocab: int, seed: int = 0) -> list:
-    from asyncfp8.inbox import Group
     from asyncfp8.sync import Trajectory
+    from asyncfp8.train.batches import Group
 
     rng = random.Random(seed)
     groups = []
@@ -181,9 +181,9 @@ def child(spec: dict) -> None:
     """One row, in this process (one rank of it)."""
     from hydra import compose, initialize_config_module
 
-    from asyncfp8 import distributed
-    from asyncfp8.launch_processes import free_ports
+    from asyncfp8.launch.processes import free_ports
     from asyncfp8.learner import Learner
+    from asyncfp8.run import distributed
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     ports = free_ports(3)
@@ -242,8 +242,8 @@ def child(spec: dict) -> None:
 def full_logits_child(spec: dict) -> None:
     """The previous recompute, for comparison: one forward over the whole batch, the FP32
     log-softmax over every position's logits, and its backward."""
-    from asyncfp8.batches import batch_tensors
     from asyncfp8.models import load_model
+    from asyncfp8.train.batches import batch_tensors
 
     torch.set_num_threads(spec["threads"])
     model = load_model(spec["model_dir"])

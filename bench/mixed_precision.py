@@ -46,7 +46,7 @@ def demo(model: str, *precision: str) -> dict:
 
 
 def layout(model: str, base: str, *rule: str) -> tuple[dict, str]:
-    out = run("asyncfp8.precision.sensitivity", f"model={model}", f"precision.base={base}", *rule)
+    out = run("asyncfp8.plan.layout", f"model={model}", f"precision.base={base}", *rule)
     found = LAYOUT.search(out)
     keep = out.split("start every process with: ", 1)[1].splitlines()[0]
     return {

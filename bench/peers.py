@@ -54,7 +54,7 @@ from bench.common import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 TRL_VERSION = "1.16.0"
-TAIL = 0.2  # first and last 20% of steps, as asyncfp8.run_summary.summarize
+TAIL = 0.2  # first and last 20% of steps, as asyncfp8.report.summary.summarize
 PLACEMENTS = {
     "asyncfp8 separate async, 2 workers": [
         "run.placement=separate",
@@ -210,7 +210,7 @@ def run_asyncfp8(
 ) -> dict:
     """One launcher run and its steady-state figures; `cores`: the CPUs it may use (its
     affinity, which every process it starts inherits and counts its threads from)."""
-    from asyncfp8.run_summary import per_step, summarize
+    from asyncfp8.report.summary import per_step, summarize
 
     start = time.perf_counter()
     result = subprocess.run(
@@ -251,13 +251,13 @@ def run_asyncfp8(
 
 
 def heldout_evaluation(cfg, model_dir: str, prompts: int, samples: int, temperature: float):
-    """The job's held-out evaluation (asyncfp8.evaluation.HeldOut, one CPU rank), its
+    """The job's held-out evaluation (asyncfp8.learner.evaluation.HeldOut, one CPU rank), its
     task and tokenizer from `model_dir`; temperature 0: greedy only."""
     import torch
 
-    from asyncfp8.distributed import Ranks
-    from asyncfp8.evaluation import HeldOut
-    from asyncfp8.models.loading import load_tokenizer
+    from asyncfp8.hf.loading import load_tokenizer
+    from asyncfp8.learner.evaluation import HeldOut
+    from asyncfp8.run.distributed import Ranks
     from asyncfp8.tasks import build_task
 
     return HeldOut(
@@ -274,11 +274,11 @@ def heldout_evaluation(cfg, model_dir: str, prompts: int, samples: int, temperat
 
 def heldout(cfg, model_dir: str, prompts: int, samples: int) -> dict:
     """pass@1 of the weights in `model_dir` on the job's held-out prompts, as the learner
-    evaluates (asyncfp8.evaluation.HeldOut), in FP32."""
+    evaluates (asyncfp8.learner.evaluation.HeldOut), in FP32."""
     import torch
 
-    from asyncfp8.models.loading import load_model
-    from asyncfp8.stats import binomial_se
+    from asyncfp8.hf.loading import load_model
+    from asyncfp8.report.stats import binomial_se
 
     model = load_model(model_dir, dtype=torch.float32).eval()
     evaluation = heldout_evaluation(cfg, model_dir, prompts, samples, cfg.run.temperature)
@@ -319,7 +319,7 @@ def heldout_curve(cfg, start_dir: str, points: list[tuple[int, Path]], prompts: 
     weights are exported) and evaluated as `heldout` does (greedy only)."""
     import torch
 
-    from asyncfp8.models.loading import load_model
+    from asyncfp8.hf.loading import load_model
 
     evaluation = heldout_evaluation(cfg, start_dir, prompts, samples=1, temperature=0.0)
     curve = []
@@ -468,7 +468,7 @@ def score_run(row: dict, cfg, system: str, seed: int, out: Path, start_dir: str,
 
 def summarize_rows(rows: list[dict], systems: list[str]) -> list[dict]:
     """Per system: means over seeds, and the ratio of its speed to TRL's."""
-    from asyncfp8.stats import mean_ci
+    from asyncfp8.report.stats import mean_ci
 
     summary = []
     for system in systems:

@@ -9,7 +9,7 @@ the synchronous run's own phases.
 Each run is the launcher's default job (as `bench/peers.py` runs it: `small` model,
 `addition`, 8 prompts × 8 samples, 40 new tokens; held-out evaluation off),
 `run.placement=separate`, its CPU affinity set to the first N cores (the learner and the
-workers inherit it and split those cores between them: `asyncfp8.process.set_threads`).
+workers inherit it and split those cores between them: `asyncfp8.run.process.set_threads`).
 Asynchronous runs use `run.max_staleness=1`. Trained samples/s: the steps after the
 first `--skip` over their seconds.
 

@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
 
 from asyncfp8.engines.base import SamplingParams
+from asyncfp8.engines.speculative.drafter import Drafter
+from asyncfp8.engines.speculative.reference import generate
+from asyncfp8.engines.speculative.training import DrafterTrainer
 from asyncfp8.models import load_model, load_tokenizer, make_tiny_model
-from asyncfp8.speculative.drafter import Drafter
-from asyncfp8.speculative.reference import generate
-from asyncfp8.speculative.training import DrafterTrainer
 from asyncfp8.tasks import ArithmeticTask
 
 

@@ -2,7 +2,7 @@
 with the guard on and off (`scripts/stability_runs.sh`, e.g. `bf16` and `bf16_noguard`)
 are the same run, bit for bit, up to the guard's first rollback. A rollback is
 
-- **needed** when the twin without the guard collapsed (asyncfp8/collapse.py's rule) at
+- **needed** when the twin without the guard collapsed (asyncfp8/report/collapse.py's rule) at
   or after the rollback's step (a collapse long after it may have other causes: the
   step and the collapse's step are printed),
 - **false** when the twin did not: the step the guard undid did not break the run,
@@ -27,9 +27,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from asyncfp8.guard import GuardSettings
-from asyncfp8.report import run_config
-from asyncfp8.run_summary import per_step, summarize
+from asyncfp8.report.compare import run_config
+from asyncfp8.report.summary import per_step, summarize
+from asyncfp8.train.guard import GuardSettings
 
 # The key the twins must agree on at every step before a rollback: the batch's mean
 # reward is what the learner trained on, and two runs that part differ there first.
@@ -43,7 +43,7 @@ def parted_before(guarded: list[dict], twin: list[dict], step: int) -> bool:
 
 
 def signal_of(record: dict, settings: GuardSettings) -> str:
-    """Which of the guard's rules failed the batch (asyncfp8/guard.py checks them in this
+    """Which of the guard's rules failed the batch (asyncfp8/train/guard.py checks them in this
     order; the metrics keep the evidence, the learner's log the verdict)."""
     if record.get("guard/far_tokens", 0) >= settings.far_tokens:
         return "far_tokens"

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from asyncfp8.export import MODEL_DIR, export_run
 from asyncfp8.precision import build_policy
-from asyncfp8.stats import binomial_se
+from asyncfp8.report.stats import binomial_se
 from asyncfp8.tasks import build_task
 
 

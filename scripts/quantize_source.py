@@ -39,7 +39,7 @@ from asyncfp8.export import checkpoint_dir, checkpoint_state
 from asyncfp8.models import load_model
 from asyncfp8.models.run_model import run_model_dir
 from asyncfp8.precision import build_policy
-from asyncfp8.stats import mean_ci
+from asyncfp8.report.stats import mean_ci
 from asyncfp8.tasks import build_task
 
 PRECISIONS = ("fp8", "int8")

@@ -52,8 +52,8 @@ def shipped_model() -> Path:
 
 def train(model_dir: Path, groups, overrides: list[str], run_dir: Path):
     """(per-step metrics, {name: final FP32 parameter}) of the learner on `groups`."""
-    from asyncfp8 import distributed
     from asyncfp8.learner import Learner
+    from asyncfp8.run import distributed
     from tests.recorded import learner_config
     from tests.recorded import train as train_one
 
@@ -132,8 +132,8 @@ def record() -> dict:
 
 
 def groups_of(recorded: dict):
-    from asyncfp8.inbox import Group
     from asyncfp8.sync import Trajectory
+    from asyncfp8.train.batches import Group
 
     return [
         [

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from asyncfp8 import distributed
 from asyncfp8.learner.checkpoints import Checkpointer
-from asyncfp8.run_files import LATEST_VERSION_FILE
+from asyncfp8.run import distributed
+from asyncfp8.run.files import LATEST_VERSION_FILE
 
 
 class SlowToLoad(torch.optim.lr_scheduler.LambdaLR):

@@ -9,12 +9,12 @@ what each rank prints)."""
 import sys
 import time
 
-from asyncfp8 import distributed
 from asyncfp8.engines.torch_engine import TorchEngine
-from asyncfp8.inbox import Inbox
 from asyncfp8.learner.colocated import LEASE, Colocated, RolloutFailed
-from asyncfp8.leases import LeaseBook
+from asyncfp8.learner.inbox import Inbox
+from asyncfp8.learner.leases import LeaseBook
 from asyncfp8.precision import get_policy
+from asyncfp8.run import distributed
 from asyncfp8.tasks import build_task
 from tests.config import compose
 

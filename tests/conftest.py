@@ -131,7 +131,7 @@ def vllm_worker_turns(tiny_model_dir, vllm_module, tmp_path_factory):
 @pytest.fixture
 def armed(monkeypatch):
     """Arms fail points in this process as ASYNCFP8_FAILPOINTS would at import."""
-    from asyncfp8 import failpoints
+    from asyncfp8.run import failpoints
 
     def arm(spec: str) -> None:
         monkeypatch.setattr(failpoints, "_armed", failpoints.parse(spec))

@@ -63,11 +63,11 @@ def two_ranks(script: Path, *args: str, timeout: int) -> str:
 
 def refusal(model_dir, run_dir, *overrides) -> str:
     """The message of the launcher's refusal of these settings at start, before any process
-    starts: its own check (`asyncfp8.launch.check_start`) in this process, which costs
+    starts: its own check (`asyncfp8.launch.local.check_start`) in this process, which costs
     no Python start. What the launcher does with the message (exit 2, no traceback,
     within seconds) is checked once, on a real launch, in
     `tests/test_run_lifecycle.py::test_a_bad_setting_stops_the_launcher_at_start`."""
-    from asyncfp8.launch import check_start
+    from asyncfp8.launch.local import check_start
 
     cfg = compose(f"model.path={model_dir}", f"run.dir={run_dir}", *SMALL_RUN, *overrides)
     with pytest.raises((ValueError, FileNotFoundError)) as refused:

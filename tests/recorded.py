@@ -10,13 +10,12 @@ from pathlib import Path
 
 import torch
 
-from asyncfp8.batches import batch_tensors
-from asyncfp8.inbox import Group
-from asyncfp8.launch_processes import free_ports
-from asyncfp8.logprobs import completion_logprobs, install_logprob_head
+from asyncfp8.launch.processes import free_ports
 from asyncfp8.models import load_model, load_tokenizer
 from asyncfp8.sync import Trajectory
 from asyncfp8.tasks import ArithmeticTask
+from asyncfp8.train.batches import Group, batch_tensors
+from asyncfp8.train.logprobs import completion_logprobs, install_logprob_head
 
 
 def record_groups(
@@ -114,7 +113,7 @@ def learner_config(model_dir: Path, run_dir: Path, *overrides: str):
 def train(learner, groups: list[Group]) -> dict:
     """One step of `learner` on `groups` as its loop would run it (every rank calls it;
     the groups are used on rank 0 only)."""
-    from asyncfp8 import distributed
+    from asyncfp8.run import distributed
 
     main = learner.ranks.main
     share = distributed.scatter(learner.shares(groups) if main else None)
@@ -130,7 +129,7 @@ def assert_same_updates(learner, reference, lr: float, steps: int) -> None:
     3 of 32 k_proj biases under FP16 (a key bias's gradient is 0 in exact arithmetic:
     softmax ignores a shift shared by all keys). So at most 5% of all the weights may
     differ by more than lr/2, and none by more than 2·lr·steps (every step flipped)."""
-    from asyncfp8 import distributed
+    from asyncfp8.run import distributed
 
     weights = distributed.full_state_dict(learner.model)
     flipped, total, largest, worst = 0, 0, 0.0, []

@@ -1,4 +1,4 @@
-"""Collapse, defined and counted (issue 45): the two rules of asyncfp8/collapse.py on
+"""Collapse, defined and counted (issue 45): the two rules of asyncfp8/report/collapse.py on
 curves built here, the Wilson interval against published values and an independent
 root-finding, and the report's count per group over synthetic run directories."""
 
@@ -10,11 +10,11 @@ from statistics import NormalDist
 import pytest
 from omegaconf import OmegaConf
 
-from asyncfp8.collapse import collapse_of, heldout_collapse, reward_collapse
-from asyncfp8.metrics import MetricsLog
-from asyncfp8.report import main
-from asyncfp8.run_files import GUARD_STOP_FILE
-from asyncfp8.stats import wilson_interval
+from asyncfp8.report.collapse import collapse_of, heldout_collapse, reward_collapse
+from asyncfp8.report.compare import main
+from asyncfp8.report.metrics import MetricsLog
+from asyncfp8.report.stats import wilson_interval
+from asyncfp8.run.files import GUARD_STOP_FILE
 from tests.config import compose
 
 

@@ -20,7 +20,6 @@ from asyncfp8.chaos.audit import audit
 from asyncfp8.chaos.cluster import SMALL_RUN
 from asyncfp8.checks import auto_placement, placement_of, release_engine_memory
 from asyncfp8.engines.torch_engine import TorchEngine
-from asyncfp8.inbox import Inbox
 from asyncfp8.learner.colocated import (
     Colocated,
     EngineVersions,
@@ -28,13 +27,13 @@ from asyncfp8.learner.colocated import (
     RolloutThreadJobs,
     kept_random_state,
 )
-from asyncfp8.leases import LeaseBook
-from asyncfp8.ledger import read_ledger
+from asyncfp8.learner.inbox import Inbox
+from asyncfp8.learner.leases import LeaseBook
+from asyncfp8.learner.ledger import read_ledger
 from asyncfp8.models import load_model
 from asyncfp8.precision import extra_roles, get_policy, version_weights
 from asyncfp8.precision.manifest import decoder_layers
-from asyncfp8.rollout import roll_out, split_lease
-from asyncfp8.run_summary import evaluations, per_step
+from asyncfp8.report.summary import evaluations, per_step
 from asyncfp8.sync import (
     BackgroundPublisher,
     PublishFailed,
@@ -42,6 +41,7 @@ from asyncfp8.sync import (
     VersionSubscriber,
 )
 from asyncfp8.tasks import build_task
+from asyncfp8.worker.rollout import roll_out, split_lease
 from tests.config import compose
 from tests.conftest import TURNS, VLLM_TURNS
 from tests.launched import launch, refusal, two_ranks

@@ -85,7 +85,7 @@ def test_a_wrong_value_fails_at_composition_naming_the_key(override, message):
 @pytest.mark.parametrize(
     ("override", "key", "value"),
     [
-        ("run.loggers=wandb", "run.loggers", "wandb"),  # one name, as metrics.py takes it
+        ("run.loggers=wandb", "run.loggers", "wandb"),  # one name, as report/metrics.py takes it
         ("engine.speculative.mode=false", "engine.speculative.mode", False),  # off
         ("engine.speculative.mode=null", "engine.speculative.mode", None),
         ("run.worker_id=3", "run.worker_id", "3"),  # what the launcher passes

@@ -1,5 +1,5 @@
 """BF16 and FP16 linear layers on a CPU without GEMM kernels for them
-(asyncfp8.models.cpu_half): the exact sum of the 16-bit products converted to the format,
+(asyncfp8.hf.cpu_half): the exact sum of the 16-bit products converted to the format,
 checked against a term-by-term float64 reference, the same for a row whatever the batch
 around it, and swapped in by load_model only where it applies."""
 
@@ -7,13 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from asyncfp8.logprobs import LogprobHead, install_logprob_head
-from asyncfp8.models import cpu_half, load_model
-from asyncfp8.models.cpu_half import (
+from asyncfp8.hf import cpu_half
+from asyncfp8.hf.cpu_half import (
     ExactSumLinear,
     is_plain_linear,
     sum_half_linears_exactly,
 )
+from asyncfp8.models import load_model
+from asyncfp8.train.logprobs import LogprobHead, install_logprob_head
 
 HALF = [torch.bfloat16, torch.float16]
 

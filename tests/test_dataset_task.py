@@ -79,7 +79,7 @@ def test_parquet_csv_and_save_to_disk_give_the_jsonl_rows(tmp_path):
 def test_chat_messages_render_through_the_models_template_with_the_system_prompt(
     tmp_path, tiny_model_dir
 ):
-    from asyncfp8.models.loading import load_tokenizer
+    from asyncfp8.hf.loading import load_tokenizer
 
     records = [
         {

@@ -14,9 +14,9 @@ import torch
 
 from asyncfp8.chaos.audit import audit
 from asyncfp8.chaos.cluster import Cluster
-from asyncfp8.launch_processes import free_ports
-from asyncfp8.ledger import read_ledger
-from asyncfp8.run_summary import evaluations, per_step
+from asyncfp8.launch.processes import free_ports
+from asyncfp8.learner.ledger import read_ledger
+from asyncfp8.report.summary import evaluations, per_step
 from tests.conftest import REPORTING_STEPS
 from tests.launched import launch
 

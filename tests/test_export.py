@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from asyncfp8 import distributed
 from asyncfp8.export import EXPORT_INFO, MODEL_DIR, export_run, main
 from asyncfp8.learner import Learner
+from asyncfp8.run import distributed
 from tests.recorded import learner_config
 
 

@@ -17,11 +17,11 @@ import torch
 from safetensors import safe_open
 
 from asyncfp8.engines import SamplingParams, supports
+from asyncfp8.engines.probe_scoring import next_token_logprobs
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.models import load_model
 from asyncfp8.precision import build_policy, get_policy, version_tensors
 from asyncfp8.precision.export import export_checkpoint
-from asyncfp8.refit import next_token_logprobs
 from asyncfp8.tasks import ArithmeticTask
 
 from .test_torch_engine import logprob_deltas, perturbed_state
@@ -122,8 +122,8 @@ def test_an_activation_past_fp16s_range_is_caught_by_the_refit_probe_at_its_laye
     that layer and the cause, so the worker stops instead of sampling from it."""
     from asyncfp8.models import load_tokenizer
     from asyncfp8.precision import version_weights
-    from asyncfp8.refit import TOLERANCES, RefitChecker, probe_sequences
-    from asyncfp8.refit_reference import ReferenceForward
+    from asyncfp8.refit.probe import TOLERANCES, RefitChecker, probe_sequences
+    from asyncfp8.refit.reference import ReferenceForward
 
     model = load_model(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():

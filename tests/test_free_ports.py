@@ -23,7 +23,7 @@ open("/proc/sys/net/ipv4/ip_local_port_range", "w").write("40000 40001")
 listener = socket.socket()
 listener.bind(("127.0.0.2", 40001))
 listener.listen()
-from asyncfp8.launch_processes import free_ports
+from asyncfp8.launch.processes import free_ports
 chosen = [free_ports(1)[0] for _ in range(20)]
 print(*chosen)
 for port in set(chosen):

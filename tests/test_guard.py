@@ -11,9 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncfp8.failpoints import POISON_UPDATE
-from asyncfp8.guard import DEAD_REWARD_CHANCE, MIN_HISTORY, Evidence, GuardRules, GuardSettings
-from asyncfp8.learner.rollback import LastGood
+from asyncfp8.run.failpoints import POISON_UPDATE
+from asyncfp8.train.guard import (
+    DEAD_REWARD_CHANCE,
+    MIN_HISTORY,
+    Evidence,
+    GuardRules,
+    GuardSettings,
+)
+from asyncfp8.train.rollback import LastGood
 
 # --- settings ---------------------------------------------------------------------------
 
@@ -144,7 +150,7 @@ def test_the_binomial_tail_matches_an_exact_rational_sum(k, n, p):
     from fractions import Fraction
     from math import comb
 
-    from asyncfp8.guard import binomial_at_most
+    from asyncfp8.train.guard import binomial_at_most
 
     q = Fraction(p)
     exact = sum(comb(n, i) * q**i * (1 - q) ** (n - i) for i in range(k + 1))
@@ -153,7 +159,7 @@ def test_the_binomial_tail_matches_an_exact_rational_sum(k, n, p):
 
 
 def test_after_a_rollback_the_updates_shrink_and_grow_back():
-    from asyncfp8.learner.rollback import StepGuard
+    from asyncfp8.train.rollback import StepGuard
 
     model = torch.nn.Linear(2, 2)
     settings = GuardSettings(shrink=0.5, shrink_steps=10, max_rollbacks=5)
@@ -203,7 +209,7 @@ def test_a_token_the_rollout_put_far_but_its_own_version_did_not_is_excused():
     put it; a token with no kept version is judged against the rollout as before."""
     from collections import defaultdict
 
-    from asyncfp8.learner.step import add_token_evidence
+    from asyncfp8.train.step import add_token_evidence
 
     micro = {
         "mask": torch.tensor([[True, True, True]]),
@@ -233,7 +239,7 @@ def test_a_token_the_update_raised_far_above_its_version_is_not_far():
     counts toward neither far signal; one the update lowered as far is far."""
     from collections import defaultdict
 
-    from asyncfp8.learner.step import add_token_evidence
+    from asyncfp8.train.step import add_token_evidence
 
     micro = {
         "mask": torch.tensor([[True, True, True, True]]),
@@ -265,7 +271,7 @@ def test_tokens_and_samples_of_undone_versions_are_left_out_of_the_evidence():
     from collections import defaultdict
     from types import SimpleNamespace
 
-    from asyncfp8.learner.step import Share, add_reward_evidence, add_token_evidence
+    from asyncfp8.train.step import Share, add_reward_evidence, add_token_evidence
 
     micro = {
         "mask": torch.tensor([[True, True, False], [True, True, True]]),
@@ -294,7 +300,7 @@ def test_tokens_and_samples_of_undone_versions_are_left_out_of_the_evidence():
 
 
 def test_a_run_stopped_by_the_guard_falls_back_to_the_oldest_good_state():
-    from asyncfp8.learner.rollback import StepGuard
+    from asyncfp8.train.rollback import StepGuard
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -316,7 +322,7 @@ def test_a_run_stopped_by_the_guard_falls_back_to_the_oldest_good_state():
 def guarded_steps(keep_states: int, steps: int, **settings):
     """A StepGuard over a small layer whose weights move by 1 between `steps` batches that
     pass (step and version alike), and the weights each kept state holds, by version."""
-    from asyncfp8.learner.rollback import StepGuard
+    from asyncfp8.train.rollback import StepGuard
 
     model = torch.nn.Linear(2, 2)
     settings = GuardSettings(keep_states=keep_states, **({"dead_batches": 1} | settings))
@@ -498,7 +504,7 @@ def test_rollbacks_in_a_row_stop_the_run_and_a_resume_continues(
     tiny_model_dir, recorded, tmp_path, caplog
 ):
     from asyncfp8.learner import Learner
-    from asyncfp8.run_files import GUARD_STOP_FILE, GUARD_STOPPED
+    from asyncfp8.run.files import GUARD_STOP_FILE, GUARD_STOPPED
     from tests.recorded import learner_config, train
 
     caplog.set_level(logging.INFO, logger="asyncfp8.learner")
@@ -547,8 +553,8 @@ def test_the_launcher_writes_the_summary_of_a_run_the_guard_stopped(tmp_path, ca
     stopped, and how to go on."""
     import time
 
-    from asyncfp8.launch_report import report_guard_stop
-    from asyncfp8.run_files import CHECKPOINT_DIR, GUARD_STOP_FILE, GUARD_STOPPED, LEARNER_STATE
+    from asyncfp8.launch.ending import report_guard_stop
+    from asyncfp8.run.files import CHECKPOINT_DIR, GUARD_STOP_FILE, GUARD_STOPPED, LEARNER_STATE
     from tests.test_collapse import synthetic_run
 
     run_dir = Path(synthetic_run(tmp_path / "run", 0, {0: 0.2}, [0.5] * 12))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from asyncfp8.metrics import MetricsLog
+from asyncfp8.report.metrics import MetricsLog
 from tests.test_collapse import compose
 
 ROOT = Path(__file__).resolve().parents[1]

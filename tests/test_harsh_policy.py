@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncfp8.models.cpu_half import is_plain_linear
+from asyncfp8.hf.cpu_half import is_plain_linear
 from asyncfp8.precision import build_policy, get_policy, is_quantizable, version_tensors
 from tests.config import compose
 

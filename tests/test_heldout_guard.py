@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from asyncfp8.collapse import run_collapse
 from asyncfp8.export import checkpoint_dir, checkpoint_state
-from asyncfp8.failpoints import ENV, POISON_UPDATE
-from asyncfp8.guard import GuardSettings
-from asyncfp8.learner.rollback import HeldOutGuard, StepGuard
+from asyncfp8.report.collapse import run_collapse
+from asyncfp8.run.failpoints import ENV, POISON_UPDATE
+from asyncfp8.train.guard import GuardSettings
+from asyncfp8.train.rollback import HeldOutGuard, StepGuard
 
 
 def trainable():

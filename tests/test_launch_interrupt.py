@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from asyncfp8.launch import watch
-from asyncfp8.process import interrupt_requests
+from asyncfp8.launch.local import watch
+from asyncfp8.run.process import interrupt_requests
 
 
 class Running:

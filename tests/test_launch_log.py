@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from asyncfp8.launch_processes import indented_tail
+from asyncfp8.launch.processes import indented_tail
 
 RANK_OUTPUT = [
     "08:43:20 learner INFO held-out pass@1 after 6 steps: greedy 0.125",
@@ -55,8 +55,8 @@ def test_a_worker_restart_is_in_the_summary_with_the_error_its_log_ended_on(tmp_
     line) and the summary lists them, each said in a warning."""
     import time
 
-    from asyncfp8.launch_processes import Process
-    from asyncfp8.launch_report import report_end
+    from asyncfp8.launch.ending import report_end
+    from asyncfp8.launch.processes import Process
     from tests.test_collapse import synthetic_run
 
     run_dir = Path(synthetic_run(tmp_path / "run", 0, {0: 0.2}, [0.5] * 12))
@@ -76,7 +76,7 @@ def test_a_worker_restart_is_in_the_summary_with_the_error_its_log_ended_on(tmp_
 
 
 def test_the_last_error_line_of_a_log(tmp_path):
-    from asyncfp8.launch_processes import last_error_line
+    from asyncfp8.launch.processes import last_error_line
 
     log = tmp_path / "worker-0.log"
     assert last_error_line(log) == ""

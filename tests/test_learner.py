@@ -13,16 +13,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from asyncfp8 import distributed
-from asyncfp8.batches import batch_tensors, check_split, plan_step
 from asyncfp8.checks import max_staleness_of
-from asyncfp8.inbox import Inbox
-from asyncfp8.launch_processes import free_ports
-from asyncfp8.learner import Learner, lr_lambda
-from asyncfp8.leases import LeaseBook
-from asyncfp8.logprobs import completion_logprobs, install_logprob_head
+from asyncfp8.launch.processes import free_ports
+from asyncfp8.learner import Learner
+from asyncfp8.learner.inbox import Inbox
+from asyncfp8.learner.leases import LeaseBook
 from asyncfp8.models import load_model
+from asyncfp8.run import distributed
 from asyncfp8.sync import Trajectory
+from asyncfp8.train.batches import batch_tensors, check_split, plan_step
+from asyncfp8.train.logprobs import completion_logprobs, install_logprob_head
+from asyncfp8.train.step import lr_lambda
 from tests.recorded import assert_same_updates, learner_config, save_groups, train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -192,8 +193,8 @@ def test_a_train_step_needs_no_sockets_and_trains_as_the_learner(
     with no learner, process group, ports or processes: the learner's parameters after
     two steps."""
     from asyncfp8.correction import build_correction
-    from asyncfp8.learner import TrainStep, plan_shares
     from asyncfp8.models import load_tokenizer
+    from asyncfp8.train.step import TrainStep, plan_shares
 
     overrides = ["correction=token_tis", "optim.mini_batches=2"]
     cfg = learner_config(tiny_model_dir, Path("unused"), *overrides)
@@ -476,7 +477,7 @@ def test_sync_mode_means_no_staleness_and_bad_modes_are_refused():
 def test_counts_must_be_positive_integers():
     from hydra import compose, initialize_config_module
 
-    from asyncfp8.process import check_counts
+    from asyncfp8.run.process import check_counts
 
     with initialize_config_module("asyncfp8.conf", version_base="1.3"):
         cfg = compose("config")

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 import zmq
 
-from asyncfp8.leases import LeaseBook
+from asyncfp8.learner.leases import LeaseBook
 from asyncfp8.sync import TrajectoryReceiver, TrajectorySender
 from asyncfp8.sync.codec import seal
 from asyncfp8.sync.trajectories import LEASE_FRAME
@@ -142,7 +142,7 @@ def test_a_dropped_stale_group_frees_capacity_and_its_prompt_comes_back_first():
 
 
 def test_a_resumed_colocated_inbox_expires_the_leases_its_rollout_thread_held():
-    from asyncfp8.inbox import Inbox
+    from asyncfp8.learner.inbox import Inbox
     from asyncfp8.sync import Trajectory
 
     sampling = {"n": 2, "temperature": 1.0, "max_new_tokens": 4}
@@ -169,7 +169,7 @@ def test_a_resumed_colocated_inbox_expires_the_leases_its_rollout_thread_held():
 def test_a_waiting_rollout_thread_wakes_when_a_step_frees_capacity():
     import threading
 
-    from asyncfp8.inbox import Inbox
+    from asyncfp8.learner.inbox import Inbox
 
     sampling = {"n": 2, "temperature": 1.0, "max_new_tokens": 4}
     inbox = Inbox(None, LeaseBook(capacity=2, timeout=120), 2, sampling, 0, None)

@@ -1,9 +1,9 @@
 import pytest
 
-from asyncfp8.failpoints import parse
-from asyncfp8.inbox import Group
-from asyncfp8.ledger import LEDGER_FILE, Ledger, read_ledger
+from asyncfp8.learner.ledger import LEDGER_FILE, Ledger, read_ledger
+from asyncfp8.run.failpoints import parse
 from asyncfp8.sync import Trajectory
+from asyncfp8.train.batches import Group
 
 
 def group(lease, prompt, sender="w/1", first_seq=0, version=3):

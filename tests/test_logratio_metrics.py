@@ -73,9 +73,9 @@ def test_an_infinite_log_prob_reads_as_the_raw_bound_and_no_tokens_read_zero():
 
 
 def test_step_metrics_carry_them_for_all_tokens_and_the_current_version_only():
-    from asyncfp8.batches import batch_tensors
-    from asyncfp8.learner.step_metrics import fresh_mismatch
     from asyncfp8.sync import Trajectory
+    from asyncfp8.train.batches import batch_tensors
+    from asyncfp8.train.step_metrics import fresh_mismatch
 
     fresh = Trajectory([1, 2], [3, 4], [0.0, -0.5], [2, 2], 1.0, "0")
     stale = Trajectory([1, 2], [5], [-0.1], [1], 0.0, "1")

@@ -1,5 +1,5 @@
 """run.compute_dtype=float16 (issue 46, item 1): the learner computes in FP16 on FP32
-masters with a dynamically scaled loss (asyncfp8/loss_scale.py). An update whose
+masters with a dynamically scaled loss (asyncfp8/train/loss_scale.py). An update whose
 gradients overflow is skipped and counted, the scale halved; one that keeps overflowing
 stops the run naming the setting and the first parameter whose gradient was not finite;
 bad settings are refused at start, naming the key."""
@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncfp8 import distributed
 from asyncfp8.correction import build_correction
-from asyncfp8.learner import Learner, TrainStep, lr_lambda, plan_shares
-from asyncfp8.logprobs import install_logprob_head
-from asyncfp8.loss_scale import LossScaleOverflow, LossScaler, LossScaleSettings
+from asyncfp8.learner import Learner
 from asyncfp8.models import load_model, load_tokenizer
+from asyncfp8.run import distributed
+from asyncfp8.train.logprobs import install_logprob_head
+from asyncfp8.train.loss_scale import LossScaleOverflow, LossScaler, LossScaleSettings
+from asyncfp8.train.step import TrainStep, lr_lambda, plan_shares
 from tests.recorded import assert_same_updates, learner_config, train
 
 WEIGHT = "model.layers.1.mlp.down_proj.weight"

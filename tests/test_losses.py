@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from asyncfp8.correction import get_correction
-from asyncfp8.losses import (
+from asyncfp8.train.losses import (
     PolicyLoss,
     aggregate,
     aggregate_parts,

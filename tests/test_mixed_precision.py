@@ -10,8 +10,8 @@ import torch
 from hydra import compose, initialize_config_module
 
 import asyncfp8.conf  # noqa: F401
+from asyncfp8.hf.cpu_half import is_plain_linear
 from asyncfp8.models import load_model, load_tokenizer
-from asyncfp8.models.cpu_half import is_plain_linear
 from asyncfp8.precision import get_policy
 from asyncfp8.precision.export import unquantized_layers
 from asyncfp8.precision.modules import apply_policy

@@ -11,7 +11,7 @@ from asyncfp8.engines.model_sampling import sample_from_model
 from asyncfp8.engines.slot_loop import SlotLoop, seeded_requests
 from asyncfp8.engines.slots import SlotDecoder
 from asyncfp8.engines.torch_engine import TorchEngine
-from asyncfp8.evaluation import HeldOut
+from asyncfp8.learner.evaluation import HeldOut
 from asyncfp8.models import load_model, load_tokenizer
 from asyncfp8.models.sampling import sample_completions
 from asyncfp8.tasks import ArithmeticTask
@@ -113,7 +113,7 @@ def test_sampling_hands_the_model_back_as_it_came(tiny_model_dir):
 
 
 def test_held_out_evaluation_scores_the_engines_samples(tiny_model_dir):
-    from asyncfp8 import distributed
+    from asyncfp8.run import distributed
 
     task = ArithmeticTask(seed=3)
     tokenizer = load_tokenizer(tiny_model_dir)

@@ -649,8 +649,8 @@ def test_a_plan_takes_the_calibration_measured_with_its_engine_and_refuses_an_un
 
 
 def test_the_plan_counts_the_host_memory_of_the_versions_kept_for_pi_prox():
-    from asyncfp8.learner.versions import kept_bytes
     from asyncfp8.plan.planner import make_plan
+    from asyncfp8.train.versions import kept_bytes
 
     cfg = plan_config(
         **SMALL_WORKLOAD,

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncfp8 import failpoints
-from asyncfp8.failpoints import ENV, POISON_FACTOR, POISON_UPDATE
-from asyncfp8.learner.step import TrainStep
+from asyncfp8.run import failpoints
+from asyncfp8.run.failpoints import ENV, POISON_FACTOR, POISON_UPDATE
+from asyncfp8.train.step import TrainStep
 
 
 def adam_steps(poisoned: bool, armed, steps: int = 3) -> list[torch.Tensor]:

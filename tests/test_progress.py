@@ -6,8 +6,8 @@ falling in the middle of a line of the new one)."""
 import json
 import os
 
-from asyncfp8.progress import Progress
-from asyncfp8.run_records import METRICS_FILE
+from asyncfp8.launch.progress import Progress
+from asyncfp8.run.records import METRICS_FILE
 
 
 def record(step: int, **extra) -> str:

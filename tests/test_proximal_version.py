@@ -9,11 +9,11 @@ import copy
 import pytest
 import torch
 
-from asyncfp8 import distributed
 from asyncfp8.checks import check_training
-from asyncfp8.learner.versions import VersionWeights, choose_proximal
-from asyncfp8.logprobs import completion_logprobs, install_logprob_head
 from asyncfp8.models import load_model
+from asyncfp8.run import distributed
+from asyncfp8.train.logprobs import completion_logprobs, install_logprob_head
+from asyncfp8.train.versions import VersionWeights, choose_proximal
 from tests.config import compose
 
 
@@ -69,8 +69,8 @@ def test_the_store_keeps_the_newest_versions_and_a_swap_puts_the_weights_back():
 
 @pytest.mark.slow
 def test_stale_tokens_are_scored_under_their_own_versions_weights(tiny_model_dir, tmp_path):
-    from asyncfp8.batches import batch_tensors
     from asyncfp8.learner import Learner
+    from asyncfp8.train.batches import batch_tensors
     from tests.recorded import learner_config, record_groups, train
 
     groups = record_groups(tiny_model_dir, steps=2, groups=4, group_size=4, seed=2)

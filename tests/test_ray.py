@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from asyncfp8.launch_processes import CONFIG_ERROR, free_ports
-from asyncfp8.ray_launch import (
+from asyncfp8.launch.processes import CONFIG_ERROR, free_ports
+from asyncfp8.launch.ray_cluster import (
     bundle,
     cluster_address,
     common_overrides,
@@ -196,7 +196,7 @@ def drive_on_a_fake_cluster(monkeypatch, cfg, failed) -> tuple[int, int]:
     many incarnations it started. Only the driver's decisions are under test."""
     from types import SimpleNamespace
 
-    from asyncfp8 import ray_launch
+    from asyncfp8.launch.local import ray_launch
 
     started = []
 
@@ -228,7 +228,7 @@ def test_a_learner_the_guard_stopped_is_not_resumed_on_ray(monkeypatch, tmp_path
     driver writes the run's summary and ends with 3 instead of resuming the learner
     (a resume would take the guard's stop back and train into the same batches). The
     cluster is faked: only the driver's decision is under test."""
-    from asyncfp8.run_files import CHECKPOINT_DIR, GUARD_STOP_FILE, GUARD_STOPPED, LEARNER_STATE
+    from asyncfp8.run.files import CHECKPOINT_DIR, GUARD_STOP_FILE, GUARD_STOPPED, LEARNER_STATE
     from tests.test_collapse import compose, synthetic_run
 
     run_dir = Path(synthetic_run(tmp_path / "run", 0, {0: 0.2}, [0.5] * 12))

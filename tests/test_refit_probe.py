@@ -1,4 +1,4 @@
-"""The refit probe (asyncfp8/refit.py): the learner's reference agrees with the built-in
+"""The refit probe (asyncfp8/refit/probe.py): the learner's reference agrees with the built-in
 engine exactly when the version arrived intact, and each refit fault of the reliability
 suite is caught at its version, with the layer it first touches and its likely cause."""
 
@@ -7,13 +7,12 @@ import math
 import pytest
 import torch
 
-from asyncfp8.chaos.refit_faults import RefitFault
 from asyncfp8.engines.base import Scores
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.models import load_model, load_tokenizer
 from asyncfp8.precision import calibrate_version, extra_roles, get_policy, version_weights
 from asyncfp8.precision.manifest import decoder_layers
-from asyncfp8.refit import (
+from asyncfp8.refit.probe import (
     TOLERANCES,
     Probe,
     ProbeTolerance,
@@ -22,7 +21,8 @@ from asyncfp8.refit import (
     probe_sequences,
     tolerance_for,
 )
-from asyncfp8.refit_reference import ReferenceForward
+from asyncfp8.refit.reference import ReferenceForward
+from asyncfp8.run.refit_faults import RefitFault
 from asyncfp8.tasks import ArithmeticTask
 
 TASK = ArithmeticTask(seed=5)
@@ -240,7 +240,7 @@ def test_a_failure_says_whether_the_difference_is_broad_or_in_a_few_tokens():
     """A stale engine and a knife edge the engine's rounding did not follow look alike to
     the mean: the message says where the difference sits, and for a verdict of "the
     previous version", where the two references part."""
-    from asyncfp8.refit import difference_spread
+    from asyncfp8.refit.probe import difference_spread
 
     assert difference_spread(torch.tensor([0.1, -0.1, 0.1, 3.0])) == (
         "the difference: median |Δ log p| 0.1, 1 of 4 tokens beyond 1 nat holding 91% of it"
@@ -344,8 +344,8 @@ def test_rows_of_one_length_share_a_forward_and_keep_their_order(tiny_model_dir,
     """The reference and the engine score the probe's rows of one length in one unpadded
     forward: each row's log-probs and layer RMS are what it gets scored alone, in its own
     place (FP32 here, so that the comparison does not rest on BF16 rounding)."""
+    from asyncfp8.engines.probe_scoring import rows_by_length
     from asyncfp8.precision import PrecisionPolicy
-    from asyncfp8.refit import rows_by_length
 
     assert rows_by_length([12, 9, 12, 1, 9, 0]) == {12: [0, 2], 9: [1, 4]}
 

@@ -16,7 +16,7 @@ from asyncfp8.correction.calibration import (
     rejected_fraction,
     starved_scale,
 )
-from asyncfp8.learner.step import TrainStep
+from asyncfp8.train.step import TrainStep
 
 
 def skewed_log_ratios(n: int, seed: int) -> np.ndarray:
@@ -201,8 +201,8 @@ def test_a_rolled_back_step_still_reports_the_bounds_it_calibrated():
     # back, the bounds stay set, so its metrics must still say what they are.
     from types import SimpleNamespace
 
-    from asyncfp8.learner.step import StepSums
-    from asyncfp8.learner.step_metrics import StepMetrics
+    from asyncfp8.train.step import StepSums
+    from asyncfp8.train.step_metrics import StepMetrics
 
     group = SimpleNamespace(trajectories=[SimpleNamespace(reward=r) for r in (0.0, 1.0)])
     calibrated = {"correction/calibrated_lower": 0.9, "correction/calibrated_upper": 1.1}
@@ -289,7 +289,7 @@ def test_a_resumed_learner_keeps_the_bounds_its_first_step_measured(
 
 @pytest.mark.slow
 def test_a_starved_update_is_skipped_and_counted(tmp_path, tiny_model_dir, recorded):
-    from asyncfp8 import distributed
+    from asyncfp8.run import distributed
     from tests.recorded import train
 
     learner = learner_with(

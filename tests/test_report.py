@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from asyncfp8.metrics import MetricsLog
-from asyncfp8.report import main
-from asyncfp8.report_plots import heldout_curve, plot_runs, smooth, trailing_mean
-from asyncfp8.run_summary import evaluations, per_step, setting, summarize
-from asyncfp8.stats import binomial_se, mean_ci, t_quantile, t_two_sided_probability
+from asyncfp8.report.compare import main
+from asyncfp8.report.metrics import MetricsLog
+from asyncfp8.report.plots import heldout_curve, plot_runs, smooth, trailing_mean
+from asyncfp8.report.stats import binomial_se, mean_ci, t_quantile, t_two_sided_probability
+from asyncfp8.report.summary import evaluations, per_step, setting, summarize
 from tests.config import compose
 
 
@@ -124,7 +124,7 @@ def test_trailing_mean_starts_once_its_window_is_full():
 
 # --- confidence intervals ----------------------------------------------------------------------
 
-# t_{0.975, df}, computed independently of asyncfp8.stats: mpmath (30 digits) integrating the
+# t_{0.975, df}, computed independently of asyncfp8.report.stats: mpmath (30 digits) integrating the
 # t density and solving CDF(t) = 0.975 with findroot. They agree with printed tables
 # (12.706, 4.303, 2.776, 2.262, 2.042, 1.962).
 T_975 = {

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from asyncfp8 import process
 from asyncfp8.chaos.cluster import SMALL_RUN
-from asyncfp8.process import worker_count
-from asyncfp8.run_records import read_metrics
-from asyncfp8.runconfig import restore_on_resume
+from asyncfp8.run import process
+from asyncfp8.run.process import worker_count
+from asyncfp8.run.records import read_metrics
+from asyncfp8.run.resume import restore_on_resume
 from tests.config import compose
 from tests.launched import refusal
 
@@ -203,7 +203,7 @@ def test_each_process_takes_its_share_of_the_cores_it_shares(
 def test_threads_and_workers_count_the_cores_the_process_may_use_not_the_machines():
     # As under taskset, a container's cpuset or Slurm: one core of the machine's.
     probe = (
-        "import torch; from asyncfp8.process import set_threads, usable_cores; "
+        "import torch; from asyncfp8.run.process import set_threads, usable_cores; "
         "print(usable_cores(), set_threads(None, 1), torch.get_num_threads())"
     )
     done = subprocess.run(
@@ -342,7 +342,7 @@ def test_the_runs_config_is_replaced_whole_never_left_half_written(tmp_path, mon
     # read it (the chaos suite's torn-write readers once met "Missing key precision").
     from omegaconf import OmegaConf
 
-    from asyncfp8.runconfig import save_config, saved_config
+    from asyncfp8.run.resume import save_config, saved_config
 
     old = OmegaConf.create({"precision": {"name": "bf16"}, "run": {"steps": 3}})
     save_config(old, tmp_path)

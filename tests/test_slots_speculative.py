@@ -15,8 +15,8 @@ import torch
 from asyncfp8.engines import SamplingParams
 from asyncfp8.engines.decode import processed_logprobs
 from asyncfp8.engines.slots import SlotDecoder
+from asyncfp8.engines.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
 from asyncfp8.engines.torch_engine import TorchEngine
-from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
 from tests.taught import PROMPTS
 
 # All 60 steps whatever they take: the tests ask what a trained drafter achieves.

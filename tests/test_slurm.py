@@ -1,5 +1,5 @@
 """`srun python -m asyncfp8.launch` (issue 30, part 5): each task finds its role from
-Slurm's variables (asyncfp8/slurm.py), tested here with the variables srun would set,
+Slurm's variables (asyncfp8/launch/slurm.py), tested here with the variables srun would set,
 then a whole run as srun would start it: one launcher per task, on this machine."""
 
 import json
@@ -11,8 +11,8 @@ import pytest
 
 from asyncfp8.chaos.audit import audit
 from asyncfp8.chaos.cluster import SMALL_RUN
-from asyncfp8.launch_processes import free_ports
-from asyncfp8.slurm import (
+from asyncfp8.launch.processes import free_ports
+from asyncfp8.launch.slurm import (
     expand_hostlist,
     expand_tasks_per_node,
     role_of,

@@ -1,6 +1,6 @@
 """A real Slurm cluster (issue 47): Debian's munged, slurmctld and slurmd started by the
 fixture; `sbatch` of examples/slurm/asyncfp8.sbatch runs a two-rank learner and two
-workers as four tasks through asyncfp8/slurm.py. Marked `cluster`: CI runs it on a line
+workers as four tasks through asyncfp8/launch/slurm.py. Marked `cluster`: CI runs it on a line
 of its own, after `apt-get install slurmctld slurmd slurm-client munge`."""
 
 import json

@@ -1,4 +1,4 @@
-"""Lossless acceptance (asyncfp8/speculative/acceptance.py) against the distribution it
+"""Lossless acceptance (asyncfp8/engines/speculative/acceptance.py) against the distribution it
 must reproduce.
 
 The statistical tests run whole generations on a toy Markov "model" over 8 tokens (the
@@ -29,8 +29,8 @@ from asyncfp8.engines.request_sampling import (
     request_seed,
     uniforms,
 )
+from asyncfp8.engines.speculative.acceptance import accept
 from asyncfp8.engines.torch_engine import processed_logprobs
-from asyncfp8.speculative.acceptance import accept
 
 ALPHA = 0.001
 SEQUENCES = 30_000

@@ -1,4 +1,4 @@
-"""Adaptive speculation control (asyncfp8/speculative/adaptive.py): the batch-size switch
+"""Adaptive speculation control (asyncfp8/engines/speculative/adaptive.py): the batch-size switch
 and the per-bucket bandit over draft lengths, on synthetic tokens/s."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from asyncfp8.speculative.adaptive import SpeculationController
+from asyncfp8.engines.speculative.adaptive import SpeculationController
 
 
 def test_switches_on_after_patience_checks_at_or_below_threshold_and_off_above():

@@ -1,4 +1,4 @@
-"""The EAGLE-style drafter (asyncfp8/speculative/drafter.py): shared frozen target modules,
+"""The EAGLE-style drafter (asyncfp8/engines/speculative/drafter.py): shared frozen target modules,
 its KV cache against a full recompute, drafting, and checkpoints from another model.
 
 Target and drafter run in float64 here, so cached and recomputed features agree to 1e-10
@@ -12,8 +12,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from asyncfp8.engines.base import SamplingParams
+from asyncfp8.engines.speculative.drafter import Drafter
 from asyncfp8.engines.torch_engine import processed_logprobs
-from asyncfp8.speculative.drafter import Drafter
 
 ATOL = 1e-10
 

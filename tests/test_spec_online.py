@@ -1,5 +1,5 @@
 """Speculation end to end on the tiny warm-started model, through the reference decode
-loop (asyncfp8/speculative/reference.py): exact log-probs, greedy equal to the torch
+loop (asyncfp8/engines/speculative/reference.py): exact log-probs, greedy equal to the torch
 engine's, and fewer target forwards per token once the drafter has trained online on the
 target's own rollouts.
 
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from asyncfp8.engines.base import SamplingParams
+from asyncfp8.engines.speculative.drafter import Drafter
+from asyncfp8.engines.speculative.reference import generate
+from asyncfp8.engines.speculative.training import DrafterTrainer
 from asyncfp8.engines.torch_engine import TorchEngine, processed_logprobs
-from asyncfp8.speculative.drafter import Drafter
-from asyncfp8.speculative.reference import generate
-from asyncfp8.speculative.training import DrafterTrainer
 from asyncfp8.tasks import ArithmeticTask
 
 NEW_TOKENS = 48

@@ -1,4 +1,4 @@
-"""Online drafter training (asyncfp8/speculative/training.py) on a small random Qwen2
+"""Online drafter training (asyncfp8/engines/speculative/training.py) on a small random Qwen2
 target: the buffer, the loss going down, checkpoints, per-version acceptance metrics."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from asyncfp8.speculative.drafter import Drafter
-from asyncfp8.speculative.training import DrafterTrainer
+from asyncfp8.engines.speculative.drafter import Drafter
+from asyncfp8.engines.speculative.training import DrafterTrainer
 
 # Tiny tensors: one torch thread for the whole module (conftest.one_thread).
 pytestmark = pytest.mark.usefixtures("one_thread")

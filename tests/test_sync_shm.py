@@ -17,9 +17,9 @@ import pytest
 import torch
 import zmq
 
-from asyncfp8.failpoints import ENV as FAILPOINTS_ENV
-from asyncfp8.launch_processes import free_ports
+from asyncfp8.launch.processes import free_ports
 from asyncfp8.precision.manifest import WEIGHT
+from asyncfp8.run.failpoints import ENV as FAILPOINTS_ENV
 from asyncfp8.sync import BackgroundPublisher, PublishFailed, VersionPublisher, VersionSubscriber
 
 LOOPBACK = "tcp://127.0.0.1:*"

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from asyncfp8.chaos.cluster import SMALL_RUN, Cluster
-from asyncfp8.models.cpu_half import is_plain_linear
+from asyncfp8.hf.cpu_half import is_plain_linear
 from asyncfp8.precision import build_policy, get_policy, version_tensors
 from asyncfp8.precision.export import export_checkpoint
 from asyncfp8.precision.fp8 import FP8BlockLinear
-from asyncfp8.run_summary import per_step
+from asyncfp8.report.summary import per_step
 from tests.config import compose
 from tests.conftest import USER_MODULES, USER_POLICY, USER_POLICY_SPEC, user_modules_env
 from tests.launched import refusal
@@ -291,8 +291,8 @@ def test_the_fp32_control_runs_the_engine_in_fp32_and_passes_its_refit_probe(tin
 
     from asyncfp8.engines.torch_engine import TorchEngine
     from asyncfp8.models import load_model
-    from asyncfp8.refit import RefitChecker, probe_sequences, tolerance_for
-    from asyncfp8.refit_reference import ReferenceForward
+    from asyncfp8.refit.probe import RefitChecker, probe_sequences, tolerance_for
+    from asyncfp8.refit.reference import ReferenceForward
 
     policy = FP32Policy()
     engine = TorchEngine(str(tiny_model_dir), FP32Policy(), device="cpu")  # no dtype given
@@ -328,7 +328,7 @@ def test_engine_dtype_alone_sets_the_engine_config_and_the_probe_reference(tiny_
     """A policy that says FP32 once (engine_dtype) gets an FP32 engine config (what vLLM
     and SGLang start with), an FP32 torch engine and an FP32 refit-probe reference."""
     from asyncfp8.engines.torch_engine import TorchEngine
-    from asyncfp8.refit_reference import ReferenceForward
+    from asyncfp8.refit.reference import ReferenceForward
 
     policy = build_policy(compose("precision._target_=user_policies.FP32EngineOnly").precision)
     assert policy.engine_config()["dtype"] == "float32"

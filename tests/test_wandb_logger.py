@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from asyncfp8.metrics import WANDB_DIR, WANDB_ID_FILE, MetricsLog, loggers_of, wandb_mode
-from asyncfp8.run_summary import per_step
+from asyncfp8.report.metrics import WANDB_DIR, WANDB_ID_FILE, MetricsLog, loggers_of, wandb_mode
+from asyncfp8.report.summary import per_step
 from tests.config import compose
 from tests.conftest import REPORTING_STEPS, wandb_offline_env
 

@@ -12,8 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncfp8 import distributed
 from asyncfp8.learner import Learner
+from asyncfp8.run import distributed
 from tests.recorded import learner_config, load_groups, train
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 import zmq
 
-from asyncfp8.ledger import read_ledger
-from asyncfp8.run_records import read_metrics
+from asyncfp8.learner.ledger import read_ledger
+from asyncfp8.run.records import read_metrics
 from asyncfp8.sync import Curve, TrajectorySender, VersionPublisher, VersionSubscriber
 from asyncfp8.sync.keys import make_keys
 from asyncfp8.sync.security import stop_authenticators

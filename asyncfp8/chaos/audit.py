@@ -1,6 +1,6 @@
 """Reading a run back after faults: was anything trained twice, left half done, or lost?
 
-The learner's ledger says which samples each step trained or skipped (`asyncfp8.ledger`);
+The learner's ledger says which samples each step trained or skipped (`asyncfp8.learner.ledger`);
 its last checkpoint says which prompts were still out (leased, queued again, received
 but not trained, skipped but not yet in the ledger). Together they must account for
 every prompt handed out, exactly once.
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from asyncfp8.ledger import read_ledger
-from asyncfp8.run_files import CHECKPOINT_DIR, LEARNER_STATE
+from asyncfp8.learner.ledger import read_ledger
+from asyncfp8.run.files import CHECKPOINT_DIR, LEARNER_STATE
 
 
 @dataclass

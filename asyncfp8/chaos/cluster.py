@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from asyncfp8.launch_processes import free_ports
-from asyncfp8.ledger import read_ledger
+from asyncfp8.launch.processes import free_ports
+from asyncfp8.learner.ledger import read_ledger
 
 # A few small steps: the tiny model trains one in about 50 ms on a CPU core.
 SMALL_RUN = (

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncfp8.ledger import read_ledger
-from asyncfp8.run_files import LATEST_VERSION_FILE
+from asyncfp8.learner.ledger import read_ledger
+from asyncfp8.run.files import LATEST_VERSION_FILE
 
 from .audit import Audit, audit
 from .cluster import Cluster

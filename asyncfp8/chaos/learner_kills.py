@@ -12,16 +12,16 @@ import threading
 import time
 from pathlib import Path
 
-from asyncfp8.failpoints import ENV as FAILPOINTS_ENV
-from asyncfp8.ledger import read_ledger
-from asyncfp8.run_records import read_metrics
-from asyncfp8.run_summary import per_step, summarize
+from asyncfp8.learner.ledger import read_ledger
+from asyncfp8.report.summary import per_step, summarize
+from asyncfp8.run.failpoints import ENV as FAILPOINTS_ENV
+from asyncfp8.run.records import read_metrics
 
 from .audit import applied_versions
 from .cluster import Cluster
 from .fault_report import FaultReport, audit_run, kill_after_a_step, latest_version
 
-# How each kind of learner kill is armed: a fail point of asyncfp8/failpoints.py hit at a
+# How each kind of learner kill is armed: a fail point of asyncfp8/run/failpoints.py hit at a
 # count drawn from this range for one incarnation (counts are per process), or "random":
 # SIGKILL at a random moment once the incarnation has trained a step.
 KILL_POINTS = {
@@ -250,7 +250,7 @@ class _Follower:
     report's summary, the audit's ledger) every 50 ms on a thread, keeping any error."""
 
     def __init__(self, run_dir: Path, steps: int):
-        from asyncfp8.progress import Progress
+        from asyncfp8.launch.progress import Progress
 
         self.progress = Progress(run_dir, steps)
         self.run_dir, self.reads, self.errors = run_dir, 0, []

@@ -1,6 +1,6 @@
 """Refit faults against a real learner and worker (docs/reliability.md, scenario 8): each
 fault of `refit_faults.KINDS` damages one version on its way into the worker's engine,
-and the refit probe (asyncfp8/refit.py) must catch it at that version, before the
+and the refit probe (asyncfp8/refit/probe.py) must catch it at that version, before the
 worker generates with it, recover from a full snapshot, and lose nothing; a clean run
 must raise no alarm over hundreds of versions."""
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from asyncfp8.run_records import read_metrics
+from asyncfp8.run.records import read_metrics
+from asyncfp8.run.refit_faults import ENV, KINDS
 
 from .cluster import Cluster
 from .fault_report import OPEN_ENDED, FaultReport, finish
-from .refit_faults import ENV, KINDS
 
 #: What each fault needs: a precision with KV scales, or one whose weight scales are 2-D
 #: grids of at least 2x2 (FP8 blocks of a model 256 wide: `wide_model`).

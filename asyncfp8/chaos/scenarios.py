@@ -14,8 +14,8 @@ import signal
 import time
 from pathlib import Path
 
-from asyncfp8.ledger import read_ledger
-from asyncfp8.run_records import read_metrics
+from asyncfp8.learner.ledger import read_ledger
+from asyncfp8.run.records import read_metrics
 from asyncfp8.sync.keys import make_keys
 
 from .attack_scenarios import corrupt_flood, impersonation

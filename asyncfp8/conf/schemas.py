@@ -77,12 +77,12 @@ class WandbConfig:
     name: str | None = MISSING
     group: str | None = MISSING
     tags: list[str] = MISSING
-    mode: str = MISSING  # auto | online | offline | disabled (asyncfp8/metrics.py)
+    mode: str = MISSING  # auto | online | offline | disabled (asyncfp8/report/metrics.py)
 
 
 @dataclass
 class RayActorConfig:
-    """One learner rank's or one worker's share of a Ray cluster (asyncfp8/ray_launch.py)."""
+    """One learner rank's or one worker's share of a Ray cluster (asyncfp8/launch/ray_cluster.py)."""
 
     num_cpus: float = MISSING
     num_gpus: float = MISSING
@@ -106,8 +106,8 @@ class RunConfig:
     seed: int = MISSING
     workers: int | None = MISSING  # null: process.worker_count
     learner_procs: int = MISSING
-    slurm: Any = MISSING  # auto | true | false (asyncfp8/slurm.py)
-    ray: bool = MISSING  # asyncfp8/ray_launch.py
+    slurm: Any = MISSING  # auto | true | false (asyncfp8/launch/slurm.py)
+    ray: bool = MISSING  # asyncfp8/launch/ray_cluster.py
     ray_address: str | None = MISSING
     ray_learner: RayActorConfig = field(default_factory=RayActorConfig)
     ray_worker: RayActorConfig = field(default_factory=RayActorConfig)
@@ -128,7 +128,7 @@ class RunConfig:
     keep_checkpoints: int = MISSING
     export_every: int = MISSING
     worker_wait_timeout: float = MISSING
-    loggers: Any = MISSING  # a list, or one name (run.loggers=wandb): asyncfp8/metrics.py
+    loggers: Any = MISSING  # a list, or one name (run.loggers=wandb): asyncfp8/report/metrics.py
     tensorboard: Any = MISSING  # auto | true | false (checks.check_config)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
@@ -136,7 +136,7 @@ class RunConfig:
 @dataclass
 class LossScaleConfig:
     """`optim.loss_scale.*`: dynamic loss scaling with run.compute_dtype=float16
-    (asyncfp8/loss_scale.py checks the ranges, naming the key)."""
+    (asyncfp8/train/loss_scale.py checks the ranges, naming the key)."""
 
     init: float = MISSING
     growth_interval: int = MISSING
@@ -213,7 +213,7 @@ class EvalConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """`engine.speculative` (asyncfp8.speculative.settings checks what types cannot)."""
+    """`engine.speculative` (asyncfp8.engines.speculative.settings checks what types cannot)."""
 
     mode: Any = MISSING  # none | fixed | adaptive; false or null mean none (settings.py)
     draft_tokens: int = MISSING
@@ -259,7 +259,7 @@ class SGLangEngineConfig:
 
 @dataclass
 class GuardConfig:
-    """`guard.*` (asyncfp8/guard.py checks the ranges, naming the key)."""
+    """`guard.*` (asyncfp8/train/guard.py checks the ranges, naming the key)."""
 
     enabled: bool = MISSING
     max_rollbacks: int = MISSING

@@ -208,8 +208,8 @@ def build_correction(cfg: Mapping[str, Any]) -> Correction:
         raise ValueError(f"correction config needs a 'name'; got keys {sorted(params)}")
     name = params.pop("name")
     max_staleness = params.pop("max_staleness", None)
-    params.pop("mode", None)  # decoupled / bypass: how the loss uses it (asyncfp8.losses)
-    params.pop("proximal", None)  # which weights π_prox is (asyncfp8/learner/versions.py)
+    params.pop("mode", None)  # decoupled / bypass: how the loss uses it (asyncfp8.train.losses)
+    params.pop("proximal", None)  # which weights π_prox is (asyncfp8/train/versions.py)
     # bounds calibration and the starved-step rule: the learner's (correction/calibration.py)
     check_rejection_settings(name, params)
     for key in ("target_rejected", "min_kept", "starved"):

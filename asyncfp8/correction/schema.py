@@ -35,7 +35,7 @@ class CorrectionConfig:
     name: str = "none"
     reject: list[Any] = dataclasses.field(default_factory=list)  # more rejection filters
     mode: Mode = Mode.decoupled
-    proximal: Proximal = Proximal.auto  # asyncfp8/learner/versions.py: choose_proximal
+    proximal: Proximal = Proximal.auto  # asyncfp8/train/versions.py: choose_proximal
     max_staleness: int | None = None  # mask sequences with a token older than this
     # calibrate the unset lower/upper bounds of token_mis, seq_mis, geo_rs for this share
     # rejected on the first step (asyncfp8/correction/calibration.py); null: off

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from asyncfp8.models.loading import check_model_dir
+from asyncfp8.hf.loading import check_model_dir
 from asyncfp8.precision import PrecisionPolicy, TensorRole, check_received, get_policy
 
 from .base import EngineUnsupported, Sample, SamplingParams

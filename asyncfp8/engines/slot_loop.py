@@ -8,7 +8,7 @@ in. Between two steps the loop calls `between_steps` (a worker applies the newes
 version there: in-flight updates); every token is tagged with the version whose forward
 produced its logits, and nothing sampled is recomputed (the KV cache written under the
 old version is kept). How each step is made is a `stepping.StepStrategy`: `PlainStep`
-here, speculative decoding in `asyncfp8.speculative.slots`.
+here, speculative decoding in `asyncfp8.engines.speculative.slots`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The loop refills slots, harvests finished sequences and decides when to stop; each
 decode step it hands to its strategy: `slot_loop.PlainStep` (one token per row), or
-speculative decoding (`asyncfp8.speculative.slots.SlotSpeculation`: draft k tokens,
+speculative decoding (`asyncfp8.engines.speculative.slots.SlotSpeculation`: draft k tokens,
 verify them in one forward). A strategy sees the loop only through `SlotSteps` and the
 decoder only through `RecordingDecoder`, so it needs neither module, and the loop needs
 no strategy's module: nothing here imports either side.

@@ -13,7 +13,17 @@ from typing import Any
 
 import torch
 
-from asyncfp8.models.loading import load_model, load_tokenizer
+from asyncfp8.engines.probe_scoring import (
+    next_token_logprobs,
+    recording_layer_rms,
+    rows_by_length,
+)
+from asyncfp8.engines.speculative.adaptive import SpeculationController
+from asyncfp8.engines.speculative.drafter import Drafter
+from asyncfp8.engines.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
+from asyncfp8.engines.speculative.slots import SlotSpeculation
+from asyncfp8.engines.speculative.training import DrafterTrainer
+from asyncfp8.hf.loading import load_model, load_tokenizer
 from asyncfp8.precision import PrecisionPolicy, get_policy
 from asyncfp8.precision.fp8_kv import kv_scale_names
 from asyncfp8.precision.kernel_support import (
@@ -31,12 +41,6 @@ from asyncfp8.precision.manifest import (
     kv_scale_specs,
 )
 from asyncfp8.precision.modules import QuantizedLinear, apply_policy
-from asyncfp8.refit import next_token_logprobs, recording_layer_rms, rows_by_length
-from asyncfp8.speculative.adaptive import SpeculationController
-from asyncfp8.speculative.drafter import Drafter
-from asyncfp8.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
-from asyncfp8.speculative.slots import SlotSpeculation
-from asyncfp8.speculative.training import DrafterTrainer
 
 from .base import EngineUnsupported, Sample, SamplingParams, Scores, check_slots
 from .decode import ATTENTION, LAYER_KINDS, Prefill, forward_static, processed_logprobs
@@ -111,7 +115,7 @@ class TorchEngine:
     batch. None (default): as many slots as the call has sequences, at most
     `max_batch` (a static batch). An int N >= 1: N slots, and `between_steps` (when set)
     is called between decode steps: in-flight updates.
-    speculative: `engine.speculative` (asyncfp8.speculative.settings): speculative
+    speculative: `engine.speculative` (asyncfp8.engines.speculative.settings): speculative
     decoding in the slot loop with a one-layer drafter trained online from this
     engine's own rollouts (`train_steps` optimizer steps after each generate call, for at
     most `train_time_fraction` of its time).

@@ -51,7 +51,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from asyncfp8.models.loading import check_model_dir
+from asyncfp8.hf.loading import check_model_dir
 from asyncfp8.precision import PrecisionPolicy, TensorRole, check_received, get_policy
 from asyncfp8.precision.fp8_kv import kv_scale_names
 from asyncfp8.precision.int8 import SCALE_SUFFIX

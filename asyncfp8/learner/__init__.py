@@ -1,13 +1,11 @@
 """The learner (`python -m asyncfp8.learner`): trains the policy on the workers'
 trajectories and publishes versions. `loop.py` is the loop; the modules beside it are
-its parts (see its docstring)."""
+its parts (see its docstring); the training step itself is `asyncfp8.train`."""
 
 from .checkpoints import CHECKPOINT_DIR, LATEST_VERSION_FILE, LEARNER_STATE, Checkpointer
 from .hub import Hub, Preempted, RankHub
 from .loop import Learner
 from .publisher import Publisher
-from .step import Share, StepSums, TrainStep, lr_lambda, plan_shares
-from .step_metrics import StepMetrics
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -19,10 +17,4 @@ __all__ = [
     "Preempted",
     "Publisher",
     "RankHub",
-    "Share",
-    "StepMetrics",
-    "StepSums",
-    "TrainStep",
-    "lr_lambda",
-    "plan_shares",
 ]

@@ -11,9 +11,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
-from asyncfp8.loss_scale import LossScaleOverflow
-from asyncfp8.process import setup_logging
-from asyncfp8.runconfig import log_resume, restore_on_resume
+from asyncfp8.run.process import setup_logging
+from asyncfp8.run.resume import log_resume, restore_on_resume
+from asyncfp8.train.loss_scale import LossScaleOverflow
 
 from .loop import Learner
 

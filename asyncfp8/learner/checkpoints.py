@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncfp8 import distributed
 from asyncfp8.export import MODEL_DIR, save_model
-from asyncfp8.run_files import CHECKPOINT_DIR, LATEST_VERSION_FILE, LEARNER_STATE
+from asyncfp8.run import distributed
+from asyncfp8.run.files import CHECKPOINT_DIR, LATEST_VERSION_FILE, LEARNER_STATE
 
 log = logging.getLogger("asyncfp8.learner")
 
@@ -55,7 +55,7 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.ranks, self.keep = ranks, keep
         # More state saved in learner.pt and restored on every rank, by name: objects with
-        # state_dict / load_state_dict (the FP16 loss scale, asyncfp8/loss_scale.py)
+        # state_dict / load_state_dict (the FP16 loss scale, asyncfp8/train/loss_scale.py)
         self.stateful: dict[str, Any] = {}
 
     def save(self, step: int, version: int, inbox: dict | None, elapsed_s: float) -> Path:

@@ -45,14 +45,14 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from asyncfp8 import distributed
 from asyncfp8.engines import RolloutEngine
 from asyncfp8.engines.base import MemoryRelease
-from asyncfp8.inbox import Inbox
-from asyncfp8.refit import Probe, RefitChecker
-from asyncfp8.rollout import ROLLOUT_STATS, roll_out, split_lease
+from asyncfp8.learner.inbox import Inbox
+from asyncfp8.refit.probe import Probe, RefitChecker
+from asyncfp8.run import distributed
 from asyncfp8.sync.version_publisher import PublishStats
 from asyncfp8.tasks import Task
+from asyncfp8.worker.rollout import ROLLOUT_STATS, roll_out, split_lease
 
 log = logging.getLogger("asyncfp8.learner")
 WORKER_ID = "colocated"  # how the books and the metrics name the learner's own engine

@@ -23,18 +23,20 @@ from typing import Any
 import zmq
 from omegaconf import DictConfig
 
-from asyncfp8 import distributed
-from asyncfp8.inbox import Group, Inbox
-from asyncfp8.leases import LeaseBook
-from asyncfp8.ledger import Ledger
-from asyncfp8.metrics import MetricsLog
-from asyncfp8.process import StopFlag, curve, endpoints
-from asyncfp8.runconfig import save_config
+from asyncfp8.learner.inbox import Inbox
+from asyncfp8.learner.leases import LeaseBook
+from asyncfp8.learner.ledger import Ledger
+from asyncfp8.report.metrics import MetricsLog
+from asyncfp8.run import distributed
+from asyncfp8.run.process import StopFlag
+from asyncfp8.run.resume import save_config
 from asyncfp8.sync import BackgroundPublisher, HandshakeWatch, Limits, VersionPublisher
+from asyncfp8.sync.endpoints import curve, endpoints
+from asyncfp8.train.batches import Group
+from asyncfp8.train.step import Share, StepSums, all_rewards_equal
+from asyncfp8.train.step_metrics import StepMetrics
 
 from .colocated import LEASE, Colocated, RolloutFailed
-from .step import Share, StepSums, all_rewards_equal
-from .step_metrics import StepMetrics
 
 log = logging.getLogger("asyncfp8.learner")
 STOP = "stop"  # what rank 0 hands the others instead of a share when the run stops

@@ -9,7 +9,7 @@ The loop (`Learner.run`) is the algorithm; each part has its own module:
   calibrated, the refit probe, the background sender);
 - `checkpoints.py`: checkpoints, resume and export;
 - `step_metrics.py`: what rank 0 logs per step;
-- `rollback.py`: the guard that undoes a fatal step (its rules: asyncfp8/guard.py),
+- `rollback.py`: the guard that undoes a fatal step (its rules: asyncfp8/train/guard.py),
   and its held-out line (`guard.heldout_below`);
 - `colocated.py`: `run.placement=colocated`, each rank's own engine taking turns with
   training or generating beside it (the hub asks it for each step's groups).
@@ -27,8 +27,6 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from asyncfp8 import distributed
-from asyncfp8.batches import check_split
 from asyncfp8.checks import (
     check_config,
     max_staleness_of,
@@ -37,26 +35,28 @@ from asyncfp8.checks import (
 )
 from asyncfp8.correction.calibration import BoundCalibration
 from asyncfp8.engines import build_engine
-from asyncfp8.evaluation import HeldOut
-from asyncfp8.guard import GuardSettings
-from asyncfp8.inbox import Group
-from asyncfp8.logprobs import install_logprob_head
-from asyncfp8.loss_scale import LossScaler, LossScaleSettings
+from asyncfp8.learner.evaluation import HeldOut
 from asyncfp8.models import load_model, load_tokenizer, run_model_dir
 from asyncfp8.precision.fp8_kv import kv_scale_names
 from asyncfp8.precision.sensitivity import LayoutDrift, mixed_part
-from asyncfp8.process import StopFlag, endpoints, set_threads, worker_count
-from asyncfp8.refit_reference import ReferenceForward
-from asyncfp8.run_files import GUARD_STOP_FILE, GUARD_STOPPED
+from asyncfp8.refit.reference import ReferenceForward
+from asyncfp8.run import distributed
+from asyncfp8.run.files import GUARD_STOP_FILE, GUARD_STOPPED
+from asyncfp8.run.process import StopFlag, set_threads, worker_count
+from asyncfp8.sync.endpoints import endpoints
+from asyncfp8.train.batches import Group, check_split
+from asyncfp8.train.guard import GuardSettings
+from asyncfp8.train.logprobs import install_logprob_head
+from asyncfp8.train.loss_scale import LossScaler, LossScaleSettings
+from asyncfp8.train.rollback import HeldOutGuard, StepGuard
+from asyncfp8.train.step import Share, StepSums, TrainStep, lr_lambda, plan_shares
+from asyncfp8.train.step_metrics import StepMetrics
+from asyncfp8.train.versions import VersionWeights, available_memory, choose_proximal
 
 from .checkpoints import Checkpointer
 from .colocated import COLOCATED_VLLM_MEMORY, Colocated, kept_random_state
 from .hub import Hub, Preempted, RankHub
 from .publisher import FIRST_CALIBRATION_PROMPTS, Publisher
-from .rollback import HeldOutGuard, StepGuard
-from .step import Share, StepSums, TrainStep, lr_lambda, plan_shares
-from .step_metrics import StepMetrics
-from .versions import VersionWeights, available_memory, choose_proximal
 
 log = logging.getLogger("asyncfp8.learner")
 
@@ -378,7 +378,7 @@ class Learner:
         return HeldOutGuard(below, self.model, self.optimizer) if below else None
 
     def _judge_heldout(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """guard.heldout_below (learner/rollback.py, HeldOutGuard): an evaluation far
+        """guard.heldout_below (train/rollback.py, HeldOutGuard): an evaluation far
         below the run's best puts back the weights of the last one that was not; what the
         run goes on with is evaluated again, and the undone score kept beside it."""
         guard = self.heldout_guard
@@ -522,7 +522,7 @@ class Learner:
         )
 
     def _probe_reference(self) -> ReferenceForward | None:
-        """The refit probe's reference (asyncfp8/refit.py), on rank 0 (colocated, on every
+        """The refit probe's reference (asyncfp8/refit/probe.py), on rank 0 (colocated, on every
         rank, each checking its own engine): what an engine running each version must
         compute on a few sequences, shipped with the version."""
         probe = self.cfg.sync.get("probe")

@@ -20,16 +20,16 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from asyncfp8 import distributed
-from asyncfp8.batches import batch_tensors
-from asyncfp8.logprobs import without_logits
 from asyncfp8.precision import PrecisionPolicy, calibrate_version, extra_roles, version_weights
 from asyncfp8.precision.manifest import decoder_layers
 from asyncfp8.precision.sensitivity import LayoutDrift
-from asyncfp8.refit import Probe, probe_sequences
-from asyncfp8.refit_reference import ReferenceForward
-from asyncfp8.run_files import LATEST_VERSION_FILE
+from asyncfp8.refit.probe import Probe, probe_sequences
+from asyncfp8.refit.reference import ReferenceForward
+from asyncfp8.run import distributed
+from asyncfp8.run.files import LATEST_VERSION_FILE
 from asyncfp8.sync import BackgroundPublisher, Trajectory
+from asyncfp8.train.batches import batch_tensors
+from asyncfp8.train.logprobs import without_logits
 
 FIRST_CALIBRATION_PROMPTS = 32  # before the first step, KV scales come from task prompts
 

@@ -1,6 +1,8 @@
-"""Models: the locally made tiny Qwen2 models and helpers to load HF model directories."""
+"""Models: the tiny Qwen2 models this project makes and ships, which model a run uses, and
+(from asyncfp8.hf) the loading of any HF model directory."""
 
-from .loading import check_model_dir, load_model, load_tokenizer
+from asyncfp8.hf.loading import check_model_dir, load_model, load_tokenizer
+
 from .run_model import resolve_model_dir, run_model_dir
 
 _TINY_NAMES = ("SIZES", "ModelSpec", "WarmStart", "make_tiny_model", "read_metadata")

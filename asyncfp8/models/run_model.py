@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from asyncfp8.model_dirs import check_model_dir
+from asyncfp8.hf.directory import check_model_dir
 
 
 def resolve_model_dir(path: str | None, size: str = "tiny", seed: int = 0, task=None) -> Path:

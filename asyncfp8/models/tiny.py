@@ -436,7 +436,7 @@ def make_tiny_model(
 
 def measure_saved_model(model_dir: Path, recipe: WarmStart, seed: int) -> float:
     """Mean temperature-1 reward of the saved (BF16) model on prompts it was not tuned on."""
-    from .loading import load_model, load_tokenizer
+    from asyncfp8.hf.loading import load_model, load_tokenizer
 
     model, tokenizer = load_model(model_dir, dtype=torch.bfloat16), load_tokenizer(model_dir)
     task = get_task(**recipe.task, seed=seed + 20_000)

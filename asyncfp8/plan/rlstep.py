@@ -76,7 +76,7 @@ def proximal_versions_bytes(model: ModelFacts, max_staleness: int) -> int:
     """Host memory the learner takes to keep the versions π_prox is computed under
     (`correction.proximal=version`, the default on one rank): an FP32 copy of every
     parameter for each of the last `max_staleness` + 1 versions, and one for the swaps
-    (`asyncfp8.learner.versions.kept_bytes` of the learner's `keep`, which the tests hold
+    (`asyncfp8.train.versions.kept_bytes` of the learner's `keep`, which the tests hold
     this to)."""
     return 4 * model.parameter_count() * (max_staleness + 2)
 

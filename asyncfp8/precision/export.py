@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from asyncfp8.models.loading import check_model_dir
+from asyncfp8.hf.loading import check_model_dir
 
 from .policy import PrecisionPolicy, dtype_name, is_quantizable
 
@@ -94,7 +94,7 @@ def export_checkpoint(
 
     extra: dict[str, torch.Tensor] = {}
     if calibration_batch is not None:
-        from asyncfp8.models.loading import load_model
+        from asyncfp8.hf.loading import load_model
 
         extra = policy.calibrate(load_model(source, dtype=torch.float32), calibration_batch)
     elif policy.needs_calibration and require_calibration:

@@ -110,7 +110,7 @@ class MixedPolicy(PrecisionPolicy):
             raise ValueError(
                 "precision=mixed has no layout yet (precision.keep): `python -m asyncfp8.launch` "
                 "measures it before it starts the learner and the workers; to start them by "
-                "hand, measure it with `python -m asyncfp8.precision.sensitivity` and pass "
+                "hand, measure it with `python -m asyncfp8.plan.layout` and pass "
                 "precision.keep=[...] to every process"
             )
         return self.keep

@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from asyncfp8.models.cpu_half import is_plain_linear
+from asyncfp8.hf.cpu_half import is_plain_linear
 
 
 class QuantizingPolicy(Protocol):

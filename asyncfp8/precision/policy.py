@@ -185,7 +185,7 @@ class PrecisionPolicy:
         rescales `weight` here as `quantize_tensor` does). By default the fake-quantized
         input times the fake-quantized weight, one FP32 sum over K. A policy whose engine
         GEMM sums or scales in another order overrides it: the refit probe's reference
-        (asyncfp8/refit.py) must round as the engine does, because one BF16 ulp of a key
+        (asyncfp8/refit/probe.py) must round as the engine does, because one BF16 ulp of a key
         is a whole e4m3 step where the key sits on a rounding boundary."""
         inputs = self.fake_quantize_input(name, x).float()
         return inputs @ self.fake_quantize_weight(name, weight).float().t()

@@ -239,7 +239,7 @@ def _to_query_channels(per_kv: torch.Tensor, heads: int, kv_heads: int) -> torch
 
 
 def main(argv: list[str] | None = None) -> None:
-    from asyncfp8.models import load_model, load_tokenizer
+    from asyncfp8.hf.loading import load_model, load_tokenizer
     from asyncfp8.tasks import get_task
 
     parser = argparse.ArgumentParser(

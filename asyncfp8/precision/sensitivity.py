@@ -16,7 +16,7 @@ simply add), then gives back to the base format each kept layer the layout can d
 without; or it keeps the most sensitivity per FLOP that leaves `quantized_share` of the
 linear FLOPs quantized.
 
-    python -m asyncfp8.precision.sensitivity model=small precision.base=int8 precision.budget=1.3
+`python -m asyncfp8.plan.layout` measures a layout for a model (asyncfp8/plan/layout.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from asyncfp8.models.cpu_half import is_plain_linear, where_cpu_lacks_gemm
+from asyncfp8.hf.cpu_half import is_plain_linear, where_cpu_lacks_gemm
 
 from .mixed import MixedPolicy, layer_of
 from .policy import PrecisionPolicy
@@ -354,83 +354,3 @@ def unmeasured_mixed(policy: PrecisionPolicy) -> MixedPolicy | None:
     """The `mixed` part of `policy` when it has no layout yet (no precision.keep)."""
     mixed = mixed_part(policy)
     return mixed if mixed is not None and mixed.keep is None else None
-
-
-def measure_for_run(cfg, model_dir, run_dir) -> Layout | None:
-    """The launcher's step before any process starts: with precision=mixed and no
-    precision.keep, the layout measured on the model the run starts from (and written to
-    `run_dir/precision_layout.json`); None when there is nothing to measure."""
-    from pathlib import Path
-
-    from asyncfp8.models import load_model, load_tokenizer
-    from asyncfp8.tasks import build_task
-
-    from .policy import build_policy
-
-    mixed = unmeasured_mixed(build_policy(cfg.precision, model_dir))
-    if mixed is None:
-        return None
-    if mixed.budget is not None:
-        rule = f"within {mixed.budget}x BF16's KL"
-    elif mixed.budget_kl is not None:
-        rule = f"within a KL of {mixed.budget_kl:.2e}"
-    else:
-        rule = f"quantizing {mixed.quantized_share:.0%} of the linear FLOPs"
-    print(
-        f"[launch] precision=mixed: measuring each linear layer's {mixed.base.name} mismatch on "
-        f"{mixed.calibration_prompts} calibration prompts ({rule})",
-        flush=True,
-    )
-    model = load_model(model_dir, dtype=torch.float32).eval()
-    layout = plan_for(mixed, model, build_task(cfg.task, model_dir), load_tokenizer(model_dir))
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(run_dir) / "precision_layout.json").write_text(layout.to_json())
-    print(f"[launch] precision=mixed: {layout.summary()}", flush=True)
-    return layout
-
-
-def main() -> None:
-    import hydra
-
-    import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
-
-    @hydra.main(version_base="1.3", config_path="../conf", config_name="sensitivity")
-    def run(cfg) -> None:
-        from asyncfp8.models import load_model, load_tokenizer, run_model_dir
-        from asyncfp8.tasks import build_task
-
-        from .policy import build_policy
-
-        model_dir = run_model_dir(cfg)
-        policy = build_policy(cfg.precision, model_dir)
-        weights = mixed_part(policy)
-        if weights is None:
-            raise SystemExit(f"precision must be mixed (precision=mixed), got {policy.name!r}")
-        model = load_model(model_dir, dtype=torch.float32).eval()
-        layout = plan_for(
-            weights,
-            model,
-            build_task(cfg.task, model_dir),
-            load_tokenizer(model_dir),
-            progress=lambda text: print(f"[sensitivity] {text}", flush=True),
-        )
-        print("| layer | KL added alone | share of FLOPs | kept in BF16 |")
-        print("|---|---|---|---|")
-        total = sum(layout.flops.values())
-        for name in sorted(layout.sensitivity, key=layout.sensitivity.get, reverse=True):
-            print(
-                f"| {name} | {layout.sensitivity[name]:.2e} | {layout.flops[name] / total:.1%} "
-                f"| {'yes' if name in layout.keep else ''} |"
-            )
-        print(f"[sensitivity] {weights.base.name}: {layout.summary()}")
-        print(f"[sensitivity] start every process with: {keep_override(layout)}")
-        if cfg.out:
-            with open(cfg.out, "w") as out:
-                out.write(layout.to_json())
-            print(f"[sensitivity] written: {cfg.out}")
-
-    run()
-
-
-if __name__ == "__main__":
-    main()

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import zmq
 
-from ..failpoints import failpoint
+from asyncfp8.run.failpoints import failpoint
+
 from ..precision.manifest import TensorRole
 from .codec import (
     VERSION_TOPIC,

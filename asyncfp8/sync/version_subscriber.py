@@ -97,7 +97,7 @@ class VersionSubscriber:
 
     def refetch(self) -> None:
         """Asks for the learner's latest full version even when it is the one taken last
-        (a worker whose engine did not run it as sent: asyncfp8/refit.py); it comes back
+        (a worker whose engine did not run it as sent: asyncfp8/refit/probe.py); it comes back
         as a whole version, not a delta, so nothing held is its base."""
         if self.version is not None:
             self.version -= 1

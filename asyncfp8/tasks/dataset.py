@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from asyncfp8.model_dirs import load_tokenizer
+from asyncfp8.hf.directory import load_tokenizer
 
 from .base import FileTask, Prompt, RewardFn, check_heldout_fraction
 from .verified import math_verify_reward

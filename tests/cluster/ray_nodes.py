@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from asyncfp8.chaos.cluster import SMALL_RUN
-from asyncfp8.ledger import read_ledger
+from asyncfp8.learner.ledger import read_ledger
 
 # A node that stops answering is declared dead after about 2 s (Ray's default: 15 s), so
 # that a test waits seconds, not a quarter of a minute, for Ray to restart its actors.

@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from asyncfp8.launch_processes import free_ports
+from asyncfp8.launch.processes import free_ports
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
 

@@ -1,0 +1,6 @@
+"""python -m asyncfp8.launch [overrides...]: a run on this machine, Ray or Slurm."""
+
+from asyncfp8.launch.local import main
+
+if __name__ == "__main__":
+    main()

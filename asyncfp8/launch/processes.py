@@ -1,0 +1,161 @@
+"""The launcher's child processes on this host (the learner, under torchrun where it has
+several ranks, and the workers): started in their own session with their logs in
+`run.dir`, the ends of those logs for a message, stopped in order; and the ports they
+bind. The local launcher (asyncfp8.launch), the one under Slurm and the Ray driver
+(asyncfp8.launch.ray_cluster) share them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from asyncfp8.run.process import die_with_parent
+
+PORTS = ("version", "snapshot", "trajectory")
+CONFIG_ERROR = 2  # the exit code of a process that refused its configuration
+STOP_GRACE = 60.0  # s the learner gets to checkpoint after SIGTERM before SIGKILL
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free on every address of this host now (the learner binds them a moment
+    later). Bound on all addresses, not the loopback alone: on Ray the learner binds
+    0.0.0.0, and a port free on 127.0.0.1 may be one a raylet listens on at the node's IP
+    (the learner's bind then fails)."""
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+class Process:
+    def __init__(
+        self,
+        name: str,
+        module: str,
+        overrides: list[str],
+        run_dir: Path,
+        ranks: int = 1,
+        env: dict[str, str] | None = None,
+    ):
+        self.name, self.module, self.overrides = name, module, overrides
+        self.env = {**os.environ, **env} if env else None  # None: this process's own
+        # Several ranks: torchrun on this host starts them (and stops them all when one fails).
+        self.runner = (
+            ["torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m"]
+            if ranks > 1
+            else []
+        )
+        self.log_path = run_dir / f"{name}.log"
+        self.log_start = 0  # where in the log the latest start began writing
+        self.popen: subprocess.Popen | None = None
+        self.restarts = 0
+        # Each restart: the exit code, and the last error line of the log it left (a
+        # run's summary.json lists them; a worker's counters die with it).
+        self.exits: list[dict[str, object]] = []
+
+    def start(self) -> None:
+        self.log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        log = self.log_path.open("a")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", *self.runner, self.module, *self.overrides],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops them in order
+            preexec_fn=die_with_parent,  # no orphans if the launcher dies
+        )
+        log.close()
+
+    def restart(self, code: int) -> None:
+        """Starts the process again after it exited with `code`, noting why it exited."""
+        self.restarts += 1
+        self.exits.append(
+            {
+                "process": self.name,
+                "exit_code": code,
+                "error": last_error_line(self.log_path, self.log_start),
+            }
+        )
+        self.start()
+
+    def poll(self) -> int | None:
+        return self.popen.poll() if self.popen else None
+
+    def signal(self, sig: int) -> None:
+        if self.popen and self.popen.poll() is None:
+            self.popen.send_signal(sig)
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.popen.wait(timeout) if self.popen else None
+        except subprocess.TimeoutExpired:
+            return None
+
+    def tail(self, lines: int = 15) -> str:
+        return log_tail(self.log_path, lines)
+
+
+def last_error_line(log: Path, start: int = 0) -> str:
+    """Of what `log` holds from byte `start` on (one start of a process: the log is
+    appended to), the last line that reports an error (a logged ERROR, or an exception's
+    last line), else its last line; empty where it wrote nothing."""
+    if not log.exists():
+        return ""
+    with log.open("rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [
+        line
+        for line in lines
+        if re.search(r"\bERROR\b", line) or re.match(r"[\w.]*(Error|Exception)\b", line)
+    ]
+    return (errors or lines or [""])[-1]
+
+
+def log_tail(log: Path, lines: int = 15) -> str:
+    """A process's log ends (`indented_tail`; empty where it wrote no log)."""
+    if not log.exists():
+        return ""
+    return indented_tail(log.read_text(errors="replace").splitlines(), lines)
+
+
+def indented_tail(text: list[str], lines: int) -> str:
+    """The log's last `lines` lines, indented. When torchrun ends the log with its own
+    report of a failed rank, that report says only which rank died and how: the failing
+    rank's last lines come first, then the report's rank and exit-code lines."""
+    failed = next((i for i in range(len(text) - 1, -1, -1) if "ChildFailedError" in text[i]), None)
+    if failed is not None:
+        starts = [i for i in range(failed) if text[i].startswith("Traceback (most recent")]
+        if starts:
+            summary = [
+                line
+                for line in text[failed:]
+                if re.match(r"\s*(rank|exitcode|traceback)\s*:", line)
+            ]
+            text = [*text[: starts[-1]][-lines:], "[torchrun]", *summary]
+            return "\n".join(f"    {line}" for line in text)
+    return "\n".join(f"    {line}" for line in text[-lines:])
+
+
+def stop_all(learner: Process, workers: list[Process]) -> None:
+    """Workers first (they flush), then the learner (it checkpoints); SIGKILL whatever
+    is still there after the grace period."""
+    for worker in workers:
+        worker.signal(signal.SIGTERM)
+    learner.signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE
+    for process in [*workers, learner]:
+        if process.wait(max(0.0, deadline - time.monotonic())) is None:
+            process.signal(signal.SIGKILL)
+            process.wait(5)

@@ -1,0 +1,111 @@
+"""Whether a run collapsed, from its per-step stream reward and its held-out curve (the
+definition and why: docs/correction.md, "Collapse"). Pure: lists of (step, value) in,
+a `Collapse` out; `asyncfp8.report` counts them per group with a Wilson interval.
+
+A run collapsed when either
+- its last held-out greedy pass@1 is below half the best it reached (the best at least
+  HELDOUT_FLOOR), or
+- after some REWARD_WINDOW steps whose mean stream reward was at least REWARD_LEARNED,
+  the stream reward stayed below REWARD_DEAD for REWARD_WINDOW steps in a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Below this best, "half of it" is within one evaluation's noise (0.05 ± 0.02 on 128
+# prompts): a run that never learned cannot collapse.
+HELDOUT_FLOOR = 0.1
+HELDOUT_FRACTION = 0.5  # the last held-out pass@1 below this share of the best
+# A batch whose samples almost all score 0 has almost only zero advantages: nothing
+# trains, the next batch is as bad. 0.05 of a 64-sample batch is 3 samples.
+REWARD_DEAD = 0.05
+REWARD_WINDOW = 20  # steps: long enough that a bad batch or two is not a collapse
+# The stream must first have learned: a task too hard from the start is not a collapse.
+REWARD_LEARNED = 0.2
+
+
+@dataclass(frozen=True)
+class Collapse:
+    """`collapsed`: by either rule; `signal`: "held-out" or "reward" (the first that
+    fired, by step), None if neither; `step`: the first evaluation below half the best,
+    or the first step of the dead reward window; `fell_and_recovered`: a held-out
+    evaluation fell below half the best but the run ended above it (a dip, not counted)."""
+
+    collapsed: bool
+    signal: str | None = None
+    step: int | None = None
+    reason: str = ""
+    fell_and_recovered: bool = False
+
+
+def heldout_collapse(heldout: Sequence[tuple[int, float]]) -> Collapse:
+    """The held-out rule over (step, greedy pass@1) in step order (step 0 included)."""
+    if not heldout:
+        return Collapse(False)
+    best_step, best = max(heldout, key=lambda point: point[1])
+    if best < HELDOUT_FLOOR:
+        return Collapse(False)
+    bound = HELDOUT_FRACTION * best
+    fell = [(step, value) for step, value in heldout if step > best_step and value < bound]
+    if not fell:
+        return Collapse(False)
+    end = heldout[-1][1]
+    if end >= bound:
+        return Collapse(False, fell_and_recovered=True)
+    step, value = fell[0]
+    return Collapse(
+        True,
+        "held-out",
+        step,
+        f"held-out greedy {best:.3f} at step {best_step}, {value:.3f} at step {step}, "
+        f"{end:.3f} at the end (< {HELDOUT_FRACTION:g} x best)",
+    )
+
+
+def reward_collapse(rewards: Sequence[tuple[int, float]]) -> Collapse:
+    """The reward rule over (step, mean stream reward) in step order."""
+    values = [value for _, value in rewards]
+    learned = False
+    for start in range(len(values) - REWARD_WINDOW + 1):
+        window = values[start : start + REWARD_WINDOW]
+        if learned and all(value < REWARD_DEAD for value in window):
+            step = rewards[start][0]
+            return Collapse(
+                True,
+                "reward",
+                step,
+                f"stream reward < {REWARD_DEAD:g} for {REWARD_WINDOW} steps from step {step}, "
+                f"after a {REWARD_WINDOW}-step mean >= {REWARD_LEARNED:g}",
+            )
+        learned = learned or sum(window) / REWARD_WINDOW >= REWARD_LEARNED
+    return Collapse(False)
+
+
+def collapse_of(
+    rewards: Sequence[tuple[int, float]], heldout: Sequence[tuple[int, float]]
+) -> Collapse:
+    """Both rules; the one that fired first (by step) names the collapse."""
+    by_heldout, by_reward = heldout_collapse(heldout), reward_collapse(rewards)
+    fired = [c for c in (by_heldout, by_reward) if c.collapsed]
+    if not fired:
+        return by_heldout  # carries fell_and_recovered
+    first = min(fired, key=lambda c: c.step)
+    recovered = by_heldout.fell_and_recovered
+    return Collapse(True, first.signal, first.step, first.reason, recovered)
+
+
+def run_collapse(records: Sequence[dict], evaluated: Sequence[dict]) -> Collapse:
+    """`collapse_of` over a run's per-step records and held-out evaluations, as
+    `asyncfp8.report.summary.per_step` and `evaluations` read them from metrics.jsonl."""
+    rewards = [(r["step"], r["reward/mean"]) for r in records if r.get("reward/mean") is not None]
+    heldout = []
+    for r in evaluated:
+        # an evaluation the held-out guard undid (guard.heldout_below) is a point of the
+        # curve too, before the restored weights' own: the run fell, and recovered
+        if r.get("guard/heldout_undone_greedy") is not None:
+            heldout.append((r["step"], r["guard/heldout_undone_greedy"]))
+        if r.get("eval/pass1_greedy") is not None:
+            heldout.append((r["step"], r["eval/pass1_greedy"]))
+    return collapse_of(rewards, heldout)

@@ -1,0 +1,433 @@
+"""Compare finished runs: seeds grouped by setting, held-out accuracy and mismatch KL as
+mean ± 95% confidence interval, and plots (from each run's config.yaml and metrics.jsonl).
+
+    python -m asyncfp8.report runs/parity/* --out compare.png --json compare.json
+
+Groups: runs are grouped by setting, read from each run's config.yaml: the rollout
+precision (its name, or the `_target_` of a user plugin), the correction's name,
+`precision.learner_forward`, `precision.quantize_from`, `run.compute_dtype`, `run.mode`,
+`correction.proximal` and `guard.enabled`; the runs of one setting (its seeds, run.seed) form one group, unless `--labels` (one per run) groups them otherwise. Per group it prints
+the number of runs and their seeds; the final held-out pass@1, greedy and sampled, and the
+held-out pass@1 before training, as the mean over seeds ± the half-width of its 95%
+confidence interval (Student t with n-1 degrees of freedom; one run: "n=1, no CI"); how
+many runs collapsed (asyncfp8/report/collapse.py) with the 95% Wilson interval of the rate; the
+evaluation's size (prompts a run) and the binomial standard error of one run's final
+greedy pass@1 (the evaluation's own noise); and the mismatch KL (k3, a run's mean over
+steps) with its precision-only part where a run measured it on enough steps. Runs whose
+task (name or any parameter) or model (model.path, size, seed) differ cannot be compared:
+the report refuses them at start, naming the settings and the runs.
+
+Two PNGs. `--out` (compare.png): reward (trailing mean, raw faint), held-out evaluation,
+mismatch KL (all tokens, and precision-only where a step had current-version tokens), IS
+weights, clipped and masked tokens, staleness, throughput and loss per step (one version
+per step unless sync.every > 1), resumes marked; one line per group, its runs averaged.
+`--curves` (default: compare_heldout.png beside --out): held-out pass@1 per group over the
+evaluated steps, greedy and sampled, the mean over seeds with a 95% confidence band.
+The per-run table gives the precision-only KL with the number of steps it rests on, and
+leaves it out below 10. `--json` writes {"runs": [...], "groups": [...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from asyncfp8.report.plots import plot_heldout, plot_runs
+from asyncfp8.report.stats import binomial_se, mean_ci, wilson_interval
+from asyncfp8.report.summary import MIN_FRESH_STEPS, evaluations, setting, setting_label, summarize
+from asyncfp8.run.records import METRICS_FILE
+from asyncfp8.run.resume import CONFIG_FILE, RESUME_KEYS, SAFE_ON_RESUME
+
+# --- comparing settings: runs grouped by setting, their seeds the sample --------------------
+
+# What runs must share to be compared at all: accuracy on another task (its name or any of
+# its parameters: operands, split, seed of the stream, reward) or from another starting
+# model measures something else.
+MUST_MATCH = ("task", "model.path", "model.size", "model.seed")
+
+
+def run_config(run_dir: str | Path) -> DictConfig:
+    """The config the learner saved in `run_dir`, or a ValueError saying why `run_dir` is
+    not a run (and, for a folder of runs, which runs it holds)."""
+    path = Path(run_dir)
+    if not path.exists():
+        raise ValueError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise ValueError(f"{path} is a file, not a run directory")
+    if not (path / CONFIG_FILE).is_file():
+        inside = sorted(p.name for p in path.iterdir() if (p / CONFIG_FILE).is_file())
+        hint = ""
+        if inside:
+            shown = ", ".join(inside[:5]) + (", ..." if len(inside) > 5 else "")
+            hint = f"; it holds {len(inside)} runs ({shown}): pass those, e.g. {path}/*"
+        raise ValueError(
+            f"{path} is not a run: it has no {CONFIG_FILE} (the learner writes one when a run "
+            f"starts){hint}"
+        )
+    if not (path / METRICS_FILE).is_file():
+        raise ValueError(f"{path}: a run that never wrote {METRICS_FILE} (it never started?)")
+    return OmegaConf.load(path / CONFIG_FILE)
+
+
+def _flatten(value: Any, prefix: str) -> dict[str, str]:
+    """Dotted keys to values as JSON text (lists and None compare as text)."""
+    if isinstance(value, dict):
+        flat: dict[str, str] = {}
+        for key, inner in value.items():
+            flat |= _flatten(inner, f"{prefix}.{key}" if prefix else str(key))
+        return flat
+    return {prefix: json.dumps(value)}
+
+
+def _flat_config(cfg: DictConfig, key: str = "") -> dict[str, str]:
+    node = OmegaConf.select(cfg, key) if key else cfg
+    if OmegaConf.is_config(node):
+        node = OmegaConf.to_container(node, resolve=True)
+    return _flatten(node, key)
+
+
+def _differences(flat_by_run: dict[str, dict[str, str]]) -> list[str]:
+    """'key: value in run, run; other value in run' for every key the runs disagree on."""
+    keys = sorted({key for flat in flat_by_run.values() for key in flat})
+    lines = []
+    for key in keys:
+        runs_by_value: dict[str, list[str]] = {}
+        for run, flat in flat_by_run.items():
+            runs_by_value.setdefault(flat.get(key, "(absent)"), []).append(run)
+        if len(runs_by_value) > 1:
+            lines.append(
+                f"{key}: "
+                + "; ".join(f"{value} in {_names(runs)}" for value, runs in runs_by_value.items())
+            )
+    return lines
+
+
+def _names(runs: list[str], most: int = 4) -> str:
+    return ", ".join(runs[:most]) + (f" and {len(runs) - most} more" if len(runs) > most else "")
+
+
+def check_comparable(configs: dict[str, DictConfig]) -> None:
+    """A ValueError naming the settings and the runs when the runs' task or model differ."""
+    flat = {
+        run: {k: v for key in MUST_MATCH for k, v in _flat_config(cfg, key).items()}
+        for run, cfg in configs.items()
+    }
+    differences = _differences(flat)
+    if differences:
+        raise ValueError(
+            "cannot compare these runs: their task or model differ, so their held-out "
+            "accuracies measure different things:\n  "
+            + "\n  ".join(differences)
+            + "\nReport each task and model on its own."
+        )
+
+
+def _free_to_differ(key: str) -> bool:
+    """Keys the seeds of one setting may differ in without a warning: the seed, and what a
+    resume may change because it does not change the experiment (processes, logging,
+    addresses; asyncfp8.run.resume) -- but not run.steps: the final numbers depend on it."""
+    if key == "run.seed" or key.startswith(RESUME_KEYS):
+        return True
+    if key == "run.steps":
+        return False
+    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_ON_RESUME)
+
+
+def group_runs(
+    configs: dict[str, DictConfig], labels: list[str] | None = None
+) -> dict[str, list[str]]:
+    """label -> its runs, in the order given: runs of one setting (see `setting`), or runs
+    sharing a label when `labels` (one per run) says how to group them."""
+    groups: dict[str, list[str]] = {}
+    for index, (run, cfg) in enumerate(configs.items()):
+        name = labels[index] if labels else setting_label(setting(cfg))
+        groups.setdefault(name, []).append(run)
+    return groups
+
+
+def _values(summaries: list[dict], key: str) -> list[float]:
+    return [s[key] for s in summaries if s.get(key) is not None and not math.isnan(s[key])]
+
+
+def _stat(name: str, values: list[float]) -> dict[str, float | None]:
+    mean, half = mean_ci(values) if values else (None, None)
+    return {f"{name}_mean": mean, f"{name}_ci95": half}
+
+
+def group_summary(
+    name: str, runs: list[str], configs: dict[str, DictConfig], summaries: dict[str, dict]
+) -> dict[str, Any]:
+    """One group's row of the comparison (the keys are listed in docs/running.md)."""
+    settings = [setting(configs[run]) for run in runs]
+    shared = {
+        key: values[0] if len(values := sorted({s[key] for s in settings})) == 1 else values
+        for key in settings[0]
+    }
+    seeds = [configs[run].run.seed for run in runs]
+    rows = [summaries[run] for run in runs]
+    finals = _values(rows, "eval_pass1_greedy_end")
+    prompts = [s["eval_prompts"] for s in rows]
+    fresh = _values(rows, "fresh_kl_k3_mean")
+    entry: dict[str, Any] = {
+        "label": name,
+        **shared,
+        "n": len(runs),
+        "seeds": seeds,
+        "runs": runs,
+        "final_eval_steps": [s["eval_steps"][-1] if s["eval_steps"] else None for s in rows],
+        "eval_prompts": prompts,
+        **_stat("final_greedy", finals),
+        **_stat("final_sampled", _values(rows, "eval_pass1_sampled_end")),
+        "final_greedy_binomial_se": None,
+        **_stat("start_greedy", _values(rows, "eval_pass1_greedy_start")),
+        **_stat("start_sampled", _values(rows, "eval_pass1_sampled_start")),
+        **_stat("kl_k3", _values(rows, "kl_k3_mean")),
+        **_stat("fresh_kl_k3", fresh),
+        "fresh_kl_runs": len(fresh),
+        **_collapses(rows, seeds),
+        "warnings": [],
+    }
+    known_prompts = [p for p in prompts if p]
+    if finals and known_prompts:
+        # one run's evaluation noise at the group's accuracy; with unequal evaluation sizes
+        # the smallest (the noisiest) is the honest one
+        entry["final_greedy_binomial_se"] = binomial_se(
+            entry["final_greedy_mean"], min(known_prompts)
+        )
+    warnings = entry["warnings"]
+    if mixed := [key for key, value in shared.items() if isinstance(value, list)]:
+        warnings.append(f"the label groups runs of different settings ({', '.join(mixed)})")
+    if len(finals) < len(runs):
+        warnings.append(
+            f"{len(runs) - len(finals)} of {len(runs)} runs have no held-out evaluation "
+            "(eval.every=0?): the held-out numbers rest on the others"
+        )
+    if len({step for step in entry["final_eval_steps"] if step is not None}) > 1:
+        warnings.append(
+            "the runs' last evaluations are at different steps "
+            f"({', '.join(str(s) for s in entry['final_eval_steps'])}): a run stopped early?"
+        )
+    repeated = sorted({seed for seed in seeds if seeds.count(seed) > 1})
+    if repeated:
+        warnings.append(
+            f"seed {', '.join(map(str, repeated))} appears more than once: a repeat of a seed "
+            "is not an independent sample (a deterministic run gives the same numbers)"
+        )
+    differences = _differences(
+        {
+            run: {k: v for k, v in _flat_config(configs[run]).items() if not _free_to_differ(k)}
+            for run in runs
+        }
+    )
+    if differences and not mixed:
+        warnings.append("its runs differ in more than the seed: " + " | ".join(differences))
+    return entry
+
+
+def _collapses(rows: list[dict], seeds: list[int]) -> dict[str, Any]:
+    """How many of a group's runs collapsed, the Wilson interval of the rate, and which."""
+    collapsed = [(seed, s) for seed, s in zip(seeds, rows, strict=True) if s["collapsed"]]
+    return {
+        "collapses": len(collapsed),
+        "collapse_rate_ci95": list(wilson_interval(len(collapsed), len(rows))),
+        "collapsed_runs": [
+            {"seed": seed, "step": s["collapse_step"], "signal": s["collapse_signal"]}
+            for seed, s in collapsed
+        ],
+        "fell_and_recovered": sum(bool(s["fell_and_recovered"]) for s in rows),
+        # runs the held-out guard put back at least once (guard.heldout_below; older
+        # summaries have no such key)
+        "heldout_recovered": sum(bool(s.get("guard_heldout_rollbacks")) for s in rows),
+        # runs the guard stopped (its rollbacks in a row exhausted): they did not finish,
+        # collapsed or not
+        "guard_stops": sum(bool(s["guard_stopped"]) for s in rows),
+        "guard_stopped_runs": [
+            {
+                "seed": seed,
+                "step": s["guard_stopped"]["step"],
+                "signal": s["guard_stopped"]["signal"],
+            }
+            for seed, s in zip(seeds, rows, strict=True)
+            if s["guard_stopped"]
+        ],
+    }
+
+
+def _collapse_line(g: dict[str, Any]) -> str:
+    low, high = g["collapse_rate_ci95"]
+    which = ", ".join(
+        f"seed {c['seed']} at step {c['step']} ({c['signal']})" for c in g["collapsed_runs"]
+    )
+    dips = g["fell_and_recovered"]
+    stops = ", ".join(
+        f"seed {c['seed']} at step {c['step']} ({c['signal']})" for c in g["guard_stopped_runs"]
+    )
+    return (
+        f"  {'collapsed':<17} {g['collapses']} of {g['n']} (rate 95% CI {low:.2f}-{high:.2f}, "
+        f"Wilson)"
+        + (f": {which}" if which else "")
+        + (f"; {dips} more fell below half their best held-out and recovered" if dips else "")
+        + (
+            f"; the held-out guard put back {g['heldout_recovered']} (guard.heldout_below)"
+            if g["heldout_recovered"]
+            else ""
+        )
+        + (f"\n  {'guard stopped':<17} {g['guard_stops']} of {g['n']}: {stops}" if stops else "")
+    )
+
+
+def _pm(mean: float | None, half: float | None, spec: str) -> str:
+    if mean is None:
+        return "-"
+    return f"{mean:{spec}}" + (f" ± {half:{spec}}" if half is not None else "")
+
+
+def format_groups(entries: list[dict[str, Any]]) -> str:
+    """The comparison as text: a block per group."""
+    lines = [
+        f"{len(entries)} setting{'s' if len(entries) != 1 else ''}: mean over seeds ± the "
+        "half-width of its 95% confidence interval (Student t, n-1 degrees of freedom)"
+    ]
+    for g in entries:
+        seeds = " ".join(str(s) for s in g["seeds"])
+        runs = f"{g['n']} run{'s' if g['n'] != 1 else ''}"
+        lines.append(
+            f"\n{g['label']}: {runs}, seed{'s' if g['n'] != 1 else ''} {seeds}"
+            + (" (n=1, no CI)" if g["n"] == 1 else "")
+        )
+        steps = sorted({s for s in g["final_eval_steps"] if s is not None})
+        final = f"final (step {', '.join(map(str, steps))})" if steps else "final"
+        lines.append(f"  {'held-out pass@1':<17} {final:<19} start")
+        for kind in ("greedy", "sampled"):
+            lines.append(
+                f"  {kind:<17} "
+                f"{_pm(g[f'final_{kind}_mean'], g[f'final_{kind}_ci95'], '.3f'):<19} "
+                f"{_pm(g[f'start_{kind}_mean'], g[f'start_{kind}_ci95'], '.3f')}"
+            )
+        lines.append(_collapse_line(g))
+        prompts = sorted({p for p in g["eval_prompts"] if p})
+        if prompts and g["final_greedy_binomial_se"] is not None:
+            size = str(prompts[0]) if len(prompts) == 1 else f"{prompts[0]} to {prompts[-1]}"
+            lines.append(
+                f"  evaluation: {size} prompts a run; one run's final greedy pass@1 has a "
+                f"binomial SE of {g['final_greedy_binomial_se']:.3f}"
+            )
+        fresh = (
+            f"{_pm(g['fresh_kl_k3_mean'], g['fresh_kl_k3_ci95'], '.2e')} "
+            f"({g['fresh_kl_runs']} of {g['n']} runs)"
+            if g["fresh_kl_runs"]
+            else f"- (no run has {MIN_FRESH_STEPS} steps with current-version tokens)"
+        )
+        lines.append(
+            f"  mismatch KL k3 (a run's mean over steps): "
+            f"{_pm(g['kl_k3_mean'], g['kl_k3_ci95'], '.2e')}; precision-only: {fresh}"
+        )
+        lines.extend(f"  warning: {w}" for w in g["warnings"])
+    return "\n".join(lines)
+
+
+def _json_safe(value: Any) -> Any:
+    """JSON has no NaN: written as null, as in metrics.jsonl."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncfp8.report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Groups, their keys and the plots: docs/running.md, 'Comparing runs'.",
+    )
+    parser.add_argument(
+        "runs", nargs="+", help="run directories (each with config.yaml, metrics.jsonl)"
+    )
+    parser.add_argument(
+        "--out",
+        default="compare.png",
+        help="the multi-panel PNG of every metric per step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--curves",
+        help="the PNG of held-out pass@1 per group with 95%% confidence bands "
+        "(default: --out's name with _heldout, e.g. compare_heldout.png)",
+    )
+    parser.add_argument(
+        "--labels",
+        nargs="*",
+        help="one label per run; runs sharing one form a group "
+        "(default: grouped by setting, from config.yaml)",
+    )
+    parser.add_argument(
+        "--json", help='also write {"runs": [per-run summaries], "groups": [per-group rows]} here'
+    )
+    args = parser.parse_args(argv)
+    if args.labels and len(args.labels) != len(args.runs):
+        parser.error(f"{len(args.labels)} labels for {len(args.runs)} runs")
+    if repeated := sorted({run for run in args.runs if args.runs.count(run) > 1}):
+        parser.error(f"{', '.join(repeated)} given more than once")
+    # Every problem with the input at once, before anything is summarized or drawn.
+    configs, problems = {}, []
+    for run in args.runs:
+        try:
+            configs[run] = run_config(run)
+        except ValueError as error:
+            problems.append(str(error))
+    if not problems:
+        try:
+            check_comparable(configs)
+        except ValueError as error:
+            problems.append(str(error))
+    summaries = {}
+    for run in configs if not problems else []:
+        try:
+            summaries[run] = summarize(run)
+        except ValueError as error:
+            problems.append(str(error))
+    if problems:
+        parser.exit(2, "asyncfp8.report: " + "\n".join(problems) + "\n")
+
+    names = {run: f"{summaries[run]['label']} s{configs[run].run.seed}" for run in args.runs}
+    width = max(40, *map(len, names.values()))
+    print(
+        f"{'run':<{width}} {'steps':>5} {'reward start':>12} {'reward end':>10} {'KL k3':>9} "
+        f"{'fresh KL (steps)':>17} {'samples/s':>9}"
+    )
+    for run in args.runs:
+        s = summaries[run]
+        fresh = (
+            f"{s['fresh_kl_k3_mean']:.2e} ({s['fresh_kl_steps']})"
+            if s["fresh_kl_k3_mean"] is not None
+            else f"- ({s['fresh_kl_steps']})"
+        )
+        print(
+            f"{names[run]:<{width}} {s['steps']:>5} {s['reward_start']:>12.3f} {s['reward_end']:>10.3f} "
+            f"{s['kl_k3_mean']:>9.2e} {fresh:>17} {s['samples_per_s']:>9.1f}"
+        )
+        for warning in s["warnings"]:
+            print(f"  warning: {warning}")
+    groups = group_runs(configs, args.labels)
+    entries = [group_summary(name, runs, configs, summaries) for name, runs in groups.items()]
+    print()
+    print(format_groups(entries))
+    print()
+    print(f"plot: {plot_runs(args.runs, args.out, args.labels)}")
+    out = Path(args.out)
+    curves_out = args.curves or out.with_name(f"{out.stem}_heldout{out.suffix or '.png'}")
+    curves = plot_heldout(
+        {name: [evaluations(run) for run in runs] for name, runs in groups.items()}, curves_out
+    )
+    print(f"held-out curves: {curves}" if curves else "held-out curves: none (no run evaluated)")
+    if args.json:
+        table = {"runs": [summaries[run] for run in args.runs], "groups": entries}
+        Path(args.json).write_text(json.dumps(_json_safe(table), indent=2))

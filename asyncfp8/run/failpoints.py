@@ -1,0 +1,107 @@
+"""Fail points: deterministic crashes at named places, for the reliability suite.
+
+    ASYNCFP8_FAILPOINTS="publish.between_chunks=3,learner.mid_step=7" python -m asyncfp8.learner
+
+kills the process with SIGKILL (what the OOM killer or a preempted node does) the 3rd
+time it reaches `failpoint("publish.between_chunks")`, or the 7th time it reaches
+`failpoint("learner.mid_step")`. Killing at random times rarely lands inside a version
+that is half sent, which is the case that matters; a fail point lands there every time.
+An unset variable costs one dict lookup per fail point.
+
+`learner.poison_update=N` does not kill: the learner's N-th optimizer step moves every
+parameter POISON_FACTOR times as far as AdamW asked (train/step.py), the one fatal
+step the guard (learner/guard.py) must undo. It acts on the learner only: any other
+process refuses it at start (`check_process`), and the launcher hands it to the learner
+alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections import Counter
+
+ENV = "ASYNCFP8_FAILPOINTS"
+# Before dying, let what was handed to ZeroMQ leave the process (it sends from its own
+# thread): the point is a peer that received part of something.
+GRACE_S = 0.5
+POISON_UPDATE = "learner.poison_update"
+POISON_FACTOR = 1000.0
+# Fail points that act on the learner's training rather than kill a process.
+LEARNER_ONLY = frozenset({POISON_UPDATE})
+log = logging.getLogger("asyncfp8.run.failpoints")
+
+
+def parse(spec: str) -> dict[str, int]:
+    armed = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, count = item.partition("=")
+        if not name or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"{ENV}: expected name=N (N >= 1) items, got {item!r}")
+        armed[name] = int(count)
+    return armed
+
+
+_armed = parse(os.environ.get(ENV, ""))
+_hits: Counter[str] = Counter()
+
+
+def write_line(file, line: str, name: str) -> None:
+    """`file.write(line)`, except where fail point `name` is armed: then the first half is
+    written and flushed before the fail point, so that a kill there leaves a torn last
+    line, as a SIGKILL during a write can (the reliability suite's resume test)."""
+    if name in _armed:
+        half = len(line) // 2
+        file.write(line[:half])
+        file.flush()
+        failpoint(name)
+        line = line[half:]
+    file.write(line)
+
+
+def reached(name: str) -> bool:
+    """Counts a pass by fail point `name`: True on its N-th (for points that act rather
+    than kill, such as POISON_UPDATE)."""
+    if name not in _armed:
+        return False
+    _hits[name] += 1
+    if _hits[name] == _armed[name]:
+        log.warning("fail point %s reached (hit %d)", name, _hits[name])
+        return True
+    return False
+
+
+def check_process(process: str) -> None:
+    """A ValueError when this `process` ("worker", "launcher", ...) is not the learner
+    and a fail point that only the learner acts on is armed in it."""
+    misplaced = sorted(LEARNER_ONLY & _armed.keys())
+    if process != "learner" and misplaced:
+        raise ValueError(
+            f"{ENV}: {', '.join(misplaced)} acts on the learner's optimizer steps and is "
+            f"refused in a {process} process; arm it in the learner's environment only "
+            "(the launcher hands it to the learner and not to its workers)"
+        )
+
+
+def worker_environment() -> dict[str, str] | None:
+    """What a launcher sets in its workers' environment: the armed fail points less the
+    learner-only ones (None when none is armed: they inherit the launcher's)."""
+    if not LEARNER_ONLY & _armed.keys():
+        return None
+    return {ENV: ",".join(f"{name}={n}" for name, n in _armed.items() if name not in LEARNER_ONLY)}
+
+
+def failpoint(name: str) -> None:
+    if name not in _armed:
+        return
+    _hits[name] += 1
+    if _hits[name] == _armed[name]:
+        log.warning("fail point %s reached (hit %d): killing this process", name, _hits[name])
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stdout.flush()
+        time.sleep(GRACE_S)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,280 @@
+"""The guard's rules (`guard.*`, docs/running.md#the-guard-undoing-a-fatal-step): does
+this batch show that the previous update broke the policy? Pure Python over one batch's
+evidence, summed over the learner's ranks, and the history of the batches that passed;
+the learner (train/step.py, train/rollback.py) acts on the verdict.
+
+A batch is judged with the weights the previous step left, before any update of this
+step, on three signals, each with its setting:
+- far tokens: at least `guard.far_tokens` tokens whose log ρ is below
+  −`guard.log_ratio_bound`, log ρ being learner − the token's own version where the
+  learner kept that version's weights (what the update did; `add_token_evidence`), else
+  learner − rollout, whose bound holds either way. Against a version, below only: a break
+  makes sampled tokens unlikely, and a token the update raised that far above its version
+  was sampled by an engine that disagreed with the version (rounding). Rounding moves a
+  log-prob by ~1e-2 and one version of staleness by less than 2; the fatal step of
+  docs/results.md gave −37. A few such tokens are no
+  verdict: the 12,000 batches of the stability study's 40 recommended runs had at most 9
+  (FP8 seed 3's 32 and 33, counted either side until session 33, were raised), so the
+  default count, 12, sits above them. It was 32 in session 31, when a rollback could
+  not yet hold a break: FP16 seed 3's (15-22 far tokens a batch) passed at 32, and at 12
+  it was caught at once but broke again and three rollbacks stopped the run. Since the
+  updates after a rollback are smaller (`guard.shrink`, train/rollback.py) the same run
+  at 12 rolls back once, at step 136, and ends at 0.914 held-out (its guard-off twin at
+  0.125; docs/results.md).
+- far share: more than `guard.far_fraction` of the tokens beyond 5 (FAR_LOG_RATIO; the
+  same sides as far tokens; the metrics' `mismatch/frac_abs_log_ratio_gt5` counts both).
+- dead reward: `guard.dead_batches` batches in a row that score nothing, or next to
+  nothing (a rewarded share below `guard.reward_low` times the median), while the median
+  share of rewarded samples of the last `guard.window` batches that passed is at least
+  `guard.reward_good` (a policy that scored, now scoring next to nothing). It waits for
+  MIN_HISTORY such batches, and counts only a batch large enough that scoring so little
+  is no accident: the binomial chance of at most its rewarded count, at the median's
+  rate, is at most DEAD_REWARD_CHANCE. Why "next to nothing" (session 32): FP16 seed 3's
+  broken policy still scored 6-19% on some batches (the median 0.72), which restarted a
+  streak of wholly dead ones, so the verdict came 13 steps late, after batches that
+  scored 6-9% had passed and been kept as good. In the 40 recommended runs of the
+  stability study a batch that scored at all scored at least 0.30 of the median (FP8
+  seed 7, right after its one dead batch; every other at least 0.36), and in all 113
+  runs three such low batches in a row came only after FP16 seed 3's break
+  (docs/running.md#the-guard-undoing-a-fatal-step). Small batches do score
+  nothing by chance (16 samples of the tiny model, which scores 0.31 of them, do so once
+  in ~400 batches: a false rollback of a clean run was seen in the test suite); the
+  default job's 64 at 0.5 never do. One dead batch is not enough: FP8 seed 7 of the
+  stability study had one (the FP8 rounding of one version), and its twin without the
+  guard scored 0.41 on the next batch and ended at 0.891 held-out, while the guard that
+  rolled back on it put back the same state 50 times and ended at 0.758. A dead batch
+  trains nothing (every GRPO advantage is 0), so waiting costs little; a collapse stays
+  dead. The batches of a streak neither pass (their weights are not kept as good) nor fail.
+The batch's mismatch k3 is measured too, but judges nothing: on the tiny model a clean
+step's k3 (28.9, one token at log ρ ≈ +8) exceeded a poisoned one's (9.1), so it cannot
+tell them apart (docs/running.md#the-guard-undoing-a-fatal-step).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Any
+
+from asyncfp8.correction.metrics import FAR_LOG_RATIO
+
+MIN_HISTORY = 5  # batches that passed before a median means anything
+# A batch that scored nothing is judged dead only where chance alone would do that at most
+# this often (samples taken as independent at the running median's rate).
+DEAD_REWARD_CHANCE = 1e-4
+# The keys a step adds to its sums (summed over ranks) for the guard to judge.
+EVIDENCE_KEYS = (
+    "guard_tokens",
+    "guard_far_tokens",
+    "guard_far5_tokens",
+    "guard_k3",
+    "guard_samples",
+    "guard_rewarded",
+)
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """`guard.*`, checked: `from_config` refuses a bad value naming its key."""
+
+    enabled: bool = True
+    max_rollbacks: int = 3
+    log_ratio_bound: float = 20.0
+    far_tokens: int = 12
+    far_fraction: float = 0.1
+    reward_good: float = 0.2
+    window: int = 20
+    keep_states: int = 2
+    dead_batches: int = 3
+    reward_low: float = 0.3
+    shrink: float = 0.5
+    shrink_steps: int = 20
+    heldout_below: float = 0.5
+
+    @classmethod
+    def from_config(cls, guard: Any) -> GuardSettings:
+        values = {f.name: guard[f.name] for f in fields(cls) if f.name in guard}
+        for key, value in values.items():
+            _check_type(key, value)
+        settings = cls(**values)
+        for key in _COUNTS:
+            if getattr(settings, key) < 1:
+                raise ValueError(f"guard.{key} must be >= 1, got {getattr(settings, key)}")
+        if not settings.log_ratio_bound > 1:
+            raise ValueError(f"guard.log_ratio_bound must be > 1, got {settings.log_ratio_bound}")
+        for key in ("far_fraction", "reward_good"):
+            if not 0 < getattr(settings, key) <= 1:
+                raise ValueError(f"guard.{key} must be in (0, 1], got {getattr(settings, key)}")
+        if not 0 <= settings.reward_low < 1:
+            raise ValueError(
+                f"guard.reward_low must be in [0, 1) (0: only batches that score nothing), "
+                f"got {settings.reward_low}"
+            )
+        if not 0 < settings.shrink <= 1:
+            raise ValueError(f"guard.shrink must be in (0, 1] (1: off), got {settings.shrink}")
+        if not 0 <= settings.heldout_below < 1:
+            raise ValueError(
+                f"guard.heldout_below must be in [0, 1) (0: off), got {settings.heldout_below}"
+            )
+        return settings
+
+
+_COUNTS = ("max_rollbacks", "far_tokens", "window", "keep_states", "dead_batches", "shrink_steps")
+
+
+def _check_type(key: str, value: Any) -> None:
+    """The schema types `guard.*` when Hydra composes it; this also holds for a config
+    built another way (a dict, a test)."""
+    kind = bool if key == "enabled" else int if key in _COUNTS else float
+    if kind is bool:
+        right = isinstance(value, bool)
+    elif kind is int:
+        right = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        right = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not right:
+        raise ValueError(f"guard.{key} must be a {kind.__name__}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A batch that failed: which signal, the setting that bounds it, and what it saw."""
+
+    signal: str  # far_tokens | far_fraction | dead_reward
+    setting: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One batch, summed over ranks: real tokens, those beyond the bound and beyond 5, the
+    sum of their k3, samples and samples rewarded (reward > 0)."""
+
+    tokens: float
+    far_tokens: float
+    far5_tokens: float
+    k3_sum: float
+    samples: float
+    rewarded: float
+
+    @classmethod
+    def from_sums(cls, sums: dict[str, float]) -> Evidence:
+        return cls(*(sums.get(key, 0.0) for key in EVIDENCE_KEYS))
+
+    @property
+    def k3(self) -> float:
+        return self.k3_sum / max(self.tokens, 1.0)
+
+    @property
+    def far_fraction(self) -> float:
+        return self.far5_tokens / max(self.tokens, 1.0)
+
+    @property
+    def reward_frac(self) -> float:
+        return self.rewarded / max(self.samples, 1.0)
+
+
+def binomial_at_most(k: float, n: float, p: float) -> float:
+    """P(X <= k) for X ~ Binomial(n, p): the chance that n samples rewarded at rate p
+    score at most k (samples taken as independent, which flatters a batch of groups of
+    one prompt: DEAD_REWARD_CHANCE is set far out for that)."""
+    k, n = int(k), int(n)
+    if k >= n:
+        return 1.0
+    if p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 0.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    terms = [
+        math.lgamma(n + 1)
+        - math.lgamma(i + 1)
+        - math.lgamma(n - i + 1)
+        + i * log_p
+        + (n - i) * log_q
+        for i in range(k + 1)
+    ]
+    top = max(terms)
+    return math.exp(top) * sum(math.exp(t - top) for t in terms)
+
+
+class GuardRules:
+    """The verdicts, the history of the batches that passed, and the streak of dead ones."""
+
+    def __init__(self, settings: GuardSettings):
+        self.settings = settings
+        self.reward_history: deque[float] = deque(maxlen=settings.window)
+        self.dead_streak = 0  # dead batches in a row, short of guard.dead_batches
+
+    @property
+    def pending(self) -> bool:
+        """A streak of dead batches has begun: the latest batch neither passed nor failed."""
+        return self.dead_streak > 0
+
+    def judge(self, evidence: Evidence) -> Verdict | None:
+        """The first signal the batch trips, or None (and the batch joins the history
+        unless it is one of a dead streak). A batch with no evidence (every sample left
+        out) trips nothing and leaves the streak as it is."""
+        verdict = self._verdict(evidence)
+        if evidence.samples > 0:
+            if verdict is not None:
+                self.dead_streak = 0
+            elif self.dead(evidence):
+                self.dead_streak += 1
+                if self.dead_streak >= self.settings.dead_batches:
+                    verdict = self._dead_verdict(evidence)
+                    self.dead_streak = 0
+            else:
+                self.dead_streak = 0
+                self.reward_history.append(evidence.reward_frac)
+        return verdict
+
+    def _verdict(self, evidence: Evidence) -> Verdict | None:
+        s = self.settings
+        if evidence.far_tokens >= s.far_tokens:
+            return Verdict(
+                "far_tokens",
+                "guard.log_ratio_bound",
+                f"{evidence.far_tokens:.0f} of {evidence.tokens:.0f} tokens with |log ρ| > "
+                f"{s.log_ratio_bound:g} (guard.far_tokens={s.far_tokens})",
+            )
+        if evidence.far_fraction > s.far_fraction:
+            return Verdict(
+                "far_fraction",
+                "guard.far_fraction",
+                f"{evidence.far_fraction:.1%} of {evidence.tokens:.0f} tokens with |log ρ| > "
+                f"{FAR_LOG_RATIO:g} (guard.far_fraction={s.far_fraction:g})",
+            )
+        return None
+
+    def dead(self, evidence: Evidence) -> bool:
+        """No sample rewarded, or a share below `guard.reward_low` of the median, from a
+        policy that scored, in a batch too large for chance to score so little."""
+        if evidence.samples <= 0 or len(self.reward_history) < MIN_HISTORY:
+            return False
+        median = statistics.median(self.reward_history)
+        low = evidence.rewarded == 0 or evidence.reward_frac < self.settings.reward_low * median
+        return (
+            low
+            and median >= self.settings.reward_good
+            and binomial_at_most(evidence.rewarded, evidence.samples, median) <= DEAD_REWARD_CHANCE
+        )
+
+    def _dead_verdict(self, evidence: Evidence) -> Verdict:
+        s = self.settings
+        return Verdict(
+            "dead_reward",
+            "guard.reward_good",
+            f"{s.dead_batches} batch(es) in a row with no sample rewarded or under "
+            f"guard.reward_low={s.reward_low:g} x the median (the last: {evidence.rewarded:.0f} "
+            f"of {evidence.samples:.0f}; guard.dead_batches={s.dead_batches}), after batches "
+            f"with a median of {self.reward_median():.2f} rewarded "
+            f"(guard.reward_good={s.reward_good:g})",
+        )
+
+    def reward_median(self) -> float:
+        """The running median the next batch's reward is judged against (NaN before any)."""
+        history = self.reward_history
+        return statistics.median(history) if history else float("nan")

@@ -1,0 +1,536 @@
+"""One training step, pure of sockets and processes: a model, an optimizer and the
+settings in; the step's sums out.
+
+`plan_shares` turns a batch of GRPO groups into every rank's share: group-relative
+advantages over the whole batch, then each rank's part of every mini-batch cut into
+micro-batches (`asyncfp8.train.batches`), plus the calibration rows of the next version.
+
+`TrainStep` trains one share: for each of `optim.ppo_epochs` × `optim.mini_batches`
+optimizer steps it recomputes the sampled tokens' log-probabilities micro-batch by
+micro-batch (gradients accumulated), lets the correction weigh them against the rollout
+engine's, takes the clipped policy loss (plus the KL-to-reference and entropy terms when
+set) and steps AdamW. With the guard (`guard.enabled`, train/rollback.py), the first
+mini-batch's forward also measures whether the previous step broke the policy; if so the
+step restores the last good weights and trains nothing. With FP16 compute
+(`run.compute_dtype=float16`) each backward runs on the loss times a dynamic scale and an
+update whose gradients overflowed is skipped (asyncfp8/train/loss_scale.py). The loss of a mini-batch is a mean over all of it, across
+micro-batches and ranks. Every rank calls it; with one process the collectives it
+uses are local (a HashStore process group, no sockets).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from asyncfp8.correction.base import LOG_RATIO_CLAMP
+from asyncfp8.correction.calibration import (
+    BoundCalibration,
+    Starved,
+    calibration_values,
+    starved_scale,
+)
+from asyncfp8.correction.metrics import FAR_LOG_RATIO
+from asyncfp8.correction.registry import Correction, make_batch
+from asyncfp8.run import distributed
+from asyncfp8.run.failpoints import POISON_FACTOR, POISON_UPDATE, failpoint, reached
+from asyncfp8.sync import Trajectory
+from asyncfp8.train.batches import Group, batch_tensors, plan_step
+from asyncfp8.train.guard import Evidence
+from asyncfp8.train.logprobs import completion_logprobs
+from asyncfp8.train.loss_scale import LossScaler
+from asyncfp8.train.losses import (
+    PolicyLoss,
+    aggregate_parts,
+    group_advantages,
+    kl_penalty,
+    policy_loss_terms,
+)
+from asyncfp8.train.rollback import StepGuard
+from asyncfp8.train.versions import VersionWeights
+
+Row = tuple[int, Trajectory, float]  # (sample index in the batch, trajectory, advantage)
+
+
+@dataclass
+class Share:
+    """What one rank trains in a step: per mini-batch, its micro-batches of rows; and the
+    calibration rows of the next version, the same on every rank."""
+
+    mini_batches: list[list[list[Row]]]
+    calibration: list[Trajectory]
+
+
+@dataclass
+class StepSums:
+    """What a step adds up (rank 0 turns it into metrics): per sample, the log-probs the
+    correction saw (every rank's, gathered); loss sums and counts over the updates."""
+
+    seen: list[dict[int, torch.Tensor]] | None
+    totals: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    rolled_back: bool = False  # the guard undid the previous step; this one trained nothing
+    guard: dict[str, float] = field(default_factory=dict)  # guard/* metrics of this step
+    loss_scale: dict[str, float] = field(default_factory=dict)  # loss_scale/* (FP16 compute)
+    # correction/* of calibrated bounds (the step that set them) and starved updates
+    rejection: dict[str, float] = field(default_factory=dict)
+
+
+def lr_lambda(optim: DictConfig, steps: int):
+    """The learning-rate factor of `optim.schedule` at each step: a linear warm-up over
+    `optim.warmup_steps`, then constant or cosine down to 0.1 (the config's schema allows
+    no other `optim.schedule`)."""
+
+    def factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.schedule == "cosine":
+            progress = min(1.0, (step - optim.warmup_steps) / max(1, steps - optim.warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+def plan_shares(groups: list[Group], optim: DictConfig, world: int) -> list[Share]:
+    """GRPO advantages over the whole batch, then every rank's part of every mini-batch,
+    cut into micro-batches; the calibration rows are the batch's first samples that fit
+    one micro-batch."""
+    trajectories = [t for group in groups for t in group.trajectories]
+    rewards = torch.tensor([t.reward for t in trajectories])
+    group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories])
+    advantages = group_advantages(rewards, group_index, scale=optim.advantage_scale).tolist()
+    lengths = [len(t.prompt_ids) + len(t.token_ids) for t in trajectories]
+    plan = plan_step(lengths, optim.mini_batches, world, optim.micro_batch_tokens)
+    calibration = trajectories[:1]
+    budget = optim.micro_batch_tokens or math.inf
+    for t in trajectories[1:]:
+        width = max(len(c.prompt_ids) + len(c.token_ids) for c in [*calibration, t])
+        if (len(calibration) + 1) * width > budget:
+            break
+        calibration.append(t)
+    return [
+        Share(
+            [
+                [[(i, trajectories[i], advantages[i]) for i in micro] for micro in mini[rank]]
+                for mini in plan
+            ],
+            calibration,
+        )
+        for rank in range(world)
+    ]
+
+
+class TrainStep:
+    """The policy update of one batch share (see the module's docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        correction: Correction,
+        optim: DictConfig,
+        correction_mode: str,
+        temperature: float,
+        pad_token_id: int,
+        device: torch.device,
+        reference: torch.nn.Module | None = None,
+        world: int = 1,
+        guard: StepGuard | None = None,
+        versions: VersionWeights | None = None,
+        loss_scaler: LossScaler | None = None,
+        calibration: BoundCalibration | None = None,
+        min_kept: float = 0.0,
+        starved: str = Starved.scale,
+    ):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.correction, self.optim = correction, optim
+        self.loss = PolicyLoss.from_config(optim, correction_mode)  # checked here
+        self.temperature, self.pad_token_id, self.device = temperature, pad_token_id, device
+        self.reference, self.world, self.guard = reference, world, guard
+        self.versions = versions  # correction.proximal=version: π_prox of each token's own
+        self.loss_scaler = loss_scaler  # run.compute_dtype=float16: FP16 gradients, scaled
+        # correction.target_rejected: the bounds set on the first step (correction/calibration.py)
+        self.calibration = calibration
+        self.min_kept, self.starved = min_kept, starved  # the starved-update rule
+        self.starved_updates = 0  # since the learner started
+
+    def __call__(self, share: Share, step: int, version: int) -> StepSums:
+        optim = self.optim
+        started = time.perf_counter()
+        batches = [[self._tensors(rows) for rows in mini] for mini in share.mini_batches]
+        # π_prox is the policy before this step's first update: with one update, each
+        # micro-batch's own forward; with several, a recompute before the first.
+        proximal = None
+        if self.loss.mode == "decoupled" and optim.mini_batches * optim.ppo_epochs > 1:
+            with torch.no_grad(), distributed.memory_advice("the recompute", self.memory()):
+                proximal = [[self.logprobs(self.model, b)[0] for b in mini] for mini in batches]
+        seen: dict[int, torch.Tensor] = {}  # per sample: the log-probs the correction saw
+        totals: dict[str, float] = defaultdict(float)
+        stale = self._stale_proximal(batches, totals) if self.versions is not None else None
+        rejection = {}
+        if self.calibration is not None and not self.calibration.done:
+            rejection = self._calibrate(batches, version)
+        rolled_back = False
+        for epoch, (m, mini) in itertools.product(range(optim.ppo_epochs), enumerate(batches)):
+            self.optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = defaultdict(float)
+            judged = self.guard is not None and epoch == 0 and m == 0
+            factor = self._gradient_factor(mini)
+            for j, micro in enumerate(mini):
+                with distributed.memory_advice("a train step", self.memory(micro)):
+                    learner_logp = self._micro_batch(
+                        micro,
+                        proximal[m][j] if proximal else None,
+                        version,
+                        sums,
+                        judged,
+                        stale[m][j] if stale else None,
+                        factor,
+                    )
+                if epoch == 0:
+                    for row, index in enumerate(micro["index"]):
+                        seen[index] = learner_logp[row][micro["mask"][row]].cpu()
+            if judged:
+                oldest = add_reward_evidence(share, self.guard.ignored_versions, sums)
+            # The loss is a mean over the whole mini-batch: its sums over micro-batches
+            # and ranks, divided by the whole count.
+            sums = distributed.sum_over_ranks(sums)
+            if judged and self._guard_fails(sums, oldest, step, version):
+                self.optimizer.zero_grad(set_to_none=True)
+                rolled_back = True
+                break
+            # The loss scale (FP16) comes off in the same division, in FP32.
+            distributed.scale_gradients(self.model, 1.0 / (max(sums["denominator"], 1.0) * factor))
+            parameters = [p for p in self.model.parameters() if p.grad is not None]
+            total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+            grad_norm = total_norm
+            if hasattr(grad_norm, "full_tensor"):  # a sharded (FSDP2) model's norm is a DTensor
+                grad_norm = grad_norm.full_tensor()
+            for key, value in sums.items():
+                totals[key] += value
+            for key in ("policy", "total"):
+                totals[f"{key}_loss"] += sums[key] / max(sums["denominator"], 1.0)
+            # Non-finite first: a starved update must not hide a NaN gradient.
+            if not torch.isfinite(grad_norm):
+                if self.loss_scaler is None:
+                    raise FloatingPointError(f"step {step}: gradient norm is {grad_norm.item()}")
+                # An FP16 overflow: this update is skipped, the scale halved (or the run
+                # stopped when it keeps overflowing). Not clipped first: clipping by a NaN
+                # norm would make every gradient NaN, and hide where it started.
+                self.loss_scaler.overflowed(self.model, step)
+                self.optimizer.zero_grad(set_to_none=True)
+                totals["loss_scale_skipped"] += 1
+                continue
+            # Too little kept evidence: the update shrunk or skipped (correction/calibration.py)
+            lr_scale = starved_scale(
+                sums["kept"], sums["real_tokens"], self.min_kept, str(self.starved)
+            )
+            totals["update_scale"] += lr_scale
+            if lr_scale < 1.0:
+                totals["starved"] += 1
+                self.starved_updates += 1
+            if lr_scale == 0.0:
+                self.optimizer.zero_grad(set_to_none=True)
+                totals["starved_skipped"] += 1
+                continue
+            torch.nn.utils.clip_grads_with_norm_(parameters, optim.grad_clip, total_norm)
+            if self.loss_scaler is not None:
+                self.loss_scaler.stepped()
+            if self.guard is not None:  # after a rollback, smaller steps for a while
+                lr_scale *= self.guard.update_scale(step)
+            self._optimizer_step(lr_scale)
+            totals["grad_norm"] += grad_norm.item()
+            totals["updates"] += 1
+        self.scheduler.step()  # a skipped step too: the schedule follows the step count
+        failpoint("learner.mid_step")  # weights changed; nothing recorded or published yet
+        return StepSums(
+            distributed.gather(seen),
+            dict(totals),
+            time.perf_counter() - started,
+            rolled_back,
+            self.guard.metrics if self.guard is not None else {},
+            self._loss_scale_metrics(int(totals.get("loss_scale_skipped", 0))),
+            rejection | {"correction/starved_steps": self.starved_updates},
+        )
+
+    def _guard_fails(
+        self, sums: dict[str, float], oldest: int | None, step: int, version: int
+    ) -> bool:
+        """Judges the step's first mini-batch (`sums` over every rank) with the weights the
+        previous step left; True when the guard rolled them back. Which versions sampled
+        the batch matters only to a dead one (one collective; the sums are the same on
+        every rank, and so is the answer)."""
+        dead = self.guard.rules.dead(Evidence.from_sums(sums))
+        sampled_from = oldest_over_ranks(oldest) if dead else None
+        return self.guard.check(sums, step, version, sampled_from) is not None
+
+    def _gradient_factor(self, mini: list[dict]) -> float:
+        """What each micro-batch's loss numerator is multiplied by before its backward: 1,
+        or with FP16 gradients the loss scale over the mini-batch's tokens (on every rank),
+        so that the scale applies to a per-token mean, as loss scales usually do, whatever
+        the batch's size."""
+        if self.loss_scaler is None:
+            return 1.0
+        tokens = float(sum(int(micro["mask"].sum()) for micro in mini))
+        tokens = distributed.sum_over_ranks({"tokens": tokens})["tokens"]
+        return self.loss_scaler.scale / max(tokens, 1.0)
+
+    def _loss_scale_metrics(self, skipped: int) -> dict[str, float]:
+        return {} if self.loss_scaler is None else self.loss_scaler.metrics(skipped)
+
+    def _optimizer_step(self, lr_scale: float = 1.0) -> None:
+        """AdamW's step, at the learning rate times `lr_scale` (a starved update; Adam's
+        step barely depends on the gradient's size, so the rate is what must shrink); at
+        fail point POISON_UPDATE's N-th, an update POISON_FACTOR times as large (the fatal
+        step the guard is tested on)."""
+        rates = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] *= lr_scale
+        try:
+            if not reached(POISON_UPDATE):
+                self.optimizer.step()
+                return
+            with torch.no_grad():
+                before = [p.detach().clone() for p in self.model.parameters()]
+                self.optimizer.step()
+                for p, old in zip(self.model.parameters(), before, strict=True):
+                    p.copy_(old + POISON_FACTOR * (p - old))
+        finally:
+            for group, rate in zip(self.optimizer.param_groups, rates, strict=True):
+                group["lr"] = rate
+
+    @torch.no_grad()
+    def _calibrate(self, batches: list[list[dict]], version: int) -> dict[str, float]:
+        """Sets the correction's unset bounds from this batch (correction/calibration.py):
+        one forward without gradient of every micro-batch; the sequences whose tokens are
+        all of `version` (staleness 0: the ratio is the precision's alone), or every
+        sequence when none is (counted: `correction/calibration_fresh` 0)."""
+        micros = [b for mini in batches for b in mini]
+
+        def fresh_rows(b: dict) -> torch.Tensor:
+            mask = b["mask"].bool()
+            return (~mask | (b["versions"] == version)).all(-1) & mask.any(-1)
+
+        fresh = sum(int(fresh_rows(b).sum()) for b in micros)
+        any_fresh = distributed.sum_over_ranks({"fresh": float(fresh)})["fresh"] > 0
+        values = []
+        for b in micros:
+            mask = b["mask"].bool()
+            if any_fresh:
+                mask = mask & fresh_rows(b)[:, None]
+            logp = self.logprobs(self.model, b)[0]
+            batch = make_batch(logp, b["rollout_logp"], mask)
+            values.append(calibration_values(self.correction.name, batch))
+        # on the CPU: rank 0 concatenates what every rank's GPU measured
+        gathered = distributed.gather(torch.cat(values).cpu())
+        measured = None
+        if gathered is not None:
+            measured = self.calibration.measure(torch.cat(gathered))
+        measured = distributed.broadcast(measured)
+        self.calibration.apply(measured)
+        return measured | {"correction/calibration_fresh": float(any_fresh)}
+
+    def _micro_batch(
+        self,
+        micro: dict,
+        proximal: torch.Tensor | None,
+        version: int,
+        sums: dict,
+        judged: bool = False,
+        stale: tuple[torch.Tensor, torch.Tensor] | None = None,
+        factor: float = 1.0,
+    ) -> torch.Tensor:
+        """Forward and backward of one micro-batch; adds its loss numerator, denominator
+        and counts to `sums` (and, `judged`, the guard's evidence). `stale`: π_prox of its
+        older versions' tokens and where they are (correction.proximal=version). The
+        backward runs on the numerator times `factor` (`_gradient_factor`). Returns the
+        log-probs the correction saw."""
+        optim = self.optim
+        logp, entropy = self.logprobs(self.model, micro)
+        if judged:
+            guard = self.guard
+            add_token_evidence(
+                logp,
+                micro,
+                guard.settings.log_ratio_bound,
+                guard.ignored_versions,
+                sums,
+                own_version=stale,
+            )
+        if proximal is None:
+            proximal = logp.detach()
+        if stale is not None:
+            proximal = torch.where(stale[1], stale[0], proximal)
+        terms = policy_loss_terms(self.loss, self.correction, logp, micro, proximal, version)
+        kept = terms.mask.to(logp.dtype)
+        per_token = terms.per_token - optim.entropy_coef * entropy
+        if self.reference is not None:
+            with torch.no_grad():
+                reference_logp, _ = self.logprobs(self.reference, micro)
+            kl = kl_penalty(logp, reference_logp, optim.kl_estimator)
+            per_token = per_token + optim.kl_coef * kl
+            sums["kl"] += (kl.detach() * kept).sum().item()
+        numerator, denominator = aggregate_parts(per_token, terms.mask, self.loss.aggregation)
+        # FP16 gradients: the loss scaled up, so that small gradients do not flush to zero
+        (numerator * factor if factor != 1.0 else numerator).backward()
+        sums["total"] += numerator.item()
+        policy = aggregate_parts(terms.per_token.detach(), terms.mask, self.loss.aggregation)[0]
+        sums["policy"] += policy.item()
+        sums["denominator"] += denominator
+        sums["entropy"] += (entropy.detach() * kept).sum().item()
+        sums["kept"] += kept.sum().item()
+        sums["real_tokens"] += micro["mask"].sum().item()
+        sums["clipped"] += terms.clipped.sum().item()
+        return proximal if self.loss.mode == "decoupled" else logp.detach()
+
+    @torch.no_grad()
+    def _stale_proximal(
+        self, batches: list[list[dict]], totals: dict
+    ) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]]:
+        """Per micro-batch, the log-probs of its tokens of versions other than the model's
+        own under the weights of their version, and where those tokens are (None: it has
+        none). A version the learner no longer (or never) kept is left to the current
+        weights and counted (`proximal/fallback_tokens`)."""
+        out: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = [
+            [None] * len(mini) for mini in batches
+        ]
+        micros = [(m, j, b) for m, mini in enumerate(batches) for j, b in enumerate(mini)]
+        present = {int(v) for _, _, b in micros for v in b["versions"][b["mask"]].unique()}
+        for v in sorted(present - {self.versions.live}):
+            tokens = sum(int((b["mask"] & (b["versions"] == v)).sum()) for _, _, b in micros)
+            if not self.versions.has(v):
+                totals["proximal_fallback_tokens"] += tokens
+                continue
+            totals["proximal_version_tokens"] += tokens
+            with self.versions.swapped_in(v):
+                for m, j, b in micros:
+                    where = b["mask"] & (b["versions"] == v)
+                    if not where.any():
+                        continue
+                    logp = self.logprobs(self.model, b)[0]
+                    values, known = out[m][j] or (torch.zeros_like(logp), torch.zeros_like(where))
+                    out[m][j] = (torch.where(where, logp, values), known | where)
+        return out
+
+    def _tensors(self, rows: list[Row]) -> dict[str, Any]:
+        batch = batch_tensors([t for _, t, _ in rows], self.pad_token_id)
+        batch["advantages"] = torch.tensor([advantage for _, _, advantage in rows])
+        batch = {key: value.to(self.device) for key, value in batch.items()}
+        return batch | {"index": [index for index, _, _ in rows]}
+
+    def logprobs(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return completion_logprobs(model, batch, self.temperature, self.optim.logprob_chunk_tokens)
+
+    def memory(self, micro: dict | None = None) -> dict[str, Any]:
+        """What bounds a step's memory, for an out-of-memory message."""
+        optim = self.optim
+        shape = {"micro-batch": "{} × {} tokens".format(*micro["input_ids"].shape)} if micro else {}
+        return shape | {
+            "optim.micro_batch_tokens": optim.micro_batch_tokens,
+            "optim.activation_checkpointing": optim.activation_checkpointing,
+            "optim.logprob_chunk_tokens": optim.logprob_chunk_tokens,
+            "ranks": self.world,
+        }
+
+
+@torch.no_grad()
+def add_token_evidence(
+    logp: torch.Tensor,
+    micro: dict,
+    bound: float,
+    ignored_versions: tuple[int, int] | None,
+    sums: dict,
+    own_version: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """The guard's token evidence of a micro-batch (asyncfp8/train/guard.py): its real tokens,
+    those with log ρ < −`bound` and < −FAR_LOG_RATIO (an infinite log-prob counts), and
+    their k3 summed (log ρ clamped to ±20 as in the mismatch metrics); tokens of the
+    versions in `ignored_versions` (after, up to] left out and counted. A few element-wise
+    ops on [B, T].
+
+    `own_version` (correction.proximal=version: the log-probs of stale tokens under the
+    learner's weights of their own version, and where they are): such a token is judged
+    far by what the update did to it, log π_learner − log π_version, not by its distance
+    from the rollout. The guard looks for an update that broke the policy; a token the
+    rollout's rounding alone put far away (an FP8 engine flipping a saturated attention
+    head) is the correction's business, and rolling the update back would not bring it
+    nearer. Those tokens are counted (`guard_excused_tokens`). The k3 stays the rollout's
+    mismatch.
+
+    Judged on its version, far means far below (session 33): a break makes the tokens the
+    policy sampled unlikely. A token the learner gives more than e^bound times its
+    version's probability was sampled by an engine that disagreed with that version's
+    weights by as much (an engine samples a token of probability e^-20 next to never), and
+    the update sided with the engine: rounding again, not a break. Those are counted
+    (`guard_raised_tokens`); FP8 seed 3 of the stability study rolled back twice on 32 and
+    33 such tokens, whose k3 against the rollout was the run's median (docs/results.md)."""
+    mask = micro["mask"].bool()
+    if ignored_versions is not None:
+        after, up_to = ignored_versions
+        versions = micro["versions"]
+        ignored = mask & (versions > after) & (versions <= up_to)
+        sums["guard_ignored_tokens"] += ignored.sum().item()
+        mask = mask & ~ignored
+    learner = logp.detach().float()
+    delta = torch.nan_to_num(learner - micro["rollout_logp"].float(), nan=0.0)
+    judged, on_version = delta, torch.zeros_like(mask)
+    if own_version is not None:
+        values, on_version = own_version
+        # a version log-prob that is not finite says nothing of what the update did: such
+        # a token is judged on the rollout, as one whose version was not kept
+        on_version = on_version & torch.isfinite(values)
+        judged = torch.where(on_version, torch.nan_to_num(learner - values.float(), nan=0.0), delta)
+        excused = (delta.abs() > bound) & (judged.abs() <= bound) & mask
+        sums["guard_excused_tokens"] += excused.sum().item()
+    clamped = delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    sums["guard_tokens"] += mask.sum().item()
+
+    def beyond(limit: float) -> torch.Tensor:
+        # below for a token judged on its version; either way on the rollout, whose
+        # log-probs far below the learner's are themselves a fault (the refit probe's)
+        return mask & ((judged < -limit) | (~on_version & (judged > limit)))
+
+    sums["guard_far_tokens"] += beyond(bound).sum().item()
+    sums["guard_raised_tokens"] += (mask & on_version & (judged > bound)).sum().item()
+    sums["guard_far5_tokens"] += beyond(FAR_LOG_RATIO).sum().item()
+    sums["guard_k3"] += (torch.expm1(clamped) - clamped)[mask].sum().item()
+
+
+def add_reward_evidence(
+    share: Share, ignored_versions: tuple[int, int] | None, sums: dict
+) -> int | None:
+    """The guard's reward evidence: this rank's samples and how many were rewarded,
+    leaving out those with a token of the versions in `ignored_versions` (after, up to];
+    returns the oldest version that sampled a token of those counted (None: none)."""
+    after, up_to = ignored_versions or (0, -1)
+    counted = [
+        t
+        for mini in share.mini_batches
+        for micro in mini
+        for _, t, _ in micro
+        if not any(after < v <= up_to for v in t.versions)
+    ]
+    sums["guard_samples"] += len(counted)
+    sums["guard_rewarded"] += sum(t.reward > 0 for t in counted)
+    return min((min(t.versions) for t in counted if t.versions), default=None)
+
+
+def oldest_over_ranks(oldest: int | None) -> int | None:
+    """The oldest of the ranks' `oldest` versions (collective; None where no rank had one)."""
+    negated = -(math.inf if oldest is None else oldest)  # the oldest is the largest negated
+    reduced = -distributed.max_over_ranks({"oldest": negated})["oldest"]
+    return None if math.isinf(reduced) else int(reduced)
+
+
+def all_rewards_equal(group: Group) -> bool:
+    """No reward spread: GRPO gives every sample advantage 0 (DAPO skips such groups)."""
+    return len({t.reward for t in group.trajectories}) == 1

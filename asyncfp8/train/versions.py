@@ -1,0 +1,131 @@
+"""π_prox of the sample's own version (`correction.proximal=version`): the learner keeps
+its unquantized weights of the versions it published, as far back as the staleness bound
+reaches, and recomputes each stale token's log-probability under the weights of the
+version that sampled it. The default, `correction.proximal=auto`, does so wherever it can
+(`choose_proximal`).
+
+Then the correction sees π_prox(version v) against the engine's π_rollout(version v):
+the precision mismatch alone. The PPO ratio π_θ / π_prox bounds the staleness (the
+policy's move since version v) by its clip. With `correction.proximal=current` π_prox is
+the learner's current weights and the correction sees both at once.
+
+Cost: 4 bytes a parameter of host memory per kept version (FP32 weights of the last
+`run.max_staleness` + 1 published: with `sync.every` > 1 the newest is not the model's
+own weights), one more for the swap, and per step one forward (no gradient) of the
+micro-batches holding a stale token, per stale version.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import contextmanager
+
+import torch
+
+from asyncfp8.run.distributed import local_shard, resharded
+
+# auto keeps versions only where their copies take at most this share of the host memory
+# available at start: the rest is the engine's, the data's and the checkpoint writer's.
+AUTO_MEMORY_SHARE = 0.5
+
+
+def kept_bytes(parameters: int, keep: int) -> int:
+    """Host memory `VersionWeights` takes: FP32 copies of `keep` versions, one for swaps."""
+    return 4 * parameters * (keep + 1)
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory available now (Linux's MemAvailable; None where unknown)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def choose_proximal(
+    asked: str, mode: str, ranks: int, parameters: int, keep: int, available: int | None
+) -> tuple[str, str]:
+    """`correction.proximal` resolved to `current` or `version`, and why. `auto` (the
+    default) is `version` where the learner can keep the versions: decoupled mode (bypass
+    has no π_prox), one learner rank (each rank would swap in other versions), and copies
+    that take at most AUTO_MEMORY_SHARE of the available host memory. The stability study
+    chose it (docs/results.md): ten BF16 seeds of each, π_prox of the sample's version
+    held-out 0.970 ± 0.015 with none collapsed, the current weights 0.839 ± 0.107 with one."""
+    if asked != "auto":
+        return asked, "correction.proximal=" + asked
+    if mode == "bypass":
+        return "current", "auto: bypass mode has no π_prox"
+    if ranks > 1:
+        return "current", f"auto: {ranks} learner ranks (versions are kept on one rank only)"
+    need = kept_bytes(parameters, keep)
+    if available is not None and need > AUTO_MEMORY_SHARE * available:
+        return "current", (
+            f"auto: keeping {keep} versions takes {need / 2**30:.1f} GiB of host memory, more "
+            f"than {AUTO_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB available "
+            "(correction.proximal=version insists)"
+        )
+    return "version", f"auto: {keep} versions kept, {need / 2**20:.1f} MiB of host memory"
+
+
+class VersionWeights:
+    """The learner's weights of recent versions, on the CPU; `live` is the version the
+    model's own weights are (None once a step has changed them since)."""
+
+    def __init__(self, model: torch.nn.Module, keep: int):
+        self.model, self.keep = model, keep
+        self.weights: OrderedDict[int, list[torch.Tensor]] = OrderedDict()
+        self.live: int | None = None
+        self._scratch: list[torch.Tensor] = []
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for ts in self.weights.values() for t in ts] + self._scratch
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.no_grad()
+    def record(self, version: int) -> None:
+        """The model's weights are `version` now (it was just published)."""
+        reused = self.weights.popitem(last=False)[1] if len(self.weights) >= self.keep else None
+        copies = reused or [torch.empty_like(local_shard(p), device="cpu") for p in self._params()]
+        for copy, p in zip(copies, self._params(), strict=True):
+            copy.copy_(local_shard(p.detach()))
+        self.weights[version] = copies
+        self.live = version
+
+    def changed(self) -> None:
+        """A step has updated the model: it is no version any more."""
+        self.live = None
+
+    def has(self, version: int) -> bool:
+        return version in self.weights
+
+    @contextmanager
+    def swapped_in(self, version: int):
+        """The model with the weights of `version` for the duration, its own after.
+
+        Both swaps write FSDP2's sharded parameters, resharded first. A forward without
+        gradients leaves the root unit (embeddings, final norm, LM head) unsharded, and
+        the next forward uses that copy as it is: swapped back into the shards alone, the
+        root's copy of `version` stayed, and the step's training forward ran with the
+        previous version's root weights (up to 0.15 nats off on the tiny model) until
+        session 29; swapped into the copy alone, the swap is lost at the next reshard."""
+        params = self._params()
+        if not self._scratch:
+            self._scratch = [torch.empty_like(local_shard(p), device="cpu") for p in params]
+        with torch.no_grad():
+            for scratch, p, saved in zip(self._scratch, params, self.weights[version], strict=True):
+                scratch.copy_(local_shard(p.detach()))
+                local_shard(p.data).copy_(saved)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for scratch, p in zip(self._scratch, self._params(), strict=True):
+                    local_shard(p.data).copy_(scratch)
+
+    def _params(self) -> list[torch.Tensor]:
+        return list(resharded(self.model).parameters())

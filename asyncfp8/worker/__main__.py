@@ -1,0 +1,6 @@
+"""python -m asyncfp8.worker [overrides...]: one rollout worker."""
+
+from asyncfp8.worker.loop import main
+
+if __name__ == "__main__":
+    main()
