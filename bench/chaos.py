@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from asyncfp8.chaos import refit_scenarios, scenarios
-from asyncfp8.run.refit_faults import KINDS
 from asyncfp8.models import make_tiny_model
+from asyncfp8.run.refit_faults import KINDS
 from bench.common import write_json
 
 # Larger than the test suite's injections.

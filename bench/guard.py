@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -23,8 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import median_seconds, write_json
 
 from asyncfp8.models import load_model
+from asyncfp8.train.batches import TrainBatch
+from asyncfp8.train.evidence import add_token_evidence
+from asyncfp8.train.guard import Evidence
 from asyncfp8.train.rollback import LastGood
-from asyncfp8.train.step import add_token_evidence
 
 
 def measure(name: str, model_dir: Path, rows: int, tokens: int) -> dict:
@@ -40,14 +41,12 @@ def measure(name: str, model_dir: Path, rows: int, tokens: int) -> dict:
     train_s = median_seconds(train_step, repeats=3)  # also gives AdamW its state
     saved = LastGood(model, optimizer)
     keep_s = median_seconds(lambda: saved.keep(0), repeats=5)
-    micro = {
-        "mask": torch.ones(rows, tokens, dtype=torch.bool),
-        "rollout_logp": -torch.rand(rows, tokens) * 3,
-        "versions": torch.zeros(rows, tokens, dtype=torch.long),
-    }
-    logp = micro["rollout_logp"] + 0.05 * torch.randn(rows, tokens)
+    zeros = torch.zeros(rows, tokens, dtype=torch.long)
+    mask = torch.ones(rows, tokens, dtype=torch.bool)
+    micro = TrainBatch(zeros, zeros, zeros, -torch.rand(rows, tokens) * 3, zeros, mask)
+    logp = micro.rollout_logp + 0.05 * torch.randn(rows, tokens)
     evidence_s = median_seconds(
-        lambda: add_token_evidence(logp, micro, 20.0, None, defaultdict(float)), repeats=5
+        lambda: add_token_evidence(logp, micro, 20.0, None, Evidence()), repeats=5
     )
     parameters = sum(p.numel() for p in model.parameters())
     return {

@@ -255,11 +255,11 @@ def full_logits_child(spec: dict) -> None:
     batch = batch_tensors(trajectories, pad=257)
     before = resident_bytes()
     started = time.perf_counter()
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logp = torch.log_softmax(logits.float(), -1)[:, :-1]
-    rows = logp.gather(1, batch["positions"][..., None].expand(-1, -1, logp.shape[-1]))
-    targets = batch["input_ids"].gather(1, batch["positions"] + 1)
-    (rows.gather(-1, targets[..., None])[..., 0] * batch["mask"]).sum().backward()
+    rows = logp.gather(1, batch.positions[..., None].expand(-1, -1, logp.shape[-1]))
+    targets = batch.input_ids.gather(1, batch.positions + 1)
+    (rows.gather(-1, targets[..., None])[..., 0] * batch.mask).sum().backward()
     seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     Path(spec["out"]).write_text(json.dumps({"seconds": seconds, "peak": peak, "before": before}))

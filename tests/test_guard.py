@@ -6,12 +6,14 @@ row stop the run with a checkpoint that a resume continues from."""
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from asyncfp8.run.failpoints import POISON_UPDATE
+from asyncfp8.train.batches import TrainBatch
 from asyncfp8.train.guard import (
     DEAD_REWARD_CHANCE,
     MIN_HISTORY,
@@ -62,6 +64,13 @@ def test_a_mistyped_setting_fails_when_the_config_is_composed():
 
 
 FAR_COUNT = float(GuardSettings().far_tokens)  # tokens beyond the bound that fail a batch
+
+
+def micro_batch(mask, rollout_logp, versions) -> TrainBatch:
+    """A micro-batch with what the guard's token evidence reads (no token ids)."""
+    no_ids = torch.zeros(mask.shape[0], 1, dtype=torch.long)
+    positions = torch.zeros_like(versions)
+    return TrainBatch(no_ids, no_ids, positions, rollout_logp, versions, mask)
 
 
 def evidence(tokens=100, far=0, far5=0, samples=16, rewarded=8):
@@ -164,8 +173,8 @@ def test_after_a_rollback_the_updates_shrink_and_grow_back():
     model = torch.nn.Linear(2, 2)
     settings = GuardSettings(shrink=0.5, shrink_steps=10, max_rollbacks=5)
     guard = StepGuard(settings, model, torch.optim.AdamW(model.parameters()))
-    clean = {"guard_tokens": 10.0, "guard_samples": 4.0, "guard_rewarded": 2.0}
-    far = clean | {"guard_far_tokens": FAR_COUNT}
+    clean = Evidence(tokens=10.0, samples=4.0, rewarded=2.0)
+    far = Evidence(tokens=10.0, far_tokens=FAR_COUNT, samples=4.0, rewarded=2.0)
     assert guard.check(clean, 0, 0) is None and guard.update_scale(0) == 1.0
     assert guard.check(far, 1, 1) is not None
     assert guard.metrics["guard/update_scale"] == 0.5
@@ -207,29 +216,27 @@ def test_a_token_the_rollout_put_far_but_its_own_version_did_not_is_excused():
     """With π_prox of the token's version, the guard judges what the update did to a
     token (learner against its version's weights), not how far the rollout's rounding
     put it; a token with no kept version is judged against the rollout as before."""
-    from collections import defaultdict
+    from asyncfp8.train.evidence import add_token_evidence
 
-    from asyncfp8.train.step import add_token_evidence
-
-    micro = {
-        "mask": torch.tensor([[True, True, True]]),
-        "rollout_logp": torch.zeros(1, 3),
-        "versions": torch.tensor([[4, 4, 5]]),
-    }
+    micro = micro_batch(
+        torch.tensor([[True, True, True]]),
+        torch.zeros(1, 3),
+        torch.tensor([[4, 4, 5]]),
+    )
     logp = torch.full((1, 3), -30.0)
     # token 0: its version gave it -29.5 (the engine's rounding put it at 0): excused;
     # token 1: its version gave it -1 (the update took it to -30): far; token 2: no kept
     # version (the live one): judged against the rollout, far
     own = (torch.tensor([[-29.5, -1.0, 0.0]]), torch.tensor([[True, True, False]]))
-    sums = defaultdict(float)
+    sums = Evidence()
     add_token_evidence(logp, micro, 20.0, None, sums, own_version=own)
-    assert (sums["guard_far_tokens"], sums["guard_excused_tokens"]) == (2, 1)
-    assert sums["guard_far5_tokens"] == 2
-    before = defaultdict(float)  # without the versions: every token judged on the rollout
+    assert (sums.far_tokens, sums.excused_tokens) == (2, 1)
+    assert sums.far5_tokens == 2
+    before = Evidence()  # without the versions: every token judged on the rollout
     add_token_evidence(logp, micro, 20.0, None, before)
-    assert (before["guard_far_tokens"], before["guard_excused_tokens"]) == (3, 0)
+    assert (before.far_tokens, before.excused_tokens) == (3, 0)
     # the k3 is the rollout's mismatch either way
-    assert sums["guard_k3"] == pytest.approx(before["guard_k3"])
+    assert sums.k3_sum == pytest.approx(before.k3_sum)
 
 
 def test_a_token_the_update_raised_far_above_its_version_is_not_far():
@@ -237,60 +244,57 @@ def test_a_token_the_update_raised_far_above_its_version_is_not_far():
     what its version gave it (the engine sampled it, so the engine disagreed with the
     version, and the update sided with the engine) is counted as raised, not far, and
     counts toward neither far signal; one the update lowered as far is far."""
-    from collections import defaultdict
+    from asyncfp8.train.evidence import add_token_evidence
 
-    from asyncfp8.train.step import add_token_evidence
-
-    micro = {
-        "mask": torch.tensor([[True, True, True, True]]),
-        "rollout_logp": torch.tensor([[-1.0, -1.0, -0.5, -1.0]]),
-        "versions": torch.tensor([[4, 4, 4, 4]]),
-    }
+    micro = micro_batch(
+        torch.tensor([[True, True, True, True]]),
+        torch.tensor([[-1.0, -1.0, -0.5, -1.0]]),
+        torch.tensor([[4, 4, 4, 4]]),
+    )
     logp = torch.tensor([[-1.2, -1.0, -26.0, -float("inf")]])
     # tokens 0 and 1: their version gave them -30 and -40 (the engine sampled them at -1):
     # raised by 28.8 and 39; token 2: lowered from -0.6 to -26; token 3: to -inf
     own = (torch.tensor([[-30.0, -40.0, -0.6, -1.0]]), torch.ones(1, 4, dtype=torch.bool))
-    sums = defaultdict(float)
+    sums = Evidence()
     add_token_evidence(logp, micro, 20.0, None, sums, own_version=own)
-    assert (sums["guard_far_tokens"], sums["guard_raised_tokens"]) == (2, 2)
-    assert sums["guard_far5_tokens"] == 2 and sums["guard_excused_tokens"] == 0
+    assert (sums.far_tokens, sums.raised_tokens) == (2, 2)
+    assert sums.far5_tokens == 2 and sums.excused_tokens == 0
     # judged on the rollout (no kept version, or a version log-prob that is not finite),
     # far either way: rollout log-probs 38 nats below the learner's are a fault themselves
-    micro["rollout_logp"] = torch.tensor([[-40.0, -1.0, -0.5, -1.0]])
+    micro.rollout_logp = torch.tensor([[-40.0, -1.0, -0.5, -1.0]])
     logp = torch.tensor([[-2.0, -1.0, -0.5, -1.0]])
     own = (
         torch.tensor([[0.0, -float("inf"), -0.5, -1.0]]),
         torch.tensor([[False, True, True, True]]),
     )
-    sums = defaultdict(float)
+    sums = Evidence()
     add_token_evidence(logp, micro, 20.0, None, sums, own_version=own)
-    assert (sums["guard_far_tokens"], sums["guard_raised_tokens"]) == (1, 0)
+    assert (sums.far_tokens, sums.raised_tokens) == (1, 0)
 
 
 def test_tokens_and_samples_of_undone_versions_are_left_out_of_the_evidence():
-    from collections import defaultdict
     from types import SimpleNamespace
 
-    from asyncfp8.train.step import Share, add_reward_evidence, add_token_evidence
+    from asyncfp8.train.evidence import add_reward_evidence, add_token_evidence
 
-    micro = {
-        "mask": torch.tensor([[True, True, False], [True, True, True]]),
-        "rollout_logp": torch.zeros(2, 3),
-        "versions": torch.tensor([[3, 3, 0], [5, 5, 6]]),  # 4 and 5: from undone weights
-    }
+    micro = micro_batch(
+        torch.tensor([[True, True, False], [True, True, True]]),
+        torch.zeros(2, 3),
+        torch.tensor([[3, 3, 0], [5, 5, 6]]),  # 4 and 5: from undone weights
+    )
     logp = torch.tensor([[-30.0, -0.1, -50.0], [-30.0, -30.0, -6.0]])
-    sums = defaultdict(float)
+    sums = Evidence()
     add_token_evidence(logp, micro, 20.0, (3, 5), sums)
     # the sample of version 3 is judged (one token at -30); version 5's two are left out;
     # the padding at -50 never counts
-    assert (sums["guard_tokens"], sums["guard_ignored_tokens"]) == (3, 2)
-    assert (sums["guard_far_tokens"], sums["guard_far5_tokens"]) == (1, 2)
+    assert (sums.tokens, sums.ignored_tokens) == (3, 2)
+    assert (sums.far_tokens, sums.far5_tokens) == (1, 2)
     rows = [
-        (0, SimpleNamespace(reward=1.0, versions=[3, 3]), 0.0),
-        (1, SimpleNamespace(reward=0.0, versions=[5, 6]), 0.0),
+        SimpleNamespace(reward=1.0, versions=[3, 3]),
+        SimpleNamespace(reward=0.0, versions=[5, 6]),
     ]
-    add_reward_evidence(Share([[rows]], []), (3, 5), sums)
-    assert (sums["guard_samples"], sums["guard_rewarded"]) == (1, 1)
+    add_reward_evidence(rows, (3, 5), sums)
+    assert (sums.samples, sums.rewarded) == (1, 1)
     # a batch left out whole is no evidence: it neither fails nor counts as good
     rules = GuardRules(GuardSettings())
     for _ in range(MIN_HISTORY):
@@ -305,7 +309,7 @@ def test_a_run_stopped_by_the_guard_falls_back_to_the_oldest_good_state():
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     guard = StepGuard(GuardSettings(max_rollbacks=1), model, optimizer)
-    clean = {"guard_tokens": 10.0, "guard_samples": 4.0, "guard_rewarded": 2.0}
+    clean = Evidence(tokens=10.0, samples=4.0, rewarded=2.0)
     kept = []
     for step in range(3):  # three batches pass; the weights move between them
         assert guard.check(clean, step, step) is None
@@ -313,7 +317,7 @@ def test_a_run_stopped_by_the_guard_falls_back_to_the_oldest_good_state():
         with torch.no_grad():
             model.weight.add_(1.0)
     # in sync mode the last may have passed only because it could not see the break
-    assert guard.check(clean | {"guard_far_tokens": FAR_COUNT}, 3, 3).signal == "far_tokens"
+    assert guard.check(replace(clean, far_tokens=FAR_COUNT), 3, 3).signal == "far_tokens"
     assert guard.exhausted and torch.equal(model.weight, kept[2])
     assert guard.fall_back() == 1  # keep_states=2: the states after steps 1 and 2
     assert torch.equal(model.weight, kept[1])
@@ -336,8 +340,8 @@ def guarded_steps(keep_states: int, steps: int, **settings):
     return guard, model, held
 
 
-CLEAN = {"guard_tokens": 10.0, "guard_samples": 48.0, "guard_rewarded": 24.0}
-DEAD = CLEAN | {"guard_rewarded": 0.0}
+CLEAN = Evidence(tokens=10.0, samples=48.0, rewarded=24.0)
+DEAD = replace(CLEAN, rewarded=0.0)
 
 
 def test_a_dead_batch_rolls_back_past_the_version_that_sampled_it():
@@ -350,7 +354,7 @@ def test_a_dead_batch_rolls_back_past_the_version_that_sampled_it():
     assert torch.equal(model.weight, held[newest - 1]) and guard.good_step == newest - 1
     # a far token speaks of the learner's weights: the newest state, as before
     guard, model, held = guarded_steps(keep_states=2, steps=MIN_HISTORY + 1)
-    far = CLEAN | {"guard_far_tokens": FAR_COUNT}
+    far = replace(CLEAN, far_tokens=FAR_COUNT)
     assert guard.check(far, newest + 1, newest + 1, sampled_from=newest).signal == "far_tokens"
     assert torch.equal(model.weight, held[newest])
 
@@ -387,7 +391,7 @@ def test_rollbacks_to_one_state_count_in_a_row_though_batches_pass_between():
     keep_states states past it, the count starts again."""
     guard, model, _ = guarded_steps(keep_states=2, steps=MIN_HISTORY + 1, max_rollbacks=3)
     step = MIN_HISTORY + 1
-    far = CLEAN | {"guard_far_tokens": FAR_COUNT}
+    far = replace(CLEAN, far_tokens=FAR_COUNT)
     for expected in (1, 2, 3):
         assert guard.check(far, step, step).signal == "far_tokens"
         assert guard.in_row == expected

@@ -7,6 +7,7 @@ without it and with the kept weights, and their score, with it."""
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 from asyncfp8.export import checkpoint_dir, checkpoint_state
 from asyncfp8.report.collapse import run_collapse
 from asyncfp8.run.failpoints import ENV, POISON_UPDATE
-from asyncfp8.train.guard import GuardSettings
+from asyncfp8.train.guard import Evidence, GuardSettings
 from asyncfp8.train.rollback import HeldOutGuard, StepGuard
 
 
@@ -57,7 +58,7 @@ def test_an_evaluation_below_the_line_puts_back_the_last_that_passed_bit_for_bit
 def test_after_a_held_out_rollback_the_step_guard_keeps_only_the_restored_weights():
     model, optimizer, _ = trainable()
     guard = StepGuard(GuardSettings(), model, optimizer)
-    clean = {"guard_tokens": 10.0, "guard_samples": 4.0, "guard_rewarded": 2.0}
+    clean = Evidence(tokens=10.0, samples=4.0, rewarded=2.0)
     for step in range(3):
         guard.check(clean, step, step)
         with torch.no_grad():
@@ -70,7 +71,7 @@ def test_after_a_held_out_rollback_the_step_guard_keeps_only_the_restored_weight
         model.weight.add_(1.0)
     # a far token now rolls back to the restored weights, not to a state of the undone ones
     assert (
-        guard.check(clean | {"guard_far_tokens": float(GuardSettings().far_tokens)}, 5, 5).signal
+        guard.check(replace(clean, far_tokens=float(GuardSettings().far_tokens)), 5, 5).signal
         == "far_tokens"
     )
     assert torch.equal(model.weight, restored)

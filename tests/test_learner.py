@@ -64,7 +64,7 @@ def test_recompute_matches_each_sequence_alone(tiny_model_dir, temperature, chun
         expected, expected_entropy = one_by_one(plain, trajectories, temperature)
     for row, values in enumerate(expected):
         n = len(values)
-        assert batch["mask"][row].sum() == n and not batch["mask"][row, n:].any()
+        assert batch.mask[row].sum() == n and not batch.mask[row, n:].any()
         torch.testing.assert_close(
             logp[row, :n].double(), torch.tensor(values, dtype=torch.float64), atol=2e-5, rtol=0
         )
@@ -74,7 +74,7 @@ def test_recompute_matches_each_sequence_alone(tiny_model_dir, temperature, chun
             atol=2e-5,
             rtol=0,
         )
-        assert batch["versions"][row, :n].tolist() == [row] * n
+        assert batch.versions[row, :n].tolist() == [row] * n
         assert (logp[row, n:] == 0).all()
 
 
@@ -86,15 +86,15 @@ def test_chunked_logprobs_give_the_full_softmax_gradient(tiny_model_dir):
     install_logprob_head(chunked)
     trajectories = random_trajectories(seed=1)
     batch = batch_tensors(trajectories, pad=257)
-    weights = torch.randn(batch["mask"].shape, generator=torch.Generator().manual_seed(2))
+    weights = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(2))
     logp, _ = completion_logprobs(chunked, batch, 0.9, chunk_tokens=4)
-    (logp * weights * batch["mask"]).sum().backward()
-    logits = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    (logp * weights * batch.mask).sum().backward()
+    logits = plain(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     full = torch.log_softmax(logits.float() / 0.9, -1)[:, :-1]
-    rows = full.gather(1, batch["positions"][..., None].expand(-1, -1, full.shape[-1]))
-    targets = batch["input_ids"].gather(1, batch["positions"] + 1)
+    rows = full.gather(1, batch.positions[..., None].expand(-1, -1, full.shape[-1]))
+    targets = batch.input_ids.gather(1, batch.positions + 1)
     reference = rows.gather(-1, targets[..., None])[..., 0]
-    (reference * weights * batch["mask"]).sum().backward()
+    (reference * weights * batch.mask).sum().backward()
     grads = dict(plain.named_parameters())
     for name, param in chunked.named_parameters():
         # FP32 sums in another order: elementwise, within 1e-5 of the tensor's largest
@@ -161,7 +161,7 @@ def test_micro_batched_gradients_equal_the_whole_batch_gradient(
     3e-7 relative on this CPU), which a forward and backward carry to ~3e-6 of each
     tensor's norm, ~1.5e-6 at most per element."""
     monkeypatch.setattr(
-        "asyncfp8.learner.loop.load_model",
+        "asyncfp8.learner.build.load_model",
         lambda path, dtype=None, wanted=dtype: load_model(path, wanted),
     )
     # lr 0: the step leaves the weights alone, and its gradient stays in .grad. In float64
@@ -223,7 +223,7 @@ def test_a_train_step_needs_no_sockets_and_trains_as_the_learner(
     assert not torch.distributed.is_initialized()
     for number, groups in enumerate(recorded[:2]):
         sums = step(plan_shares(groups, optim, world=1)[0], number, version=0)
-        assert sums.totals["updates"] == 2 and len(sums.seen[0]) == 16
+        assert sums.totals.updates == 2 and len(sums.seen[0]) == 16
 
     learner = make_learner(*overrides)
     for groups in recorded[:2]:

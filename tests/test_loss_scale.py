@@ -67,7 +67,7 @@ def test_an_update_with_an_inf_gradient_is_skipped_counted_and_the_scale_halved(
     with caplog.at_level(logging.WARNING, logger="asyncfp8.learner"):
         sums = step(share, 0, version=0)
     handle.remove()
-    assert sums.totals["updates"] == 1 and sums.totals["loss_scale_skipped"] == 1
+    assert sums.totals.updates == 1 and sums.totals.loss_scale_skipped == 1
     assert sums.loss_scale == {
         "loss_scale/scale": 512.0,
         "loss_scale/skipped": 1,

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from asyncfp8.correction import get_correction
+from asyncfp8.train.batches import TrainBatch
 from asyncfp8.train.losses import (
     PolicyLoss,
     aggregate,
@@ -16,8 +17,18 @@ from asyncfp8.train.losses import (
 
 
 def batch(rollout_logp, advantages, mask):
-    """The tensors of a batch the policy loss reads, as `batches.batch_tensors` names them."""
-    return {"rollout_logp": rollout_logp, "advantages": advantages, "mask": mask}
+    """A `TrainBatch` with what the policy loss reads (no token ids: it takes log-probs)."""
+    rows = rollout_logp.shape[0]
+    no_ids = torch.zeros(rows, 1, dtype=torch.long)
+    return TrainBatch(
+        no_ids,
+        no_ids,
+        torch.zeros_like(rollout_logp, dtype=torch.long),
+        rollout_logp,
+        torch.zeros_like(rollout_logp, dtype=torch.long),
+        mask.bool(),
+        advantages,
+    )
 
 
 def test_grpo_advantages_by_hand():
@@ -31,7 +42,7 @@ def test_grpo_advantages_by_hand():
     )
     dr = group_advantages(rewards, groups, scale="none")
     torch.testing.assert_close(dr, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0]))
-    with pytest.raises(ValueError, match="scale must be"):
+    with pytest.raises(ValueError, match="unknown advantage scale"):
         group_advantages(rewards, groups, scale="mad")
 
 
@@ -145,7 +156,7 @@ def test_bypass_uses_only_the_rejection_mask_with_ppo_and_the_weights_with_reinf
     assert reinforce.item() == pytest.approx(expected, rel=1e-5)
     with pytest.raises(ValueError, match="decoupled mode needs proximal_logp"):
         corrected_policy_loss(PolicyLoss(mode="decoupled"), tis, logp, tokens)
-    with pytest.raises(ValueError, match="unknown mode"):
+    with pytest.raises(ValueError, match="unknown correction mode"):
         PolicyLoss(mode="sideways")
     with pytest.raises(ValueError, match="unknown aggregation"):
         PolicyLoss(aggregation="per_token")

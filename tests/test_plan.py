@@ -659,5 +659,5 @@ def test_the_plan_counts_the_host_memory_of_the_versions_kept_for_pi_prox():
         plan__precisions=["bf16"],
     )
     plan = make_plan(cfg)
-    # the learner's own rule (asyncfp8/learner/loop.py keeps max_staleness + 1 versions)
+    # the learner's own rule (asyncfp8/learner/build.py keeps max_staleness + 1 versions)
     assert plan["proximal_versions_bytes"] == kept_bytes(plan["model"]["parameters"], 2 + 1)

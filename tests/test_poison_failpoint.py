@@ -10,24 +10,31 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from asyncfp8.learner.build import optimizer_and_schedule
 from asyncfp8.run import failpoints
 from asyncfp8.run.failpoints import ENV, POISON_FACTOR, POISON_UPDATE
-from asyncfp8.train.step import TrainStep
 
 
 def adam_steps(poisoned: bool, armed, steps: int = 3) -> list[torch.Tensor]:
     """The weight of a small layer after each of `steps` AdamW steps on fixed gradients,
-    taken through TrainStep's optimizer step."""
+    the optimizer made as the learner makes it (the fail point installed on it)."""
     armed(f"{POISON_UPDATE}=2" if poisoned else "")
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    trainer = SimpleNamespace(model=model, optimizer=optimizer)
+    optim = SimpleNamespace(
+        lr=1e-3,
+        betas=[0.9, 0.999],
+        eps=1e-8,
+        weight_decay=0.01,
+        warmup_steps=0,
+        schedule="constant",
+    )
+    optimizer, _ = optimizer_and_schedule(model, optim, steps)
     weights = [model.weight.detach().clone()]
     for step in range(steps):
         gradient = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
         model.weight.grad, model.bias.grad = gradient, gradient[:, 0].clone()
-        TrainStep._optimizer_step(trainer)
+        optimizer.step()
         weights.append(model.weight.detach().clone())
     return weights
 

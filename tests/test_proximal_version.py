@@ -116,5 +116,5 @@ def test_stale_tokens_are_scored_under_their_own_versions_weights(tiny_model_dir
         torch.testing.assert_close(saw[i], expected, rtol=0, atol=1e-5)
     assert not torch.allclose(before[: len(samples) // 2], current[: len(samples) // 2])
     stale = sum(len(t.token_ids) for t in samples if t.versions[0] == 0)
-    assert sums.totals["proximal_version_tokens"] == stale
-    assert sums.totals["proximal_fallback_tokens"] == len(samples[-1].token_ids)
+    assert sums.totals.proximal_version_tokens == stale
+    assert sums.totals.proximal_fallback_tokens == len(samples[-1].token_ids)

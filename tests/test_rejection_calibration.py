@@ -201,8 +201,8 @@ def test_a_rolled_back_step_still_reports_the_bounds_it_calibrated():
     # back, the bounds stay set, so its metrics must still say what they are.
     from types import SimpleNamespace
 
-    from asyncfp8.train.step import StepSums
     from asyncfp8.train.step_metrics import StepMetrics
+    from asyncfp8.train.sums import StepSums
 
     group = SimpleNamespace(trajectories=[SimpleNamespace(reward=r) for r in (0.0, 1.0)])
     calibrated = {"correction/calibrated_lower": 0.9, "correction/calibrated_upper": 1.1}

@@ -33,8 +33,9 @@ from asyncfp8.run.resume import save_config
 from asyncfp8.sync import BackgroundPublisher, HandshakeWatch, Limits, VersionPublisher
 from asyncfp8.sync.endpoints import curve, endpoints
 from asyncfp8.train.batches import Group
-from asyncfp8.train.step import Share, StepSums, all_rewards_equal
+from asyncfp8.train.step import Share, all_rewards_equal
 from asyncfp8.train.step_metrics import StepMetrics
+from asyncfp8.train.sums import StepSums
 
 from .colocated import LEASE, Colocated, RolloutFailed
 

@@ -1,18 +1,9 @@
 """The learner: trains the policy on the workers' trajectories and publishes versions.
 
-The loop (`Learner.run`) is the algorithm; each part has its own module:
-- `step.py`: one training step (advantages, mini/micro-batches, correction, loss,
-  AdamW), a plain object with no sockets;
-- `hub.py`: rank 0's sockets, lease book, ledger and metrics log, and the hand-out of
-  each step's shares (`RankHub` on the other ranks does nothing but receive);
-- `publisher.py`: a version out (number reserved, weights gathered, KV scales
-  calibrated, the refit probe, the background sender);
-- `checkpoints.py`: checkpoints, resume and export;
-- `step_metrics.py`: what rank 0 logs per step;
-- `rollback.py`: the guard that undoes a fatal step (its rules: asyncfp8/train/guard.py),
-  and its held-out line (`guard.heldout_below`);
-- `colocated.py`: `run.placement=colocated`, each rank's own engine taking turns with
-  training or generating beside it (the hub asks it for each step's groups).
+The loop (`Learner.run`) is the algorithm; its parts are made in `build.py`. The training
+step is `asyncfp8.train` (no sockets); beside this module: `hub.py` (rank 0's sockets,
+leases, ledger and metrics log; `RankHub` on the other ranks), `publisher.py` (a version
+out), `checkpoints.py`, `evaluation.py` and `colocated.py` (`run.placement=colocated`).
 """
 
 from __future__ import annotations
@@ -31,47 +22,89 @@ from asyncfp8.checks import (
     check_config,
     max_staleness_of,
     placement_of,
-    release_engine_memory,
 )
-from asyncfp8.correction.calibration import BoundCalibration
-from asyncfp8.engines import build_engine
-from asyncfp8.learner.evaluation import HeldOut
-from asyncfp8.models import load_model, load_tokenizer, run_model_dir
+from asyncfp8.learner import build
+from asyncfp8.models import load_tokenizer, run_model_dir
 from asyncfp8.precision.fp8_kv import kv_scale_names
-from asyncfp8.precision.sensitivity import LayoutDrift, mixed_part
-from asyncfp8.refit.reference import ReferenceForward
 from asyncfp8.run import distributed
 from asyncfp8.run.files import GUARD_STOP_FILE, GUARD_STOPPED
 from asyncfp8.run.process import StopFlag, set_threads, worker_count
 from asyncfp8.sync.endpoints import endpoints
 from asyncfp8.train.batches import Group, check_split
-from asyncfp8.train.guard import GuardSettings
-from asyncfp8.train.logprobs import install_logprob_head
-from asyncfp8.train.loss_scale import LossScaler, LossScaleSettings
-from asyncfp8.train.rollback import HeldOutGuard, StepGuard
-from asyncfp8.train.step import Share, StepSums, TrainStep, lr_lambda, plan_shares
+from asyncfp8.train.step import Share, plan_shares
 from asyncfp8.train.step_metrics import StepMetrics
-from asyncfp8.train.versions import VersionWeights, available_memory, choose_proximal
+from asyncfp8.train.sums import StepSums
 
 from .checkpoints import Checkpointer
-from .colocated import COLOCATED_VLLM_MEMORY, Colocated, kept_random_state
 from .hub import Hub, Preempted, RankHub
-from .publisher import FIRST_CALIBRATION_PROMPTS, Publisher
+from .publisher import Publisher
 
 log = logging.getLogger("asyncfp8.learner")
 
 
 class Learner:
     def __init__(self, cfg: DictConfig):
-        self.cfg, run, optim = cfg, cfg.run, cfg.optim
+        self.cfg, run = cfg, cfg.run
         self.stop = StopFlag()
         # The whole config, before a socket is bound or the model loaded.
         self.model_dir = model_dir = run_model_dir(cfg)
         checked = check_config(cfg, model_dir, "learner")
         self.task, self.policy, self.correction = checked.task, checked.policy, checked.correction
-        self.ranks = distributed.start(run.device, run.dist_timeout)
-        check_split(run.groups_per_step * run.group_size, optim.mini_batches, self.ranks.world)
+        self.ranks = ranks = distributed.start(run.device, run.dist_timeout)
+        check_split(run.groups_per_step * run.group_size, cfg.optim.mini_batches, ranks.world)
         self.colocated_placement = placement_of(run) == "colocated"
+        self._set_process_state()
+        self.dtype = distributed.compute_dtype(run.compute_dtype, ranks.device)
+        self.model = self._sharded(frozen=False)
+        # KL-to-reference: a frozen copy of the starting policy, sharded like it.
+        self.reference = self._sharded(frozen=True) if cfg.optim.kl_coef > 0 else None
+        self.tokenizer = tokenizer = load_tokenizer(model_dir)
+        self.optimizer, self.scheduler = build.optimizer_and_schedule(
+            self.model, cfg.optim, run.steps
+        )
+        self.proximal, self.version_weights = build.proximal_weights(
+            cfg, self.model, max_staleness_of(run)
+        )
+        self.train_step = build.train_step(
+            cfg,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.correction,
+            tokenizer.pad_token_id,
+            ranks,
+            self.dtype,
+            self.reference,
+            self.proximal,
+            self.version_weights,
+        )
+        self.rolled_back = False  # the latest step undid the one before it
+        self.checkpointed_step: int | None = None
+        self.colocated = None
+        if self.colocated_placement:
+            self.colocated = build.colocated_engine(cfg, model_dir, self.task, self.policy, ranks)
+        self.hub = self._hub()
+        self.publisher = self._publisher()
+        self.checkpointer = self._checkpointer()
+        self.heldout = build.heldout(
+            cfg, self.task, tokenizer, ranks, self.dtype, self._evaluation_kv_scales
+        )
+        self.heldout_guard = build.heldout_guard(
+            cfg.guard, self.heldout is not None, self.model, self.optimizer
+        )
+        self.heldout_rolled_back = False  # this step's evaluation put back earlier weights
+        self.step = 0
+        # Training time before this process (a resumed run), and the step it resumed at.
+        self.elapsed_before, self.resumed_from = 0.0, None
+        self.started = time.perf_counter()
+        if run.resume:
+            self._restore()
+        self.hub.open_logs(self.dir, self.step if run.resume else None)
+        self._log_start()
+
+    def _set_process_state(self) -> None:
+        """Threads, seeds and the run directory."""
+        run = self.cfg.run
         # Colocated and async, on every rank a rollout thread generates beside the training
         # one: the cores are split between all of them as between processes.
         if self.colocated_placement:
@@ -84,101 +117,48 @@ class Learner:
         self.dir = Path(run.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
 
-        self.dtype = distributed.compute_dtype(run.compute_dtype, self.ranks.device)
-        self.model = self._load(model_dir, frozen=False)
-        # KL-to-reference: a frozen copy of the starting policy, sharded like it.
-        self.reference = self._load(model_dir, frozen=True) if optim.kl_coef > 0 else None
-        self.tokenizer = tokenizer = load_tokenizer(model_dir)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=optim.lr,
-            betas=tuple(optim.betas),
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
+    def _sharded(self, frozen: bool) -> torch.nn.Module:
+        checkpointing = self.cfg.optim.activation_checkpointing
+        return build.sharded_model(
+            self.policy, self.model_dir, self.ranks, self.dtype, checkpointing, frozen
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(optim, run.steps)
-        )
-        self.proximal, self.version_weights = self._proximal()
-        self.train_step = self._train_step()
-        self.rolled_back = False  # the latest step undid the one before it
-        self.checkpointed_step: int | None = None
-        self.colocated = colocated = self._colocated_engine()
-        self.hub = (
-            Hub(
-                cfg,
-                max_staleness_of(run),
-                self.ranks.world,
-                self.stop,
-                StepMetrics(self.correction, tokenizer.pad_token_id),
-                colocated,
-            )
-            if self.ranks.main
-            else RankHub(self.stop, colocated)
-        )
-        self.publisher = Publisher(
+
+    def _hub(self) -> Hub | RankHub:
+        if not self.ranks.main:
+            return RankHub(self.stop, self.colocated)
+        metrics = StepMetrics(self.correction, self.tokenizer.pad_token_id)
+        staleness = max_staleness_of(self.cfg.run)
+        return Hub(self.cfg, staleness, self.ranks.world, self.stop, metrics, self.colocated)
+
+    def _publisher(self) -> Publisher:
+        cfg, ranks = self.cfg, self.ranks
+        return Publisher(
             self.model,
             self.policy,
             cfg.sync,
-            self.ranks,
+            ranks,
             self.dir,
             self.dtype,
-            tokenizer.pad_token_id,
-            self._prompt_batch(),
+            self.tokenizer.pad_token_id,
+            build.first_calibration_batch(self.task, self.tokenizer, ranks.device),
             self.hub.sender,
-            self._probe_reference(),
+            build.probe_reference(
+                cfg, self.model_dir, self.policy, ranks, self.colocated_placement
+            ),
             every_rank=self.colocated_placement,
-            drift=self._layout_drift(),
+            drift=build.layout_drift(self.policy, self.model_dir, self.task, self.tokenizer, ranks),
         )
-        self.checkpointer = Checkpointer(
-            self.dir, self.model, self.optimizer, self.scheduler, self.ranks, run.keep_checkpoints
+
+    def _checkpointer(self) -> Checkpointer:
+        keep = self.cfg.run.keep_checkpoints
+        checkpointer = Checkpointer(
+            self.dir, self.model, self.optimizer, self.scheduler, self.ranks, keep
         )
         if self.train_step.loss_scaler is not None:  # FP16: a resume keeps the scale it reached
-            self.checkpointer.stateful["loss_scale"] = self.train_step.loss_scaler
+            checkpointer.stateful["loss_scale"] = self.train_step.loss_scaler
         if self.train_step.calibration is not None:  # and the bounds its first step measured
-            self.checkpointer.stateful["bound_calibration"] = self.train_step.calibration
-        self.heldout = self._heldout() if cfg.eval.every else None
-        self.heldout_guard = self._heldout_guard()
-        self.heldout_rolled_back = False  # this step's evaluation put back earlier weights
-        self.step = 0
-        # Training time before this process (a resumed run), and the step it resumed at.
-        self.elapsed_before, self.resumed_from = 0.0, None
-        self.started = time.perf_counter()
-        if run.resume:
-            self._restore()
-        self.hub.open_logs(self.dir, self.step if run.resume else None)
-        self._log_start()
-
-    def _proximal(self) -> tuple[str, VersionWeights | None]:
-        """Which π_prox the run takes (`correction.proximal`; auto chooses) and, for each
-        sample's own version, the copies of the versions stale samples can have."""
-        cfg, run = self.cfg, self.cfg.run
-        keep = max_staleness_of(run) + 1
-        proximal, why = choose_proximal(
-            str(cfg.correction.get("proximal", "auto")),
-            str(cfg.correction.mode),
-            run.learner_procs,
-            sum(p.numel() for p in self.model.parameters()),
-            keep,
-            available_memory(),
-        )
-        log.info("π_prox: %s (%s)", proximal, why)
-        return proximal, VersionWeights(self.model, keep) if proximal == "version" else None
-
-    def _heldout(self) -> HeldOut:
-        cfg, run = self.cfg, self.cfg.run
-        return HeldOut(
-            self.task,
-            self.tokenizer,
-            cfg.eval.prompts,
-            cfg.eval.samples,
-            run.max_new_tokens,
-            run.temperature,
-            run.seed,
-            self.ranks,
-            self.dtype,
-            self._evaluation_kv_scales,
-        )
+            checkpointer.stateful["bound_calibration"] = self.train_step.calibration
+        return checkpointer
 
     @property
     def version(self) -> int | None:
@@ -317,66 +297,6 @@ class Learner:
 
     # -- the guard ---------------------------------------------------------------------------
 
-    def _train_step(self) -> TrainStep:
-        cfg = self.cfg
-        return TrainStep(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.correction,
-            cfg.optim,
-            cfg.correction.mode,
-            cfg.run.temperature,
-            self.tokenizer.pad_token_id,
-            self.ranks.device,
-            reference=self.reference,
-            world=self.ranks.world,
-            guard=self._guard(),
-            versions=self.version_weights,
-            loss_scaler=self._loss_scaler(),
-            calibration=self._bound_calibration(),
-            min_kept=cfg.correction.get("min_kept", 0.0),
-            starved=str(cfg.correction.get("starved", "scale")),
-        )
-
-    def _bound_calibration(self) -> BoundCalibration | None:
-        """correction.target_rejected: the correction's unset bounds set on the first step
-        (asyncfp8/correction/calibration.py); a resume keeps them (checkpointed)."""
-        correction = self.cfg.correction
-        target = correction.get("target_rejected")
-        if target is None:
-            return None
-        if self.proximal == "current" and correction.mode == "decoupled":
-            log.warning(
-                "correction.target_rejected calibrates %s's bounds on the precision's mismatch "
-                "alone, but with correction.proximal=current the ratio it bounds also holds "
-                "the staleness: it will reject more than %.3g (fp8 + geo_rs so collapsed on "
-                "the parity testbed, docs/results.md); correction.proximal=version is what "
-                "these bounds are for",
-                correction.name,
-                target,
-            )
-        return BoundCalibration(self.correction, target)
-
-    def _loss_scaler(self) -> LossScaler | None:
-        """FP16 gradients need their loss scaled (BF16 and FP32 have FP32's range)."""
-        if self.dtype != torch.float16:
-            return None
-        return LossScaler(LossScaleSettings.from_config(self.cfg.optim.get("loss_scale")))
-
-    def _guard(self) -> StepGuard | None:
-        guard = self.cfg.get("guard")
-        if guard is None or not guard.enabled:
-            return None
-        return StepGuard(GuardSettings.from_config(guard), self.model, self.optimizer)
-
-    def _heldout_guard(self) -> HeldOutGuard | None:
-        guard = self.cfg.get("guard")
-        if self.heldout is None or guard is None or not guard.enabled:
-            return None
-        below = GuardSettings.from_config(guard).heldout_below
-        return HeldOutGuard(below, self.model, self.optimizer) if below else None
-
     def _judge_heldout(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """guard.heldout_below (train/rollback.py, HeldOutGuard): an evaluation far
         below the run's best puts back the weights of the last one that was not; what the
@@ -442,34 +362,6 @@ class Learner:
 
     # -- start -------------------------------------------------------------------------------
 
-    def _load(self, model_dir: Path, frozen: bool) -> torch.nn.Module:
-        model = self.policy.prepare_learner(load_model(model_dir, dtype=torch.float32))
-        install_logprob_head(model)
-        if frozen:
-            model.requires_grad_(False)
-        return distributed.shard(
-            model,
-            self.ranks.device,
-            self.dtype,
-            frozen=frozen,
-            activation_checkpointing=self.cfg.optim.activation_checkpointing and not frozen,
-        )
-
-    def _layout_drift(self) -> LayoutDrift | None:
-        """precision=mixed: the watch over its frozen layout, on rank 0 (a plain FP32 copy
-        of the model on its device, loaded with each measured version's gathered weights)."""
-        mixed = mixed_part(self.policy)
-        if mixed is None or not mixed.remeasure_every or not self.ranks.main:
-            return None
-        model = load_model(self.model_dir, dtype=torch.float32)
-        return LayoutDrift(mixed, model, self.task, self.tokenizer, self.ranks.device)
-
-    def _prompt_batch(self) -> dict[str, torch.Tensor]:
-        """Calibration data before the first step: the task's first prompts."""
-        texts = [self.task.prompt(i).text for i in range(FIRST_CALIBRATION_PROMPTS)]
-        batch = self.tokenizer(texts, return_tensors="pt", padding=True)
-        return {key: value.to(self.ranks.device) for key, value in batch.items()}
-
     def _evaluation_kv_scales(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """The latest version's KV scales when the learner's forward rounds keys and
         values to e4m3 with them (an FP8 KV cache, precision.learner_forward=quantized):
@@ -481,56 +373,6 @@ class Learner:
         names = [kv_scale_names(layer) for layer in range(self.model.config.num_hidden_layers)]
         device = self.ranks.device
         return [(extra[n["k"]].float().to(device), extra[n["v"]].float().to(device)) for n in names]
-
-    def _colocated_engine(self) -> Colocated | None:
-        """With run.placement=colocated, this rank's own rollout engine, on its device
-        (under torchrun each rank has one; overlapped, their rollout threads talk over a
-        group of their own)."""
-        if not self.colocated_placement:
-            return None
-        settings = dict(self.cfg.engine)
-        device = str(settings.get("device", "auto"))
-        if self.ranks.world > 1 and device.startswith("cuda:"):
-            raise ValueError(
-                f"engine.device={device} would put all {self.ranks.world} colocated ranks' "
-                "engines on one GPU; with engine.device=auto each rank's runs on its own"
-            )
-        run = self.cfg.run
-        if settings["name"] == "torch":
-            if device in ("auto", "cuda") and torch.cuda.is_available():
-                settings["device"] = f"cuda:{self.ranks.local_rank}"  # this rank's GPU
-            on_gpu = str(settings["device"]).startswith("cuda")
-        else:  # vllm, on the GPU when its build has one
-            on_gpu = torch.cuda.is_available()
-            if settings.get("gpu_memory_utilization") is None and on_gpu:
-                settings["gpu_memory_utilization"] = COLOCATED_VLLM_MEMORY
-        release = release_engine_memory(run, on_gpu)
-        if release and settings["name"] == "vllm":
-            settings["sleep_mode"] = True
-        with kept_random_state():
-            engine = build_engine(settings, str(self.model_dir), self.policy)
-        group = distributed.new_group(run.dist_timeout) if run.mode == "async" else None
-        return Colocated(
-            self.cfg,
-            engine,
-            self.task,
-            self.policy,
-            self.ranks.rank,
-            self.ranks.world,
-            group,
-            release_memory=release,
-        )
-
-    def _probe_reference(self) -> ReferenceForward | None:
-        """The refit probe's reference (asyncfp8/refit/probe.py), on rank 0 (colocated, on every
-        rank, each checking its own engine): what an engine running each version must
-        compute on a few sequences, shipped with the version."""
-        probe = self.cfg.sync.get("probe")
-        if probe is None or not probe.enabled:
-            return None
-        if not (self.ranks.main or self.colocated_placement):
-            return None
-        return ReferenceForward(self.model_dir, self.policy)
 
     def _restore(self) -> None:
         restored = self.checkpointer.restore()

@@ -69,7 +69,8 @@ class Publisher:
         """The next version calibrates on these rows (the latest step's rollouts)."""
         batch = batch_tensors(trajectories, self.pad_token_id)
         self.calibration_batch = {
-            key: batch[key].to(self.ranks.device) for key in ("input_ids", "attention_mask")
+            "input_ids": batch.input_ids.to(self.ranks.device),
+            "attention_mask": batch.attention_mask.to(self.ranks.device),
         }
 
     def publish(self) -> dict[str, float]:

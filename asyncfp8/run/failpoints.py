@@ -9,8 +9,8 @@ that is half sent, which is the case that matters; a fail point lands there ever
 An unset variable costs one dict lookup per fail point.
 
 `learner.poison_update=N` does not kill: the learner's N-th optimizer step moves every
-parameter POISON_FACTOR times as far as AdamW asked (train/step.py), the one fatal
-step the guard (learner/guard.py) must undo. It acts on the learner only: any other
+parameter POISON_FACTOR times as far as AdamW asked (`install_poison`), the one fatal
+step the guard (train/guard.py) must undo. It acts on the learner only: any other
 process refuses it at start (`check_process`), and the launcher hands it to the learner
 alone.
 """
@@ -72,6 +72,32 @@ def reached(name: str) -> bool:
         log.warning("fail point %s reached (hit %d)", name, _hits[name])
         return True
     return False
+
+
+def install_poison(optimizer) -> None:
+    """Where POISON_UPDATE is armed, `optimizer`'s N-th step moves every parameter
+    POISON_FACTOR times as far as the optimizer asked (hooks on its step, so the training
+    step has no test code in it)."""
+    if POISON_UPDATE not in _armed:
+        return
+    import torch  # here: the launcher imports this module and must stay light
+
+    before: list = []
+
+    def keep_before(opt, args, kwargs) -> None:
+        before[:] = []
+        if reached(POISON_UPDATE):
+            params = [p for group in opt.param_groups for p in group["params"]]
+            before[:] = [(p, p.detach().clone()) for p in params]
+
+    def poison_after(opt, args, kwargs) -> None:
+        with torch.no_grad():
+            for p, old in before:
+                p.copy_(old + POISON_FACTOR * (p - old))
+        before[:] = []
+
+    optimizer.register_step_pre_hook(keep_before)
+    optimizer.register_step_post_hook(poison_after)
 
 
 def check_process(process: str) -> None:

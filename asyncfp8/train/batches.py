@@ -10,7 +10,7 @@ of a sharded model is a collective."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -105,9 +105,38 @@ def plan_step(lengths: list[int], mini_batches: int, world: int, budget: int | N
     return plan
 
 
-def batch_tensors(trajectories: list[Trajectory], pad: int) -> dict[str, torch.Tensor]:
-    """Right-padded prompt + completion ids, and per completion token [N, T]: its
-    position in the sequence, the rollout logprob, the version, and the mask."""
+@dataclass
+class TrainBatch:
+    """Right-padded rows of prompt + completion, and per completion token [N, T] what the
+    loss reads: the position of the token before it (its logits predict it), the rollout's
+    log-prob, the version that sampled it and whether it is a real token. `advantages` and
+    `index` (each row's sample in the step's batch) are set by the training step."""
+
+    input_ids: torch.Tensor  # [N, W]
+    attention_mask: torch.Tensor  # [N, W]
+    positions: torch.Tensor  # [N, T]
+    rollout_logp: torch.Tensor  # [N, T] fp32
+    versions: torch.Tensor  # [N, T]
+    mask: torch.Tensor  # [N, T] bool
+    advantages: torch.Tensor | None = None  # [N]
+    index: list[int] = field(default_factory=list)
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        tensors = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **tensors)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, padded width) of the prompt + completion ids."""
+        return tuple(self.input_ids.shape)
+
+
+def batch_tensors(trajectories: list[Trajectory], pad: int) -> TrainBatch:
+    """The `TrainBatch` of `trajectories`, padded with token `pad`."""
     width = max(len(t.prompt_ids) + len(t.token_ids) for t in trajectories)
     steps = max(len(t.token_ids) for t in trajectories)
     n = len(trajectories)
@@ -126,11 +155,4 @@ def batch_tensors(trajectories: list[Trajectory], pad: int) -> dict[str, torch.T
         rollout[row, :k] = torch.tensor(t.logprobs)
         versions[row, :k] = torch.tensor(t.versions)
         mask[row, :k] = True
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention,
-        "positions": positions,
-        "rollout_logp": rollout,
-        "versions": versions,
-        "mask": mask,
-    }
+    return TrainBatch(input_ids, attention, positions, rollout, versions, mask)

@@ -64,15 +64,6 @@ MIN_HISTORY = 5  # batches that passed before a median means anything
 # A batch that scored nothing is judged dead only where chance alone would do that at most
 # this often (samples taken as independent at the running median's rate).
 DEAD_REWARD_CHANCE = 1e-4
-# The keys a step adds to its sums (summed over ranks) for the guard to judge.
-EVIDENCE_KEYS = (
-    "guard_tokens",
-    "guard_far_tokens",
-    "guard_far5_tokens",
-    "guard_k3",
-    "guard_samples",
-    "guard_rewarded",
-)
 
 
 @dataclass(frozen=True)
@@ -147,21 +138,22 @@ class Verdict:
     detail: str
 
 
-@dataclass(frozen=True)
+@dataclass
 class Evidence:
-    """One batch, summed over ranks: real tokens, those beyond the bound and beyond 5, the
-    sum of their k3, samples and samples rewarded (reward > 0)."""
+    """One batch's evidence, summed over its micro-batches and then over ranks: real tokens,
+    those beyond the bound and beyond 5, the sum of their k3, samples and samples rewarded
+    (reward > 0); and, counted but not judged, tokens of ignored versions, tokens excused
+    (far from the rollout, near their own version) and tokens raised above their version."""
 
-    tokens: float
-    far_tokens: float
-    far5_tokens: float
-    k3_sum: float
-    samples: float
-    rewarded: float
-
-    @classmethod
-    def from_sums(cls, sums: dict[str, float]) -> Evidence:
-        return cls(*(sums.get(key, 0.0) for key in EVIDENCE_KEYS))
+    tokens: float = 0.0
+    far_tokens: float = 0.0
+    far5_tokens: float = 0.0
+    k3_sum: float = 0.0
+    samples: float = 0.0
+    rewarded: float = 0.0
+    ignored_tokens: float = 0.0
+    excused_tokens: float = 0.0
+    raised_tokens: float = 0.0
 
     @property
     def k3(self) -> float:

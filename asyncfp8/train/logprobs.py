@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from asyncfp8.hf.cpu_half import is_plain_linear
+from asyncfp8.train.batches import TrainBatch
 
 DEFAULT_CHUNK_TOKENS = 1024
 
@@ -134,24 +135,23 @@ def _head(model: nn.Module) -> LogprobHead:
 
 def completion_logprobs(
     model: nn.Module,
-    batch: dict[str, torch.Tensor],
+    batch: TrainBatch,
     temperature: float,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """([N, T] log-probabilities, [N, T] entropies) of the completion tokens under
     `model` at `temperature` (the distribution the engine sampled from; no top-k/top-p),
-    from a right-padded batch of prompt + completion as `asyncfp8.train.batches.batch_tensors`
-    builds it; 0 at padded positions. FP32 whatever the model's compute dtype."""
+    from a `TrainBatch`; 0 at padded positions. FP32 whatever the model's compute dtype."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    positions = batch["positions"]
+    positions = batch.positions
     # The logits at position j predict token j + 1: completion token k sits at prompt_len + k.
-    targets = batch["input_ids"].gather(1, positions + 1)
+    targets = batch.input_ids.gather(1, positions + 1)
     head = _head(model)
-    head.request = _Request(positions, targets, batch["mask"], temperature, chunk_tokens)
+    head.request = _Request(positions, targets, batch.mask, temperature, chunk_tokens)
     try:
         out = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
         ).logits
     finally:
         head.request = None

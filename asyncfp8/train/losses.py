@@ -16,25 +16,33 @@ by its weights as well would count the ratio twice.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from enum import StrEnum
+from typing import TypeVar
 
 import torch
 
+from asyncfp8.conf.schemas import AdvantageScale, Aggregation, KLEstimator, Loss
 from asyncfp8.correction import Correction
+from asyncfp8.correction.schema import Mode
+from asyncfp8.train.batches import TrainBatch
 
-Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
-LossKind = Literal["ppo_clip", "reinforce"]
-Mode = Literal["decoupled", "bypass"]
-KLEstimator = Literal["k1", "k3", "low_var_kl"]
-KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
+E = TypeVar("E", bound=StrEnum)
+
+
+def _member(kind: type[E], value: str, what: str) -> E:
+    """`value` as a member of the config enum `kind`, or a ValueError naming the choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(member.value for member in kind)
+        raise ValueError(f"unknown {what} {value!r}; use one of: {choices}") from None
 
 
 def group_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
-    scale: Literal["std", "none"] = "std",
+    scale: AdvantageScale = AdvantageScale.std,
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """GRPO advantages: each reward minus its group's mean, divided by the group's
@@ -44,8 +52,7 @@ def group_advantages(
         raise ValueError(
             f"rewards and group_ids must be [N]; got {tuple(rewards.shape)}, {tuple(group_ids.shape)}"
         )
-    if scale not in ("std", "none"):
-        raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
+    scale = _member(AdvantageScale, scale, "advantage scale")
     _, index = torch.unique(group_ids, return_inverse=True)
     n_groups = int(index.max()) + 1 if index.numel() else 0
     rewards = rewards.double()
@@ -54,7 +61,7 @@ def group_advantages(
     )
     mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, index, rewards) / count
     centred = rewards - mean[index]
-    if scale == "none":
+    if scale == AdvantageScale.none:
         return centred.float()
     sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, index, centred.square())
     std = (sq / (count - 1).clamp_min(1)).sqrt()
@@ -62,7 +69,7 @@ def group_advantages(
 
 
 def aggregate(
-    per_token: torch.Tensor, mask: torch.Tensor, how: Aggregation = "token_mean"
+    per_token: torch.Tensor, mask: torch.Tensor, how: Aggregation = Aggregation.token_mean
 ) -> torch.Tensor:
     """token_mean: mean over all real tokens of the batch; seq_mean_token_sum: per
     sequence sum, then mean over sequences; seq_mean_token_mean: per-sequence mean, then
@@ -72,45 +79,43 @@ def aggregate(
 
 
 def aggregate_parts(
-    per_token: torch.Tensor, mask: torch.Tensor, how: Aggregation = "token_mean"
+    per_token: torch.Tensor, mask: torch.Tensor, how: Aggregation = Aggregation.token_mean
 ) -> tuple[torch.Tensor, float]:
     """`aggregate` as (numerator, denominator): the numerator is a sum over this part of a
     batch, the denominator a count (real tokens, or sequences with one), so that the
     aggregate over micro-batches and ranks is Σ numerators / Σ denominators."""
+    how = _member(Aggregation, how, "aggregation")
     mask = mask.to(per_token.dtype)
     masked = per_token * mask
-    if how == "token_mean":
+    if how == Aggregation.token_mean:
         return masked.sum(), mask.sum().item()
     n_seqs = (mask.sum(-1) > 0).sum().item()
-    if how == "seq_mean_token_sum":
+    if how == Aggregation.seq_mean_token_sum:
         return masked.sum(), n_seqs
-    if how == "seq_mean_token_mean":
-        return (masked.sum(-1) / mask.sum(-1).clamp_min(1)).sum(), n_seqs
-    raise ValueError(
-        f"unknown aggregation {how!r}; use token_mean, seq_mean_token_sum or seq_mean_token_mean"
-    )
+    return (masked.sum(-1) / mask.sum(-1).clamp_min(1)).sum(), n_seqs
 
 
 def kl_penalty(
-    logp: torch.Tensor, reference_logp: torch.Tensor, estimator: KLEstimator = "low_var_kl"
+    logp: torch.Tensor,
+    reference_logp: torch.Tensor,
+    estimator: KLEstimator = KLEstimator.low_var_kl,
 ) -> torch.Tensor:
     """Per-token estimate of KL(π_θ ‖ π_ref) from tokens sampled by the rollout, as veRL
     computes it: k1 = log π_θ − log π_ref; k3 = e^(−k1) − 1 + k1 (unbiased, never
     negative); low_var_kl = k3 clamped to [−10, 10]."""
+    estimator = _member(KLEstimator, estimator, "KL estimator")
     k1 = logp - reference_logp
-    if estimator == "k1":
+    if estimator == KLEstimator.k1:
         return k1
-    if estimator not in ("k3", "low_var_kl"):
-        raise ValueError(f"unknown KL estimator {estimator!r}; use one of {KL_ESTIMATORS}")
     k3 = torch.expm1(-k1) + k1
-    return k3.clamp(-10, 10) if estimator == "low_var_kl" else k3
+    return k3.clamp(-10, 10) if estimator == KLEstimator.low_var_kl else k3
 
 
 def per_token_policy_loss(
     logp: torch.Tensor,
     proximal_logp: torch.Tensor,
     advantages: torch.Tensor,
-    kind: LossKind = "ppo_clip",
+    kind: Loss = Loss.ppo_clip,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     clip_ratio_c: float | None = None,
@@ -121,10 +126,8 @@ def per_token_policy_loss(
     −A·c (a ratio far above 1 on a bad token cannot blow the step up); `clipped` marks
     the tokens either clip made constant. REINFORCE is −A·log π_θ."""
     advantages = advantages[:, None] if advantages.dim() == 1 else advantages
-    if kind == "reinforce":
+    if _member(Loss, kind, "policy loss") == Loss.reinforce:
         return -advantages * logp, torch.zeros_like(logp, dtype=torch.bool)
-    if kind != "ppo_clip":
-        raise ValueError(f"unknown policy loss {kind!r}; use ppo_clip or reinforce")
     if not (0 <= clip_low < 1 and clip_high >= 0):
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0; got {clip_low}, {clip_high}")
     if clip_ratio_c is not None and not clip_ratio_c > 1:
@@ -149,21 +152,18 @@ class PolicyLoss:
     (`correction.mode`: the module docstring) and how tokens add up (`optim.aggregation`:
     `aggregate`). Checked when made."""
 
-    kind: LossKind = "ppo_clip"
+    kind: Loss = Loss.ppo_clip
     clip_low: float = 0.2
     clip_high: float = 0.28
     clip_ratio_c: float | None = None
-    mode: Mode = "decoupled"
-    aggregation: Aggregation = "token_mean"
+    mode: Mode = Mode.decoupled
+    aggregation: Aggregation = Aggregation.token_mean
 
     def __post_init__(self):
-        if self.mode not in ("decoupled", "bypass"):
-            raise ValueError(f"unknown mode {self.mode!r}; use decoupled or bypass")
-        if self.aggregation not in ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean"):
-            raise ValueError(
-                f"unknown aggregation {self.aggregation!r}; use token_mean, "
-                "seq_mean_token_sum or seq_mean_token_mean"
-            )
+        object.__setattr__(self, "kind", _member(Loss, self.kind, "policy loss"))
+        object.__setattr__(self, "mode", _member(Mode, self.mode, "correction mode"))
+        aggregation = _member(Aggregation, self.aggregation, "aggregation")
+        object.__setattr__(self, "aggregation", aggregation)
         one = torch.zeros(1, 1)
         self.per_token(one, one, torch.zeros(1))  # the kind and clip settings, checked
 
@@ -210,18 +210,17 @@ def policy_loss_terms(
     loss: PolicyLoss,
     correction: Correction,
     logp: torch.Tensor,
-    batch: Mapping[str, torch.Tensor],
+    batch: TrainBatch,
     proximal_logp: torch.Tensor | None = None,
     current_version: int | None = None,
 ) -> PolicyLossTerms:
     """The correction applied to one batch's per-token policy loss (module docstring:
     decoupled vs bypass). `logp`: π_θ of the sampled tokens [B, T]; `batch`: their
-    `rollout_logp` [B, T], `advantages` [B], `mask` [B, T] and (for corrections that
-    read staleness) `versions` [B, T], as `batches.batch_tensors` makes them;
-    `proximal_logp`: π_prox (decoupled)."""
-    rollout_logp, mask = batch["rollout_logp"], batch["mask"]
-    versions = batch.get("versions")
-    if loss.mode == "decoupled":
+    rollout log-probs, advantages, mask and versions (read by the correction where
+    `current_version` is given); `proximal_logp`: π_prox (decoupled)."""
+    rollout_logp, mask = batch.rollout_logp, batch.mask
+    versions = batch.versions if current_version is not None else None
+    if loss.mode == Mode.decoupled:
         if proximal_logp is None:
             raise ValueError(
                 "decoupled mode needs proximal_logp (a learner recompute); "
@@ -232,8 +231,8 @@ def policy_loss_terms(
     else:  # bypass
         proximal_logp = rollout_logp
         result = correction(logp.detach(), rollout_logp, mask, versions, current_version)
-        weights = result.weights if loss.kind == "reinforce" else result.mask.to(logp.dtype)
-    per_token, clipped = loss.per_token(logp, proximal_logp, batch["advantages"])
+        weights = result.weights if loss.kind == Loss.reinforce else result.mask.to(logp.dtype)
+    per_token, clipped = loss.per_token(logp, proximal_logp, batch.advantages)
     return PolicyLossTerms(per_token * weights, result.mask, clipped & result.mask, result.metrics)
 
 
@@ -241,7 +240,7 @@ def corrected_policy_loss(
     loss: PolicyLoss,
     correction: Correction,
     logp: torch.Tensor,
-    batch: Mapping[str, torch.Tensor],
+    batch: TrainBatch,
     proximal_logp: torch.Tensor | None = None,
     current_version: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:

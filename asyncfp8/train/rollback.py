@@ -128,17 +128,16 @@ class StepGuard:
 
     def check(
         self,
-        sums: dict[str, float],
+        evidence: Evidence,
         step: int,
         version: int | None,
         sampled_from: int | None = None,
     ) -> Verdict | None:
-        """Judges a batch (`sums` hold the guard's evidence keys, summed over ranks) with
+        """Judges a batch (its `evidence`, summed over ranks) with
         the weights after `step` steps, `version` the newest published, `sampled_from` the
         oldest version that sampled its judged samples; keeps them, or restores the last
         good ones."""
         started = time.perf_counter()
-        evidence = Evidence.from_sums(sums)
         median = self.rules.reward_median()
         verdict = self.rules.judge(evidence)
         if sampled_from is not None and (verdict is not None or self.rules.pending):
@@ -172,11 +171,11 @@ class StepGuard:
             "guard/reward_median": median,
             "guard/update_scale": self.update_scale(step),  # of this step's update, if any
             "guard/check_s": time.perf_counter() - started,
-            "guard/ignored_tokens": sums.get("guard_ignored_tokens", 0.0),
+            "guard/ignored_tokens": evidence.ignored_tokens,
             # far from the rollout, not from their own version: rounding, not the update
-            "guard/excused_tokens": sums.get("guard_excused_tokens", 0.0),
+            "guard/excused_tokens": evidence.excused_tokens,
             # the update took them far above their version: it sided with the engine
-            "guard/raised_tokens": sums.get("guard_raised_tokens", 0.0),
+            "guard/raised_tokens": evidence.raised_tokens,
         }
         return verdict
 

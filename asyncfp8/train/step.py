@@ -23,27 +23,24 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-from asyncfp8.correction.base import LOG_RATIO_CLAMP
 from asyncfp8.correction.calibration import (
     BoundCalibration,
     Starved,
     calibration_values,
     starved_scale,
 )
-from asyncfp8.correction.metrics import FAR_LOG_RATIO
 from asyncfp8.correction.registry import Correction, make_batch
 from asyncfp8.run import distributed
-from asyncfp8.run.failpoints import POISON_FACTOR, POISON_UPDATE, failpoint, reached
+from asyncfp8.run.failpoints import failpoint
 from asyncfp8.sync import Trajectory
-from asyncfp8.train.batches import Group, batch_tensors, plan_step
-from asyncfp8.train.guard import Evidence
+from asyncfp8.train.batches import Group, TrainBatch, batch_tensors, plan_step
+from asyncfp8.train.evidence import add_reward_evidence, add_token_evidence, oldest_over_ranks
 from asyncfp8.train.logprobs import completion_logprobs
 from asyncfp8.train.loss_scale import LossScaler
 from asyncfp8.train.losses import (
@@ -54,6 +51,7 @@ from asyncfp8.train.losses import (
     policy_loss_terms,
 )
 from asyncfp8.train.rollback import StepGuard
+from asyncfp8.train.sums import StepSums, StepTotals, UpdateSums
 from asyncfp8.train.versions import VersionWeights
 
 Row = tuple[int, Trajectory, float]  # (sample index in the batch, trajectory, advantage)
@@ -69,18 +67,14 @@ class Share:
 
 
 @dataclass
-class StepSums:
-    """What a step adds up (rank 0 turns it into metrics): per sample, the log-probs the
-    correction saw (every rank's, gathered); loss sums and counts over the updates."""
+class Prepared:
+    """A share's tensors per mini-batch and micro-batch, and the π_prox each reads: the
+    recompute before the first update (several updates) and, with correction.proximal=version,
+    the log-probs of older versions' tokens under their own weights, and where they are."""
 
-    seen: list[dict[int, torch.Tensor]] | None
-    totals: dict[str, float] = field(default_factory=dict)
-    seconds: float = 0.0
-    rolled_back: bool = False  # the guard undid the previous step; this one trained nothing
-    guard: dict[str, float] = field(default_factory=dict)  # guard/* metrics of this step
-    loss_scale: dict[str, float] = field(default_factory=dict)  # loss_scale/* (FP16 compute)
-    # correction/* of calibrated bounds (the step that set them) and starved updates
-    rejection: dict[str, float] = field(default_factory=dict)
+    batches: list[list[TrainBatch]]
+    proximal: list[list[torch.Tensor]] | None
+    stale: list[list[tuple[torch.Tensor, torch.Tensor] | None]] | None
 
 
 def lr_lambda(optim: DictConfig, steps: int):
@@ -129,7 +123,8 @@ def plan_shares(groups: list[Group], optim: DictConfig, world: int) -> list[Shar
 
 
 class TrainStep:
-    """The policy update of one batch share (see the module's docstring)."""
+    """The policy update of one batch share (see the module's docstring): the share
+    prepared, then each update's gradients accumulated over its micro-batches and applied."""
 
     def __init__(
         self,
@@ -164,123 +159,146 @@ class TrainStep:
         self.starved_updates = 0  # since the learner started
 
     def __call__(self, share: Share, step: int, version: int) -> StepSums:
-        optim = self.optim
         started = time.perf_counter()
-        batches = [[self._tensors(rows) for rows in mini] for mini in share.mini_batches]
-        # π_prox is the policy before this step's first update: with one update, each
-        # micro-batch's own forward; with several, a recompute before the first.
-        proximal = None
-        if self.loss.mode == "decoupled" and optim.mini_batches * optim.ppo_epochs > 1:
-            with torch.no_grad(), distributed.memory_advice("the recompute", self.memory()):
-                proximal = [[self.logprobs(self.model, b)[0] for b in mini] for mini in batches]
-        seen: dict[int, torch.Tensor] = {}  # per sample: the log-probs the correction saw
-        totals: dict[str, float] = defaultdict(float)
-        stale = self._stale_proximal(batches, totals) if self.versions is not None else None
+        totals = StepTotals()
+        prepared = self._prepare(share, totals)
         rejection = {}
         if self.calibration is not None and not self.calibration.done:
-            rejection = self._calibrate(batches, version)
+            rejection = self._calibrate(prepared.batches, version)
+        seen: dict[int, torch.Tensor] = {}  # per sample: the log-probs the correction saw
         rolled_back = False
-        for epoch, (m, mini) in itertools.product(range(optim.ppo_epochs), enumerate(batches)):
-            self.optimizer.zero_grad(set_to_none=True)
-            sums: dict[str, float] = defaultdict(float)
+        for epoch, m in itertools.product(
+            range(self.optim.ppo_epochs), range(len(share.mini_batches))
+        ):
             judged = self.guard is not None and epoch == 0 and m == 0
-            factor = self._gradient_factor(mini)
-            for j, micro in enumerate(mini):
-                with distributed.memory_advice("a train step", self.memory(micro)):
-                    learner_logp = self._micro_batch(
-                        micro,
-                        proximal[m][j] if proximal else None,
-                        version,
-                        sums,
-                        judged,
-                        stale[m][j] if stale else None,
-                        factor,
-                    )
-                if epoch == 0:
-                    for row, index in enumerate(micro["index"]):
-                        seen[index] = learner_logp[row][micro["mask"][row]].cpu()
-            if judged:
-                oldest = add_reward_evidence(share, self.guard.ignored_versions, sums)
-            # The loss is a mean over the whole mini-batch: its sums over micro-batches
-            # and ranks, divided by the whole count.
-            sums = distributed.sum_over_ranks(sums)
+            sums, factor = self._accumulate(
+                prepared, m, version, judged, seen if epoch == 0 else None
+            )
+            oldest = None
+            if judged:  # the whole share's rewards: they are known before any update
+                rows = [t for mini in share.mini_batches for micro in mini for _, t, _ in micro]
+                oldest = add_reward_evidence(rows, self.guard.ignored_versions, sums.evidence)
+            sums = sums.over_ranks()
             if judged and self._guard_fails(sums, oldest, step, version):
                 self.optimizer.zero_grad(set_to_none=True)
                 rolled_back = True
                 break
-            # The loss scale (FP16) comes off in the same division, in FP32.
-            distributed.scale_gradients(self.model, 1.0 / (max(sums["denominator"], 1.0) * factor))
-            parameters = [p for p in self.model.parameters() if p.grad is not None]
-            total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-            grad_norm = total_norm
-            if hasattr(grad_norm, "full_tensor"):  # a sharded (FSDP2) model's norm is a DTensor
-                grad_norm = grad_norm.full_tensor()
-            for key, value in sums.items():
-                totals[key] += value
-            for key in ("policy", "total"):
-                totals[f"{key}_loss"] += sums[key] / max(sums["denominator"], 1.0)
-            # Non-finite first: a starved update must not hide a NaN gradient.
-            if not torch.isfinite(grad_norm):
-                if self.loss_scaler is None:
-                    raise FloatingPointError(f"step {step}: gradient norm is {grad_norm.item()}")
-                # An FP16 overflow: this update is skipped, the scale halved (or the run
-                # stopped when it keeps overflowing). Not clipped first: clipping by a NaN
-                # norm would make every gradient NaN, and hide where it started.
-                self.loss_scaler.overflowed(self.model, step)
-                self.optimizer.zero_grad(set_to_none=True)
-                totals["loss_scale_skipped"] += 1
-                continue
-            # Too little kept evidence: the update shrunk or skipped (correction/calibration.py)
-            lr_scale = starved_scale(
-                sums["kept"], sums["real_tokens"], self.min_kept, str(self.starved)
-            )
-            totals["update_scale"] += lr_scale
-            if lr_scale < 1.0:
-                totals["starved"] += 1
-                self.starved_updates += 1
-            if lr_scale == 0.0:
-                self.optimizer.zero_grad(set_to_none=True)
-                totals["starved_skipped"] += 1
-                continue
-            torch.nn.utils.clip_grads_with_norm_(parameters, optim.grad_clip, total_norm)
-            if self.loss_scaler is not None:
-                self.loss_scaler.stepped()
-            if self.guard is not None:  # after a rollback, smaller steps for a while
-                lr_scale *= self.guard.update_scale(step)
-            self._optimizer_step(lr_scale)
-            totals["grad_norm"] += grad_norm.item()
-            totals["updates"] += 1
+            self._apply(sums, factor, step, totals)
         self.scheduler.step()  # a skipped step too: the schedule follows the step count
         failpoint("learner.mid_step")  # weights changed; nothing recorded or published yet
         return StepSums(
             distributed.gather(seen),
-            dict(totals),
+            totals,
             time.perf_counter() - started,
             rolled_back,
             self.guard.metrics if self.guard is not None else {},
-            self._loss_scale_metrics(int(totals.get("loss_scale_skipped", 0))),
+            self._loss_scale_metrics(totals.loss_scale_skipped),
             rejection | {"correction/starved_steps": self.starved_updates},
         )
 
-    def _guard_fails(
-        self, sums: dict[str, float], oldest: int | None, step: int, version: int
-    ) -> bool:
+    def _prepare(self, share: Share, totals: StepTotals) -> Prepared:
+        """The share's tensors, and π_prox where it is not each micro-batch's own forward:
+        with one update it is; with several, the policy before the first update is
+        recomputed here."""
+        optim = self.optim
+        batches = [[self._tensors(rows) for rows in mini] for mini in share.mini_batches]
+        proximal = None
+        if self.loss.mode == "decoupled" and optim.mini_batches * optim.ppo_epochs > 1:
+            with torch.no_grad(), distributed.memory_advice("the recompute", self.memory()):
+                proximal = [[self.logprobs(self.model, b)[0] for b in mini] for mini in batches]
+        stale = self._stale_proximal(batches, totals) if self.versions is not None else None
+        return Prepared(batches, proximal, stale)
+
+    def _accumulate(
+        self,
+        prepared: Prepared,
+        m: int,
+        version: int,
+        judged: bool,
+        seen: dict[int, torch.Tensor] | None,
+    ) -> tuple[UpdateSums, float]:
+        """Forward and backward of mini-batch `m`'s micro-batches, gradients accumulated;
+        its sums on this rank, and the factor its backwards ran with (`_gradient_factor`).
+        `judged`: the guard's evidence measured too. `seen` gets each sample's log-probs
+        the correction saw."""
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = UpdateSums()
+        mini = prepared.batches[m]
+        factor = self._gradient_factor(mini)
+        for j, micro in enumerate(mini):
+            with distributed.memory_advice("a train step", self.memory(micro)):
+                learner_logp = self._micro_batch(
+                    micro,
+                    prepared.proximal[m][j] if prepared.proximal else None,
+                    version,
+                    sums,
+                    judged,
+                    prepared.stale[m][j] if prepared.stale else None,
+                    factor,
+                )
+            if seen is not None:
+                for row, index in enumerate(micro.index):
+                    seen[index] = learner_logp[row][micro.mask[row]].cpu()
+        return sums, factor
+
+    def _apply(self, sums: UpdateSums, factor: float, step: int, totals: StepTotals) -> None:
+        """The accumulated gradients divided into a mean, then the update: applied, shrunk
+        (starved), or skipped (an FP16 overflow, or too little kept evidence)."""
+        # the mean over the whole mini-batch; the loss scale (FP16) comes off in the same
+        # division, in FP32
+        distributed.scale_gradients(self.model, 1.0 / (max(sums.denominator, 1.0) * factor))
+        parameters = [p for p in self.model.parameters() if p.grad is not None]
+        total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+        grad_norm = total_norm
+        if hasattr(grad_norm, "full_tensor"):  # a sharded (FSDP2) model's norm is a DTensor
+            grad_norm = grad_norm.full_tensor()
+        totals.add(sums)
+        # Non-finite first: a starved update must not hide a NaN gradient.
+        if not torch.isfinite(grad_norm):
+            if self.loss_scaler is None:
+                raise FloatingPointError(f"step {step}: gradient norm is {grad_norm.item()}")
+            # An FP16 overflow: skipped, the scale halved. Not clipped first: clipping by a
+            # NaN norm would make every gradient NaN, and hide where it started.
+            self.loss_scaler.overflowed(self.model, step)
+            self.optimizer.zero_grad(set_to_none=True)
+            totals.loss_scale_skipped += 1
+            return
+        # Too little kept evidence: the update shrunk or skipped (correction/calibration.py)
+        lr_scale = starved_scale(sums.kept, sums.real_tokens, self.min_kept, str(self.starved))
+        totals.update_scale += lr_scale
+        if lr_scale < 1.0:
+            totals.starved += 1
+            self.starved_updates += 1
+        if lr_scale == 0.0:
+            self.optimizer.zero_grad(set_to_none=True)
+            totals.starved_skipped += 1
+            return
+        torch.nn.utils.clip_grads_with_norm_(parameters, self.optim.grad_clip, total_norm)
+        if self.loss_scaler is not None:
+            self.loss_scaler.stepped()
+        if self.guard is not None:  # after a rollback, smaller steps for a while
+            lr_scale *= self.guard.update_scale(step)
+        self._optimizer_step(lr_scale)
+        totals.grad_norm += grad_norm.item()
+        totals.updates += 1
+
+    def _guard_fails(self, sums: UpdateSums, oldest: int | None, step: int, version: int) -> bool:
         """Judges the step's first mini-batch (`sums` over every rank) with the weights the
         previous step left; True when the guard rolled them back. Which versions sampled
         the batch matters only to a dead one (one collective; the sums are the same on
         every rank, and so is the answer)."""
-        dead = self.guard.rules.dead(Evidence.from_sums(sums))
+        dead = self.guard.rules.dead(sums.evidence)
         sampled_from = oldest_over_ranks(oldest) if dead else None
-        return self.guard.check(sums, step, version, sampled_from) is not None
+        return self.guard.check(sums.evidence, step, version, sampled_from) is not None
 
-    def _gradient_factor(self, mini: list[dict]) -> float:
+    def _gradient_factor(self, mini: list[TrainBatch]) -> float:
         """What each micro-batch's loss numerator is multiplied by before its backward: 1,
         or with FP16 gradients the loss scale over the mini-batch's tokens (on every rank),
         so that the scale applies to a per-token mean, as loss scales usually do, whatever
         the batch's size."""
         if self.loss_scaler is None:
             return 1.0
-        tokens = float(sum(int(micro["mask"].sum()) for micro in mini))
+        tokens = float(sum(int(micro.mask.sum()) for micro in mini))
         tokens = distributed.sum_over_ranks({"tokens": tokens})["tokens"]
         return self.loss_scaler.scale / max(tokens, 1.0)
 
@@ -288,47 +306,38 @@ class TrainStep:
         return {} if self.loss_scaler is None else self.loss_scaler.metrics(skipped)
 
     def _optimizer_step(self, lr_scale: float = 1.0) -> None:
-        """AdamW's step, at the learning rate times `lr_scale` (a starved update; Adam's
-        step barely depends on the gradient's size, so the rate is what must shrink); at
-        fail point POISON_UPDATE's N-th, an update POISON_FACTOR times as large (the fatal
-        step the guard is tested on)."""
+        """AdamW's step at the learning rate times `lr_scale` (a starved update: Adam's step
+        barely depends on the gradient's size, so the rate is what must shrink)."""
         rates = [group["lr"] for group in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
             group["lr"] *= lr_scale
         try:
-            if not reached(POISON_UPDATE):
-                self.optimizer.step()
-                return
-            with torch.no_grad():
-                before = [p.detach().clone() for p in self.model.parameters()]
-                self.optimizer.step()
-                for p, old in zip(self.model.parameters(), before, strict=True):
-                    p.copy_(old + POISON_FACTOR * (p - old))
+            self.optimizer.step()
         finally:
             for group, rate in zip(self.optimizer.param_groups, rates, strict=True):
                 group["lr"] = rate
 
     @torch.no_grad()
-    def _calibrate(self, batches: list[list[dict]], version: int) -> dict[str, float]:
+    def _calibrate(self, batches: list[list[TrainBatch]], version: int) -> dict[str, float]:
         """Sets the correction's unset bounds from this batch (correction/calibration.py):
         one forward without gradient of every micro-batch; the sequences whose tokens are
         all of `version` (staleness 0: the ratio is the precision's alone), or every
         sequence when none is (counted: `correction/calibration_fresh` 0)."""
         micros = [b for mini in batches for b in mini]
 
-        def fresh_rows(b: dict) -> torch.Tensor:
-            mask = b["mask"].bool()
-            return (~mask | (b["versions"] == version)).all(-1) & mask.any(-1)
+        def fresh_rows(b: TrainBatch) -> torch.Tensor:
+            mask = b.mask.bool()
+            return (~mask | (b.versions == version)).all(-1) & mask.any(-1)
 
         fresh = sum(int(fresh_rows(b).sum()) for b in micros)
         any_fresh = distributed.sum_over_ranks({"fresh": float(fresh)})["fresh"] > 0
         values = []
         for b in micros:
-            mask = b["mask"].bool()
+            mask = b.mask.bool()
             if any_fresh:
                 mask = mask & fresh_rows(b)[:, None]
             logp = self.logprobs(self.model, b)[0]
-            batch = make_batch(logp, b["rollout_logp"], mask)
+            batch = make_batch(logp, b.rollout_logp, mask)
             values.append(calibration_values(self.correction.name, batch))
         # on the CPU: rank 0 concatenates what every rank's GPU measured
         gathered = distributed.gather(torch.cat(values).cpu())
@@ -341,10 +350,10 @@ class TrainStep:
 
     def _micro_batch(
         self,
-        micro: dict,
+        micro: TrainBatch,
         proximal: torch.Tensor | None,
         version: int,
-        sums: dict,
+        sums: UpdateSums,
         judged: bool = False,
         stale: tuple[torch.Tensor, torch.Tensor] | None = None,
         factor: float = 1.0,
@@ -357,15 +366,9 @@ class TrainStep:
         optim = self.optim
         logp, entropy = self.logprobs(self.model, micro)
         if judged:
-            guard = self.guard
-            add_token_evidence(
-                logp,
-                micro,
-                guard.settings.log_ratio_bound,
-                guard.ignored_versions,
-                sums,
-                own_version=stale,
-            )
+            bound = self.guard.settings.log_ratio_bound
+            ignored = self.guard.ignored_versions
+            add_token_evidence(logp, micro, bound, ignored, sums.evidence, own_version=stale)
         if proximal is None:
             proximal = logp.detach()
         if stale is not None:
@@ -378,23 +381,23 @@ class TrainStep:
                 reference_logp, _ = self.logprobs(self.reference, micro)
             kl = kl_penalty(logp, reference_logp, optim.kl_estimator)
             per_token = per_token + optim.kl_coef * kl
-            sums["kl"] += (kl.detach() * kept).sum().item()
+            sums.kl += (kl.detach() * kept).sum().item()
         numerator, denominator = aggregate_parts(per_token, terms.mask, self.loss.aggregation)
         # FP16 gradients: the loss scaled up, so that small gradients do not flush to zero
         (numerator * factor if factor != 1.0 else numerator).backward()
-        sums["total"] += numerator.item()
+        sums.total += numerator.item()
         policy = aggregate_parts(terms.per_token.detach(), terms.mask, self.loss.aggregation)[0]
-        sums["policy"] += policy.item()
-        sums["denominator"] += denominator
-        sums["entropy"] += (entropy.detach() * kept).sum().item()
-        sums["kept"] += kept.sum().item()
-        sums["real_tokens"] += micro["mask"].sum().item()
-        sums["clipped"] += terms.clipped.sum().item()
+        sums.policy += policy.item()
+        sums.denominator += denominator
+        sums.entropy += (entropy.detach() * kept).sum().item()
+        sums.kept += kept.sum().item()
+        sums.real_tokens += micro.mask.sum().item()
+        sums.clipped += terms.clipped.sum().item()
         return proximal if self.loss.mode == "decoupled" else logp.detach()
 
     @torch.no_grad()
     def _stale_proximal(
-        self, batches: list[list[dict]], totals: dict
+        self, batches: list[list[TrainBatch]], totals: StepTotals
     ) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]]:
         """Per micro-batch, the log-probs of its tokens of versions other than the model's
         own under the weights of their version, and where those tokens are (None: it has
@@ -403,17 +406,18 @@ class TrainStep:
         out: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = [
             [None] * len(mini) for mini in batches
         ]
+        totals.proximal_version_tokens = totals.proximal_fallback_tokens = 0
         micros = [(m, j, b) for m, mini in enumerate(batches) for j, b in enumerate(mini)]
-        present = {int(v) for _, _, b in micros for v in b["versions"][b["mask"]].unique()}
+        present = {int(v) for _, _, b in micros for v in b.versions[b.mask].unique()}
         for v in sorted(present - {self.versions.live}):
-            tokens = sum(int((b["mask"] & (b["versions"] == v)).sum()) for _, _, b in micros)
+            tokens = sum(int((b.mask & (b.versions == v)).sum()) for _, _, b in micros)
             if not self.versions.has(v):
-                totals["proximal_fallback_tokens"] += tokens
+                totals.proximal_fallback_tokens += tokens
                 continue
-            totals["proximal_version_tokens"] += tokens
+            totals.proximal_version_tokens += tokens
             with self.versions.swapped_in(v):
                 for m, j, b in micros:
-                    where = b["mask"] & (b["versions"] == v)
+                    where = b.mask & (b.versions == v)
                     if not where.any():
                         continue
                     logp = self.logprobs(self.model, b)[0]
@@ -421,114 +425,27 @@ class TrainStep:
                     out[m][j] = (torch.where(where, logp, values), known | where)
         return out
 
-    def _tensors(self, rows: list[Row]) -> dict[str, Any]:
+    def _tensors(self, rows: list[Row]) -> TrainBatch:
         batch = batch_tensors([t for _, t, _ in rows], self.pad_token_id)
-        batch["advantages"] = torch.tensor([advantage for _, _, advantage in rows])
-        batch = {key: value.to(self.device) for key, value in batch.items()}
-        return batch | {"index": [index for index, _, _ in rows]}
+        batch.advantages = torch.tensor([advantage for _, _, advantage in rows])
+        batch.index = [index for index, _, _ in rows]
+        return batch.to(self.device)
 
-    def logprobs(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def logprobs(
+        self, model: torch.nn.Module, batch: TrainBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return completion_logprobs(model, batch, self.temperature, self.optim.logprob_chunk_tokens)
 
-    def memory(self, micro: dict | None = None) -> dict[str, Any]:
+    def memory(self, micro: TrainBatch | None = None) -> dict[str, Any]:
         """What bounds a step's memory, for an out-of-memory message."""
         optim = self.optim
-        shape = {"micro-batch": "{} × {} tokens".format(*micro["input_ids"].shape)} if micro else {}
+        shape = {"micro-batch": "{} × {} tokens".format(*micro.shape)} if micro else {}
         return shape | {
             "optim.micro_batch_tokens": optim.micro_batch_tokens,
             "optim.activation_checkpointing": optim.activation_checkpointing,
             "optim.logprob_chunk_tokens": optim.logprob_chunk_tokens,
             "ranks": self.world,
         }
-
-
-@torch.no_grad()
-def add_token_evidence(
-    logp: torch.Tensor,
-    micro: dict,
-    bound: float,
-    ignored_versions: tuple[int, int] | None,
-    sums: dict,
-    own_version: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
-    """The guard's token evidence of a micro-batch (asyncfp8/train/guard.py): its real tokens,
-    those with log ρ < −`bound` and < −FAR_LOG_RATIO (an infinite log-prob counts), and
-    their k3 summed (log ρ clamped to ±20 as in the mismatch metrics); tokens of the
-    versions in `ignored_versions` (after, up to] left out and counted. A few element-wise
-    ops on [B, T].
-
-    `own_version` (correction.proximal=version: the log-probs of stale tokens under the
-    learner's weights of their own version, and where they are): such a token is judged
-    far by what the update did to it, log π_learner − log π_version, not by its distance
-    from the rollout. The guard looks for an update that broke the policy; a token the
-    rollout's rounding alone put far away (an FP8 engine flipping a saturated attention
-    head) is the correction's business, and rolling the update back would not bring it
-    nearer. Those tokens are counted (`guard_excused_tokens`). The k3 stays the rollout's
-    mismatch.
-
-    Judged on its version, far means far below (session 33): a break makes the tokens the
-    policy sampled unlikely. A token the learner gives more than e^bound times its
-    version's probability was sampled by an engine that disagreed with that version's
-    weights by as much (an engine samples a token of probability e^-20 next to never), and
-    the update sided with the engine: rounding again, not a break. Those are counted
-    (`guard_raised_tokens`); FP8 seed 3 of the stability study rolled back twice on 32 and
-    33 such tokens, whose k3 against the rollout was the run's median (docs/results.md)."""
-    mask = micro["mask"].bool()
-    if ignored_versions is not None:
-        after, up_to = ignored_versions
-        versions = micro["versions"]
-        ignored = mask & (versions > after) & (versions <= up_to)
-        sums["guard_ignored_tokens"] += ignored.sum().item()
-        mask = mask & ~ignored
-    learner = logp.detach().float()
-    delta = torch.nan_to_num(learner - micro["rollout_logp"].float(), nan=0.0)
-    judged, on_version = delta, torch.zeros_like(mask)
-    if own_version is not None:
-        values, on_version = own_version
-        # a version log-prob that is not finite says nothing of what the update did: such
-        # a token is judged on the rollout, as one whose version was not kept
-        on_version = on_version & torch.isfinite(values)
-        judged = torch.where(on_version, torch.nan_to_num(learner - values.float(), nan=0.0), delta)
-        excused = (delta.abs() > bound) & (judged.abs() <= bound) & mask
-        sums["guard_excused_tokens"] += excused.sum().item()
-    clamped = delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    sums["guard_tokens"] += mask.sum().item()
-
-    def beyond(limit: float) -> torch.Tensor:
-        # below for a token judged on its version; either way on the rollout, whose
-        # log-probs far below the learner's are themselves a fault (the refit probe's)
-        return mask & ((judged < -limit) | (~on_version & (judged > limit)))
-
-    sums["guard_far_tokens"] += beyond(bound).sum().item()
-    sums["guard_raised_tokens"] += (mask & on_version & (judged > bound)).sum().item()
-    sums["guard_far5_tokens"] += beyond(FAR_LOG_RATIO).sum().item()
-    sums["guard_k3"] += (torch.expm1(clamped) - clamped)[mask].sum().item()
-
-
-def add_reward_evidence(
-    share: Share, ignored_versions: tuple[int, int] | None, sums: dict
-) -> int | None:
-    """The guard's reward evidence: this rank's samples and how many were rewarded,
-    leaving out those with a token of the versions in `ignored_versions` (after, up to];
-    returns the oldest version that sampled a token of those counted (None: none)."""
-    after, up_to = ignored_versions or (0, -1)
-    counted = [
-        t
-        for mini in share.mini_batches
-        for micro in mini
-        for _, t, _ in micro
-        if not any(after < v <= up_to for v in t.versions)
-    ]
-    sums["guard_samples"] += len(counted)
-    sums["guard_rewarded"] += sum(t.reward > 0 for t in counted)
-    return min((min(t.versions) for t in counted if t.versions), default=None)
-
-
-def oldest_over_ranks(oldest: int | None) -> int | None:
-    """The oldest of the ranks' `oldest` versions (collective; None where no rank had one)."""
-    negated = -(math.inf if oldest is None else oldest)  # the oldest is the largest negated
-    reduced = -distributed.max_over_ranks({"oldest": negated})["oldest"]
-    return None if math.isinf(reduced) else int(reduced)
 
 
 def all_rewards_equal(group: Group) -> bool:

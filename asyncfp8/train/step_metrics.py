@@ -14,8 +14,9 @@ from asyncfp8.correction.metrics import mismatch_metrics
 from asyncfp8.correction.registry import Correction, make_batch
 from asyncfp8.refit.probe import refit_summary
 from asyncfp8.report.summary import ZERO_SPREAD_WARN, ZERO_SPREAD_WINDOW
-from asyncfp8.train.batches import Group, batch_tensors
-from asyncfp8.train.step import StepSums, all_rewards_equal
+from asyncfp8.train.batches import Group, TrainBatch, batch_tensors
+from asyncfp8.train.step import all_rewards_equal
+from asyncfp8.train.sums import StepSums
 
 log = logging.getLogger("asyncfp8.learner")
 
@@ -34,21 +35,19 @@ class StepMetrics:
             return self._rolled_back(groups, sums, version, lr)
         trajectories = [t for group in groups for t in group.trajectories]
         batch = batch_tensors(trajectories, self.pad_token_id)
-        learner_logp = torch.zeros_like(batch["rollout_logp"])
+        learner_logp = torch.zeros_like(batch.rollout_logp)
         for rows in sums.seen:
             for index, values in rows.items():
                 learner_logp[index, : len(values)] = values.float()
         metrics = self.correction(
-            learner_logp, batch["rollout_logp"], batch["mask"], batch["versions"], version
+            learner_logp, batch.rollout_logp, batch.mask, batch.versions, version
         ).metrics
         rewards = torch.tensor([t.reward for t in trajectories])
-        lengths = batch["mask"].sum(-1).float()
+        lengths = batch.mask.sum(-1).float()
         totals = sums.totals
-        updates, kept = totals.get("updates", 0), max(totals["kept"], 1.0)
+        updates, kept = totals.updates, max(totals.kept, 1.0)
         # An update an FP16 overflow or a starved skip left out still measured its loss.
-        passes = max(
-            updates + totals.get("loss_scale_skipped", 0) + totals.get("starved_skipped", 0), 1
-        )
+        passes = max(totals.passes, 1)
         metrics |= {
             "version": version,
             "reward/mean": rewards.mean().item(),
@@ -57,25 +56,29 @@ class StepMetrics:
             "response/frac_stopped": sum(t.finish_reason == "stop" for t in trajectories)
             / len(trajectories),
             "groups/frac_zero_advantage": sum(map(all_rewards_equal, groups)) / len(groups),
-            "loss/policy": totals["policy_loss"] / passes,
-            "loss/total": totals["total_loss"] / passes,
-            "loss/ppo_clip_frac": totals["clipped"] / kept,
-            "loss/entropy": totals["entropy"] / kept,
-            "optim/grad_norm": totals.get("grad_norm", 0.0) / max(updates, 1),
+            "loss/policy": totals.policy_loss / passes,
+            "loss/total": totals.total_loss / passes,
+            "loss/ppo_clip_frac": totals.clipped / kept,
+            "loss/entropy": totals.entropy / kept,
+            "optim/grad_norm": totals.grad_norm / max(updates, 1),
             "optim/updates": int(updates),
             # what the correction kept of the real tokens, and the learning-rate factor of
             # the updates (below 1: starved, asyncfp8/correction/calibration.py)
-            "correction/kept_frac": totals["kept"] / max(totals.get("real_tokens", 0.0), 1.0),
-            "correction/update_scale": totals.get("update_scale", 1.0) / passes,
-            "correction/starved": int(totals.get("starved", 0)),
+            "correction/kept_frac": totals.kept / max(totals.real_tokens, 1.0),
+            # 1 where no update reached the starved rule (every one overflowed in FP16)
+            "correction/update_scale": (
+                totals.update_scale if totals.updates + totals.starved_skipped else 1.0
+            )
+            / passes,
+            "correction/starved": totals.starved,
             "optim/lr": lr,
             "time/train_s": sums.seconds,
         }
         if kl_ref:
-            metrics["loss/kl_ref"] = totals["kl"] / kept
-        for key in ("version_tokens", "fallback_tokens"):  # correction.proximal=version
-            if f"proximal_{key}" in totals:
-                metrics[f"proximal/{key}"] = int(totals[f"proximal_{key}"])
+            metrics["loss/kl_ref"] = totals.kl / kept
+        if totals.proximal_version_tokens is not None:  # correction.proximal=version
+            metrics["proximal/version_tokens"] = totals.proximal_version_tokens
+            metrics["proximal/fallback_tokens"] = totals.proximal_fallback_tokens
         self._warn_without_reward_spread(metrics["groups/frac_zero_advantage"])
         fresh = fresh_mismatch(learner_logp, batch, version)
         return metrics | fresh | sums.guard | sums.loss_scale | sums.rejection
@@ -151,18 +154,18 @@ class StepMetrics:
             self.zero_spread.clear()
 
 
-def fresh_mismatch(learner_logp, batch, version: int) -> dict[str, float]:
+def fresh_mismatch(learner_logp, batch: TrainBatch, version: int) -> dict[str, float]:
     """The mismatch on tokens of the current version only: precision, without staleness
     (the correction's mismatch/ metrics mix both)."""
-    fresh = batch["mask"] & (batch["versions"] == version)
+    fresh = batch.mask & (batch.versions == version)
     if not fresh.any():
         return {}
-    measured = mismatch_metrics(make_batch(learner_logp, batch["rollout_logp"], fresh))
+    measured = mismatch_metrics(make_batch(learner_logp, batch.rollout_logp, fresh))
     return {
         "fresh/" + key.split("/", 1)[1]: value
         for key, value in measured.items()
         if key.startswith("mismatch/")
     } | {
-        "fresh/frac_tokens": (fresh.sum() / batch["mask"].sum()).item(),
+        "fresh/frac_tokens": (fresh.sum() / batch.mask.sum()).item(),
         "fresh/tokens": int(fresh.sum()),
     }
