@@ -55,7 +55,7 @@ def placement_of(run: Any) -> str:
     existed, and for `auto` in a learner or worker started by hand or under srun (they
     are separate processes; only the launcher on one machine resolves auto, with
     `auto_placement`, and hands its children the result)."""
-    placement = str(run.get("placement", "separate"))
+    placement = str(run.placement)
     if placement not in ("auto", "separate", "colocated"):
         raise ValueError(f"run.placement must be auto, separate or colocated, got {placement!r}")
     return "separate" if placement == "auto" else placement
@@ -90,7 +90,7 @@ def colocated_blockers(cfg: DictConfig) -> list[tuple[str, str]]:
             "or one learner rank (run.learner_procs=1) runs vLLM, or run.placement=separate",
         ),
         (
-            bool(run.get("inflight_updates", False)),
+            bool(run.inflight_updates),
             "run.inflight_updates=true",
             "run.inflight_updates=true applies versions during a generation, but colocated "
             "the learner applies each version between its turns: run.inflight_updates=false",
@@ -165,7 +165,7 @@ def release_engine_memory(run: Any, on_gpu: bool, placement: str | None = None) 
     before its next turn. auto: only on a GPU, where the learner's activations and
     optimizer reuse the memory (on a CPU there is no device memory to share). True where
     no memory is ever idle is refused, naming why."""
-    setting = run.get("release_engine_memory", "auto")  # absent from runs saved before it
+    setting = run.release_engine_memory
     if setting not in ("auto", True, False):
         raise ValueError(f"run.release_engine_memory must be auto, true or false, got {setting!r}")
     placement = placement or placement_of(run)
@@ -211,8 +211,8 @@ def check_training(cfg: DictConfig) -> None:
             raise ValueError(f"optim.{key} must be >= 0, got {optim[key]!r}")
     if optim.clip_ratio_c is not None and not optim.clip_ratio_c > 1:
         raise ValueError(f"optim.clip_ratio_c must be > 1 or null (off), got {optim.clip_ratio_c}")
-    LossScaleSettings.from_config(optim.get("loss_scale"))
-    if cfg.correction.get("proximal", "current") == "version":
+    LossScaleSettings.from_config(optim.loss_scale)
+    if cfg.correction.proximal == "version":
         if cfg.correction.mode == "bypass":
             raise ValueError(
                 "correction.proximal=version needs correction.mode=decoupled (bypass has no "
@@ -234,7 +234,7 @@ def check_inflight_updates(cfg: DictConfig) -> None:
     slots = cfg.engine.get("slots")
     if cfg.engine.name == "torch":
         check_slots(slots)
-    wanted = cfg.run.get("inflight_updates", False)
+    wanted = cfg.run.inflight_updates
     if wanted not in (True, False):
         raise ValueError(f"run.inflight_updates must be true or false, got {wanted!r}")
     if not wanted:
@@ -278,15 +278,14 @@ def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
             f"run.group_size must be >= 2 (GRPO compares samples of a prompt), got {run.group_size}"
         )
     check_training(cfg)
-    if cfg.get("guard") is not None:  # a config composed without the group (by hand)
-        GuardSettings.from_config(cfg.guard)
+    GuardSettings.from_config(cfg.guard)
     if role == "launcher":  # the learner checks its split at the world size it started with
         check_split(run.groups_per_step * run.group_size, cfg.optim.mini_batches, run.learner_procs)
     check_placement(cfg, role)
     colocated = placement_of(run) == "colocated"
     # The launcher checks an auto placement as the colocated one it may become; the learner
     # checks the placement the launcher resolved.
-    undecided = role == "launcher" and run.get("placement") == "auto"
+    undecided = role == "launcher" and run.placement == "auto"
     release_engine_memory(run, on_gpu=False, placement="colocated" if undecided else None)
     if (
         role == "launcher"

@@ -1,12 +1,13 @@
 """Every config group is typed (asyncfp8/conf/schemas.py): a value of the wrong type, a
 name outside a setting's choices, or a key that does not exist fails when the config
-is composed, naming the key, before a socket is bound or a model loaded; the schema's
-keys are exactly the YAML's (nothing typed that the YAML lacks, nothing untyped)."""
+is composed, naming the key, before a socket is bound or a model loaded; every key has
+its default and its help in the schema, and nowhere else."""
 
 import dataclasses
 import subprocess
 import sys
 import time
+from importlib.resources import files
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -22,12 +23,15 @@ def composed(*overrides):
 
 
 def keys_of(schema, prefix=""):
-    out = set()
+    """{key: help} of every leaf of a settings dataclass."""
+    out = {}
+    instance = schema()
     for f in dataclasses.fields(schema):
-        if dataclasses.is_dataclass(f.default_factory if callable(f.default_factory) else None):
-            out |= keys_of(f.default_factory, f"{prefix}{f.name}.")
+        value = getattr(instance, f.name)
+        if dataclasses.is_dataclass(value):
+            out |= keys_of(type(value), f"{prefix}{f.name}.")
         else:
-            out.add(prefix + f.name)
+            out[prefix + f.name] = f.metadata.get("help")
     return out
 
 
@@ -44,16 +48,22 @@ def leaf_keys(node, prefix=""):
 @pytest.mark.parametrize(
     "group", [*SCHEMAS, *(f"engine/{name}" for name in ENGINE_SCHEMAS)], ids=str
 )
-def test_the_schema_types_exactly_the_keys_of_the_yaml(group):
+def test_every_key_has_its_default_and_help_in_the_schema_alone(group):
     if group.startswith("engine/"):
         engine = group.split("/")[1]
         node = composed(f"engine={engine}").engine
         schema = ENGINE_SCHEMAS[engine]
+        yaml = files("asyncfp8.conf") / "engine" / f"{engine}.yaml"
     else:
         node, schema = composed()[group], SCHEMAS[group]
+        yaml = next((files("asyncfp8.conf") / group).iterdir())
     values = OmegaConf.to_container(node, resolve=False)
-    assert leaf_keys(values) == keys_of(schema)
-    assert not OmegaConf.missing_keys(node)  # the YAML gives every key a value
+    helps = keys_of(schema)
+    assert leaf_keys(values) == helps.keys()
+    assert not OmegaConf.missing_keys(node)  # every key has a default
+    assert all(helps.values()), [key for key, text in helps.items() if not text]
+    # the group's YAML only points at the schema: a default is written once
+    assert set(OmegaConf.load(yaml)) == {"defaults"}
 
 
 @pytest.mark.parametrize(
@@ -120,3 +130,18 @@ def test_the_launcher_refuses_a_wrong_type_within_seconds(tmp_path):
     assert "full_key: sync.chunk_mb" in done.stdout + done.stderr
     assert time.monotonic() - started < 30
     assert not (tmp_path / "r").exists()  # nothing started
+
+
+def test_the_configuration_reference_is_the_one_the_schemas_make():
+    """docs/configuration.md is generated (python -m asyncfp8.conf.reference), never edited
+    by hand: a setting added, renamed or re-documented in a schema shows here."""
+    from pathlib import Path
+
+    from asyncfp8.conf.reference import reference
+
+    page = Path(__file__).parent.parent / "docs" / "configuration.md"
+    assert page.read_text() == reference(), (
+        "run: python -m asyncfp8.conf.reference > docs/configuration.md"
+    )
+    for key in ("`run.steps`", "`optim.lr`", "`guard.far_tokens`", "`correction.min_kept`"):
+        assert key in page.read_text()

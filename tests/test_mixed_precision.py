@@ -215,7 +215,7 @@ def test_bad_settings_are_refused_naming_them(measured):
         get_policy("mixed", base="int8", profile="missing.safetensors")
     model = measured[0]
     unset = get_policy("mixed")
-    with pytest.raises(ValueError, match=r"python -m asyncfp8\.precision\.sensitivity"):
+    with pytest.raises(ValueError, match=r"python -m asyncfp8\.plan\.layout"):
         unset.quantizes("model.layers.0.mlp.up_proj.weight", torch.zeros(4, 4))
     typo = get_policy("mixed", keep=["model.layers.0.mlp.up_prj"])
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_prj"):

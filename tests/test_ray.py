@@ -196,7 +196,7 @@ def drive_on_a_fake_cluster(monkeypatch, cfg, failed) -> tuple[int, int]:
     many incarnations it started. Only the driver's decisions are under test."""
     from types import SimpleNamespace
 
-    from asyncfp8.launch.local import ray_launch
+    from asyncfp8.launch import ray_cluster
 
     started = []
 
@@ -213,13 +213,13 @@ def drive_on_a_fake_cluster(monkeypatch, cfg, failed) -> tuple[int, int]:
         def teardown(self, learner_grace):
             pass
 
-    monkeypatch.setattr(ray_launch, "RayRun", Incarnation)
+    monkeypatch.setattr(ray_cluster, "RayRun", Incarnation)
     cluster = SimpleNamespace(
         available_resources=lambda: {"CPU": 8.0},
         cluster_resources=lambda: {"CPU": 8.0},
         get_runtime_context=lambda: SimpleNamespace(gcs_address="127.0.0.1:6379"),
     )
-    code = ray_launch.run_on_ray(cluster, cfg, [], SimpleNamespace(spec="bf16"), 2)
+    code = ray_cluster.run_on_ray(cluster, cfg, [], SimpleNamespace(spec="bf16"), 2)
     return code, len(started)
 
 

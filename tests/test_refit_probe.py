@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from asyncfp8.engines.base import Scores
 from asyncfp8.engines.torch_engine import TorchEngine
@@ -280,7 +281,9 @@ def test_a_stale_engine_is_told_from_rounding_noise_by_the_measured_noise():
     quiet = check_probe(3, probe, engine, ProbeTolerance(0.3, 1.0, noise=0.05))
     assert not quiet.passed and "previous version" in quiet.cause
     assert check_probe(3, probe, engine, ProbeTolerance(0.3, 1.0, noise=0.15)).passed
-    vllm_fp8_kv = tolerance_for(get_policy("fp8_kv"), "vllm", {"mean_abs": None, "max_abs": None})
+    vllm_fp8_kv = tolerance_for(
+        get_policy("fp8_kv"), "vllm", OmegaConf.create({"mean_abs": None, "max_abs": None})
+    )
     assert vllm_fp8_kv.noise >= 0.26  # the largest mean measured on an intact version
     assert tolerance_for(get_policy("bf16"), "torch", None).noise == 0.0
 
@@ -294,13 +297,22 @@ def test_bad_input_is_refused_naming_the_setting(tiny_model_dir):
         name = "sglang"
 
     with pytest.raises(ValueError, match=r"cannot score the refit probe.*sync.probe.enabled=false"):
-        RefitChecker.for_worker({"enabled": True}, NoScoring(), get_policy("bf16"))
-    assert RefitChecker.for_worker({"enabled": False}, NoScoring(), get_policy("bf16")) is None
-    with pytest.raises(ValueError, match=r"no refit-probe tolerance .* engine 'sglang'"):
-        tolerance_for(get_policy("bf16"), "sglang", {"mean_abs": None, "max_abs": None})
-    assert tolerance_for(get_policy("bf16"), "torch", {"mean_abs": 0.1, "max_abs": None}) == (
-        ProbeTolerance(0.1, 0.1)
+        RefitChecker.for_worker(
+            OmegaConf.create({"enabled": True}), NoScoring(), get_policy("bf16")
+        )
+    assert (
+        RefitChecker.for_worker(
+            OmegaConf.create({"enabled": False}), NoScoring(), get_policy("bf16")
+        )
+        is None
     )
+    with pytest.raises(ValueError, match=r"no refit-probe tolerance .* engine 'sglang'"):
+        tolerance_for(
+            get_policy("bf16"), "sglang", OmegaConf.create({"mean_abs": None, "max_abs": None})
+        )
+    assert tolerance_for(
+        get_policy("bf16"), "torch", OmegaConf.create({"mean_abs": 0.1, "max_abs": None})
+    ) == (ProbeTolerance(0.1, 0.1))
     with pytest.raises(ValueError, match="ASYNCFP8_REFIT_FAULT: unknown fault 'oops'"):
         RefitFault("oops", 1)
 

@@ -16,6 +16,7 @@ from asyncfp8.correction.calibration import (
     rejected_fraction,
     starved_scale,
 )
+from asyncfp8.correction.schema import REJECTION_KEYS, CorrectionConfig
 from asyncfp8.train.step import TrainStep
 
 
@@ -167,7 +168,9 @@ def test_a_starved_update_moves_the_weights_by_its_share_of_the_rate():
 )
 def test_bad_settings_are_refused_naming_the_key(settings, message):
     with pytest.raises(ValueError, match=message):
-        check_rejection_settings("geo_rs", settings)
+        base = CorrectionConfig()
+        values = [settings.get(key, getattr(base, key)) for key in REJECTION_KEYS]
+        check_rejection_settings("geo_rs", *values)
     with pytest.raises(ValueError, match=message):
         build_correction({"name": "geo_rs", **settings})
 

@@ -155,18 +155,27 @@ def test_offline_unless_a_key_is_there_and_wandb_mode_wins(tmp_path):
     assert wandb_mode("offline", {"WANDB_API_KEY": "k" * 40}) == "offline"
 
 
-def test_a_run_saved_before_run_loggers_keeps_its_tensorboard_setting():
-    """No run.loggers, no run.wandb (a config saved before they existed): run.tensorboard
-    decides, as it did."""
+def test_a_run_saved_before_run_loggers_keeps_its_tensorboard_setting(tmp_path):
+    """No run.loggers, no run.wandb (a config saved before they existed): resumed, the run
+    takes their defaults from the schema and run.tensorboard decides, as it did."""
     from omegaconf import OmegaConf
 
+    from asyncfp8.run.resume import CONFIG_FILE, restore_on_resume
+
     for tensorboard in ("auto", False):
-        loggers = loggers_of(OmegaConf.create({"tensorboard": tensorboard}))
+        saved = OmegaConf.to_container(compose(f"run.dir={tmp_path}"), resolve=False)
+        del saved["run"]["loggers"], saved["run"]["wandb"]
+        saved["run"]["tensorboard"] = tensorboard
+        OmegaConf.save(OmegaConf.create(saved), tmp_path / CONFIG_FILE)
+        resumed, _ = restore_on_resume(compose("run.resume=true", f"run.dir={tmp_path}"), [])
+        loggers = loggers_of(resumed.run)
         assert loggers.tensorboard == tensorboard and not loggers.wandb
+        assert resumed.run.wandb.project == "asyncfp8"
     with pytest.raises(
         ValueError, match=r"run\.loggers names tensorboard but run\.tensorboard=false"
     ):
-        loggers_of(OmegaConf.create({"tensorboard": False, "loggers": ["tensorboard"]}))
+        run = compose("run.tensorboard=false", "run.loggers=[tensorboard]").run
+        loggers_of(run)
 
 
 # --- a real run through the launcher -----------------------------------------------------------

@@ -8,6 +8,7 @@ Importing it (Hydra does, before composing) stores the schemas the YAML files ex
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from asyncfp8.correction.registry import registered_methods
 from asyncfp8.correction.schema import register_schemas as _register_correction_schemas
 from asyncfp8.precision.schema import schema_node as _precision_schema
 
@@ -25,5 +26,5 @@ def _reward_schema():
 
 ConfigStore.instance().store(group="schema", name="precision", node=_precision_schema())
 ConfigStore.instance().store(group="schema", name="reward", node=_reward_schema())
-_register_correction_schemas()
+_register_correction_schemas(registered_methods())
 _register_group_schemas()

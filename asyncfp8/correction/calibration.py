@@ -42,10 +42,9 @@ class Starved(enum.StrEnum):
     skip = "skip"  # no update
 
 
-def check_rejection_settings(correction: str, settings) -> None:
-    """`correction.target_rejected`, `min_kept` and `starved` (a mapping: a DictConfig or a
-    dict), refused at start naming the key."""
-    target = settings.get("target_rejected")
+def check_rejection_settings(correction: str, target, min_kept, starved) -> None:
+    """`correction.target_rejected`, `min_kept` and `starved`, refused at start naming the
+    key."""
     if target is not None:
         if isinstance(target, bool) or not isinstance(target, int | float):
             raise ValueError(f"correction.target_rejected must be a number, got {target!r}")
@@ -59,12 +58,10 @@ def check_rejection_settings(correction: str, settings) -> None:
                 f"{', '.join(sorted(CALIBRATED_STATISTIC))}; correction {correction!r} has "
                 "none to calibrate (set correction.target_rejected=null)"
             )
-    min_kept = settings.get("min_kept", 0.0)
     if isinstance(min_kept, bool) or not isinstance(min_kept, int | float):
         raise ValueError(f"correction.min_kept must be a number in [0, 1], got {min_kept!r}")
     if not 0.0 <= min_kept <= 1.0:
         raise ValueError(f"correction.min_kept must be in [0, 1] (0: off), got {min_kept}")
-    starved = settings.get("starved", Starved.scale)
     if str(starved) not in {s.value for s in Starved}:
         raise ValueError(f"correction.starved must be scale or skip, got {starved!r}")
 

@@ -30,6 +30,7 @@ from .methods import (
     token_tis,
 )
 from .metrics import mismatch_metrics, staleness_metrics, weight_metrics
+from .schema import REJECTION_KEYS, CorrectionConfig
 
 Method = Callable[..., MethodResult]
 _METHODS: dict[str, Method] = {}
@@ -50,6 +51,11 @@ def register_correction(name: str, method: Method | None = None):
 
 def registered_corrections() -> list[str]:
     return sorted(_METHODS)
+
+
+def registered_methods() -> dict[str, Method]:
+    """{name: method} of every registered correction (the config schemas read them)."""
+    return dict(_METHODS)
 
 
 def _bind(name: str, params: Mapping[str, Any]) -> Callable[[CorrectionBatch], MethodResult]:
@@ -210,10 +216,11 @@ def build_correction(cfg: Mapping[str, Any]) -> Correction:
     max_staleness = params.pop("max_staleness", None)
     params.pop("mode", None)  # decoupled / bypass: how the loss uses it (asyncfp8.train.losses)
     params.pop("proximal", None)  # which weights π_prox is (asyncfp8/train/versions.py)
-    # bounds calibration and the starved-step rule: the learner's (correction/calibration.py)
-    check_rejection_settings(name, params)
-    for key in ("target_rejected", "min_kept", "starved"):
-        params.pop(key, None)
+    # bounds calibration and the starved-step rule: the learner's (correction/calibration.py);
+    # a key left out of a hand-made entry takes the schema's default
+    base = CorrectionConfig()
+    rejection = [params.pop(key, getattr(base, key)) for key in REJECTION_KEYS]
+    check_rejection_settings(name, *rejection)
     # null: the method's own default (or, under target_rejected, a calibrated bound)
     params = {key: value for key, value in params.items() if value is not None}
     return get_correction(name, max_staleness=max_staleness, **params)

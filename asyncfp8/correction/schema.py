@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import inspect
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 from .calibration import Starved
@@ -28,20 +29,46 @@ class Proximal(enum.StrEnum):
     version = "version"  # its weights of the version that sampled each token
 
 
+# The learner's keys of a correction: its bounds calibrated, and the starved-update rule.
+REJECTION_KEYS = ("target_rejected", "min_kept", "starved")
+
+
+def help_field(default: Any, help: str) -> Any:
+    """A field with its default and its help (the configuration reference shows both)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclasses.dataclass
 class CorrectionConfig:
-    """Keys every correction has."""
+    """Keys every correction has (`correction=<name>` picks the method; its own parameters,
+    such as `correction.threshold` or `correction.upper`, come beside them)."""
 
-    name: str = "none"
-    reject: list[Any] = dataclasses.field(default_factory=list)  # more rejection filters
-    mode: Mode = Mode.decoupled
-    proximal: Proximal = Proximal.auto  # asyncfp8/train/versions.py: choose_proximal
-    max_staleness: int | None = None  # mask sequences with a token older than this
-    # calibrate the unset lower/upper bounds of token_mis, seq_mis, geo_rs for this share
-    # rejected on the first step (asyncfp8/correction/calibration.py); null: off
-    target_rejected: float | None = None
-    min_kept: float = 0.5  # an update keeping fewer of its tokens than this is starved
-    starved: Starved = Starved.scale  # a starved update: lr scaled to what was kept, or skipped
+    name: str = help_field("none", "the method (set by correction=<name>)")
+    reject: list[Any] = dataclasses.field(
+        default_factory=list, metadata={"help": "more rejection filters, each a method's entry"}
+    )
+    mode: Mode = help_field(
+        Mode.decoupled,
+        "decoupled: the learner recomputes π_prox (three policies); bypass: π_prox is the "
+        "rollout's",
+    )
+    proximal: Proximal = help_field(
+        Proximal.auto,
+        "π_prox with decoupled: current (the learner's weights now), version (its weights of "
+        "the version that sampled each token), auto (version where it can keep the versions)",
+    )
+    max_staleness: int | None = help_field(
+        None, "mask sequences with a token older than this many versions; null: off"
+    )
+    target_rejected: float | None = help_field(
+        None,
+        "set the unset bounds of token_mis, seq_mis or geo_rs on the first step so that this "
+        "share is rejected; null: off",
+    )
+    min_kept: float = help_field(0.5, "an update keeping fewer of its tokens than this is starved")
+    starved: Starved = help_field(
+        Starved.scale, "a starved update: scale (lr times the share kept) | skip"
+    )
 
 
 def method_schema(name: str, method: Any) -> type:
@@ -56,12 +83,10 @@ def method_schema(name: str, method: Any) -> type:
     return dataclasses.make_dataclass(name, fields, bases=(CorrectionConfig,))
 
 
-def register_schemas() -> None:
-    """Stores `schema/correction/<name>` for every registered correction."""
+def register_schemas(methods: Mapping[str, Any]) -> None:
+    """Stores `schema/correction/<name>` for every registered correction method."""
     from hydra.core.config_store import ConfigStore
 
-    from .registry import _METHODS
-
     store = ConfigStore.instance()
-    for name, method in _METHODS.items():
+    for name, method in methods.items():
         store.store(group="schema/correction", name=name, node=method_schema(name, method))

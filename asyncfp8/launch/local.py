@@ -312,9 +312,9 @@ def main(cfg: DictConfig) -> None:
                 flush=True,
             )
         policy = check_start(cfg)
-        task = slurm_task(cfg.run.get("slurm", "auto"), os.environ)
+        task = slurm_task(cfg.run.slurm, os.environ)
         cfg, policy = settle_layout(cfg, overrides, policy, slurm=task is not None)
-        if cfg.run.get("ray"):
+        if cfg.run.ray:
             if task is not None:
                 raise ValueError(
                     f"run.ray=true and srun (Slurm task {task.procid} of {task.ntasks}, "

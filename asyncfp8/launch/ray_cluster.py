@@ -84,7 +84,7 @@ def import_ray(address_named: str):
 
 def cluster_address(run: DictConfig, environ: dict[str, str]) -> tuple[str, str]:
     """(the address, which setting named it): run.ray_address, else RAY_ADDRESS, else auto."""
-    if run.get("ray_address"):
+    if run.ray_address:
         return str(run.ray_address), f"run.ray_address={run.ray_address}"
     if environ.get("RAY_ADDRESS"):
         return environ["RAY_ADDRESS"], f"RAY_ADDRESS={environ['RAY_ADDRESS']}"

@@ -272,7 +272,7 @@ class Colocated:
         self.release_memory = release_memory
         self.stats = dict.fromkeys(ROLLOUT_STATS, 0.0)
         self.stats |= {"memory/releases": 0.0, "memory/released_gib": 0.0}
-        checker = RefitChecker.for_worker(cfg.sync.get("probe"), engine, policy)
+        checker = RefitChecker.for_worker(cfg.sync.probe, engine, policy)
         self.versions = EngineVersions(engine, checker, self.stats)
         # Named and numbered as a worker's trajectories are on receipt: this process's
         # incarnation (a resumed learner is another sender) and a sequence number, which

@@ -199,8 +199,7 @@ class Learner:
                     return self._stop_by_guard()
                 if self._checkpoint_due():
                     self.checkpoint()
-                # .get: a run saved before run.export_every existed resumes without it
-                export_every = run.get("export_every", 0)
+                export_every = run.export_every
                 if export_every and self.step % export_every == 0 and self.step < run.steps:
                     self.export()
         except Preempted:

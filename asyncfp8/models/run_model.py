@@ -23,4 +23,4 @@ def resolve_model_dir(path: str | None, size: str = "tiny", seed: int = 0, task=
 
 def run_model_dir(cfg) -> Path:
     """The model directory of a run's config (`model` and `task` groups)."""
-    return resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed, cfg.get("task"))
+    return resolve_model_dir(cfg.model.path, cfg.model.size, cfg.model.seed, cfg.task)

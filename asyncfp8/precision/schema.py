@@ -29,12 +29,29 @@ class QuantizeFrom(enum.StrEnum):
 
 @dataclasses.dataclass
 class PrecisionConfig:
-    """Keys every `precision=` entry has; the policy's parameters come beside them."""
+    """Keys every `precision=` entry has (`precision=<name>` picks the policy; its own
+    parameters, such as `precision.lm_head_fp32`, come beside them: docs/precision.md)."""
 
-    name: str | None = None
-    _target_: str | None = None
-    learner_forward: LearnerForward = LearnerForward.master
-    quantize_from: QuantizeFrom = QuantizeFrom.master
+    name: str | None = dataclasses.field(
+        default=None, metadata={"help": "the policy (set by precision=<name>)"}
+    )
+    _target_: str | None = dataclasses.field(
+        default=None, metadata={"help": "a PrecisionPolicy class of your own"}
+    )
+    learner_forward: LearnerForward = dataclasses.field(
+        default=LearnerForward.master,
+        metadata={
+            "help": "master: the learner's FP32 forward; quantized: the engine's quantized "
+            "forward, fake-quant with straight-through gradients"
+        },
+    )
+    quantize_from: QuantizeFrom = dataclasses.field(
+        default=QuantizeFrom.master,
+        metadata={
+            "help": "master: quantize the FP32 masters; compute: the masters rounded to "
+            "run.compute_dtype, what the learner's forward uses"
+        },
+    )
 
 
 def schema_node():

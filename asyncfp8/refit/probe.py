@@ -376,8 +376,8 @@ def tolerance_for(policy: PrecisionPolicy, engine: str, cfg=None) -> ProbeTolera
         measured = FP8_KV_TOLERANCES
     base = ProbeTolerance(*own[engine]) if engine in own else measured.get(engine)
     base = base or TOLERANCES.get(engine)
-    mean_abs = cfg.get("mean_abs") if cfg is not None else None
-    max_abs = cfg.get("max_abs") if cfg is not None else None
+    mean_abs = cfg.mean_abs if cfg is not None else None
+    max_abs = cfg.max_abs if cfg is not None else None
     if base is None and (mean_abs is None or max_abs is None):
         raise ValueError(
             f"no refit-probe tolerance is measured for engine {engine!r}: set "
@@ -402,7 +402,7 @@ class RefitChecker:
     def for_worker(cls, cfg, engine, policy: PrecisionPolicy) -> RefitChecker | None:
         """None with sync.probe.enabled=false; an engine that cannot score a probe is
         refused here, at start, naming the setting."""
-        if cfg is None or not cfg.get("enabled", True):
+        if cfg is None or not cfg.enabled:
             return None
         if not isinstance(engine, ProbeScoring):
             raise EngineUnsupported(

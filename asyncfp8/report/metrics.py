@@ -59,9 +59,8 @@ class Loggers:
 def loggers_of(run: Any) -> Loggers:
     """`run.loggers`, `run.tensorboard` and `run.wandb` checked: a ValueError naming the
     setting (and the install command) for an unknown logger or a tracker that is not
-    installed. `.get` with today's defaults: a run saved before run.loggers existed
-    resumes without it."""
-    names = run.get("loggers", ["jsonl"])
+    installed."""
+    names = run.loggers
     if isinstance(names, str):  # run.loggers=wandb
         names = [names]
     if not isinstance(names, Sequence):
@@ -72,7 +71,7 @@ def loggers_of(run: Any) -> Loggers:
             f"run.loggers: unknown logger {', '.join(map(repr, unknown))}; choose from "
             f"{', '.join(LOGGERS)}, e.g. run.loggers=[jsonl,wandb] (jsonl is always written)"
         )
-    tensorboard = run.get("tensorboard", "auto")
+    tensorboard = run.tensorboard
     if "tensorboard" in names:
         if tensorboard is False:
             raise ValueError(
@@ -85,7 +84,7 @@ def loggers_of(run: Any) -> Loggers:
                 f"run.loggers names {name}, which is not installed: {INSTALL[name]}, or drop "
                 f"it from run.loggers"
             )
-    return Loggers(tensorboard, "wandb" in names, wandb_settings_of(run.get("wandb")))
+    return Loggers(tensorboard, "wandb" in names, wandb_settings_of(run.wandb))
 
 
 def wandb_settings_of(node: Any) -> WandbSettings:

@@ -27,7 +27,7 @@ def check_counts(cfg: Any) -> None:
             "keep_checkpoints",
         )
     } | {"sync.every": cfg.sync.every}
-    export_every = cfg.run.get("export_every", 0)
+    export_every = cfg.run.export_every
     if not isinstance(export_every, int) or export_every < 0:
         raise ValueError(
             f"run.export_every must be 0 (only at the end) or a positive integer, got {export_every!r}"

@@ -58,8 +58,8 @@ SAFE_ON_RESUME = (
 # Not settings of the experiment at all: how to resume.
 RESUME_KEYS = ("run.resume", "run.dir", "run.force_resume")
 # Groups with one option each: a key the saved run lacks (added by a newer asyncfp8) takes
-# today's default; groups with several options (precision=, correction=, ...) are taken
-# from the saved run whole.
+# today's default. Of the groups with several options, the saved option is kept and only
+# the keys its schema defines are filled (`_schema_defaults`).
 SINGLE_OPTION_GROUPS = ("run", "sync", "optim", "eval", "guard")
 
 
@@ -119,7 +119,9 @@ def restore_on_resume(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig
     composed = OmegaConf.to_container(cfg, resolve=False)
     for group in SINGLE_OPTION_GROUPS:  # keys a newer asyncfp8 added take their defaults
         if group in composed:
-            restored[group] = {**composed[group], **restored.get(group, {})}
+            restored[group] = _filled(restored.get(group, {}), composed[group])
+    for group, defaults in _schema_defaults(restored).items():
+        restored[group] = _filled(restored[group], defaults)
     for key, value in composed.items():
         restored.setdefault(key, value)
     result = OmegaConf.create(restored)
@@ -143,6 +145,41 @@ def restore_on_resume(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig
         OmegaConf.update(result, key, _select(cfg, key), merge=False, force_add=True)
     OmegaConf.set_struct(result, True)
     return result, changes
+
+
+def _filled(saved: dict, defaults: dict) -> dict:
+    """`saved` with every key of `defaults` it lacks, at every depth."""
+    out = dict(saved)
+    for key, value in defaults.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = _filled(out[key], value)
+    return out
+
+
+def _schema_defaults(saved: dict) -> dict[str, dict]:
+    """For the saved run's engine, correction and precision: the defaults of the keys their
+    schemas define (the engine's own schema; the keys every correction and every precision
+    has), so that an option saved before a key existed resumes with that key's default."""
+    import dataclasses
+
+    from asyncfp8.conf.schemas import ENGINE_SCHEMAS
+    from asyncfp8.correction.schema import CorrectionConfig
+    from asyncfp8.precision.schema import PrecisionConfig
+
+    def defaults_of(schema) -> dict:
+        return OmegaConf.to_container(OmegaConf.structured(schema), resolve=False)
+
+    out = {}
+    engine = saved.get("engine") or {}
+    if engine.get("name") in ENGINE_SCHEMAS:
+        out["engine"] = defaults_of(ENGINE_SCHEMAS[engine["name"]])
+    for group, schema in (("correction", CorrectionConfig), ("precision", PrecisionConfig)):
+        if group in saved:
+            names = {f.name for f in dataclasses.fields(schema)} - {"name", "_target_"}
+            out[group] = {k: v for k, v in defaults_of(schema).items() if k in names}
+    return out
 
 
 def log_resume(cfg: DictConfig, changes: list[str], who: str) -> None:

@@ -77,7 +77,7 @@ class Worker:
         checked = check_config(cfg, model_dir, "worker")  # before the engine loads anything
         self.task, self.policy = checked.task, checked.policy
         self.engine = build_engine(cfg.engine, str(model_dir), self.policy)
-        if run.get("inflight_updates", False):
+        if run.inflight_updates:
             engine = self.engine
             if not (isinstance(engine, InflightUpdates) and engine.supports_inflight_updates):
                 raise EngineUnsupported(
@@ -107,7 +107,7 @@ class Worker:
             watch=self.watch,
         )
         self.stats = dict.fromkeys(ROLLOUT_STATS, 0.0)
-        self.probe = RefitChecker.for_worker(cfg.sync.get("probe"), self.engine, self.policy)
+        self.probe = RefitChecker.for_worker(cfg.sync.probe, self.engine, self.policy)
         self.fault = RefitFault.from_env()  # None outside the reliability suite
         # The online drafter (engine.speculative): its state is this worker's checkpoint,
         # saved under the run directory and taken up again by a worker of the same id.
