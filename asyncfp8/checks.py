@@ -1,9 +1,7 @@
-"""The whole config checked before any process binds a socket or loads a model: the
-launcher runs it before it starts anything, the learner and every worker at their start,
-so a bad setting is named within seconds instead of surfacing as a crash in one log.
-
-What it builds on the way (the precision policy, the correction, the task with its reward)
-is returned, so the caller does not build them twice."""
+"""The whole config checked before any process binds a socket or loads a model (the launcher
+first, then the learner and every worker at their start), so a bad setting is named within
+seconds instead of surfacing as a crash in one log. What it builds on the way (the precision
+policy, the correction, the task) is returned, so the caller does not build them twice."""
 
 from __future__ import annotations
 
@@ -107,15 +105,11 @@ def colocated_blockers(cfg: DictConfig) -> list[tuple[str, str]]:
 
 
 def auto_placement(cfg: DictConfig, gpus: int) -> tuple[str, str]:
-    """What the launcher runs for `run.placement=auto` with `gpus` GPUs to use, and why:
-    colocated with one device (a CPU and no GPU, or one GPU), where processes would share
-    it (on the 2-core dev VM colocated and asynchronous tied the fastest separate placement,
-    110.9 against 112.6 trained samples/s within the seeds' spread, holding one copy of
-    the model: bench/peers.py, docs/results.md); separate where the run asks for what
-    only separate processes do (`colocated_blockers`, or workers), for several learner
-    ranks (colocated ranks run, but are not measured faster), and for run.mode=sync or
-    engine=vllm without a GPU (there the colocated turns, and vLLM in the learner's
-    process, measured slower than separate processes)."""
+    """What the launcher runs for `run.placement=auto` with `gpus` GPUs, and why: colocated on
+    one device, where processes would share it (one copy of the model, as fast as separate
+    processes: docs/results.md); separate where the run asks for what only processes do,
+    for several learner ranks, and for run.mode=sync or vLLM without a GPU, which measured
+    slower colocated."""
     run = cfg.run
     separate_because = [
         (gpus > 1, f"{gpus} GPUs: the learner and its workers on devices of their own"),
@@ -159,12 +153,10 @@ def check_placement(cfg: DictConfig, role: str) -> None:
 
 
 def release_engine_memory(run: Any, on_gpu: bool, placement: str | None = None) -> bool:
-    """`run.release_engine_memory` resolved for a run in `placement` (default: the run's,
-    as `placement_of` reads it) whose engine is on a GPU or not: colocated in turns, the
-    engine frees its KV cache (vLLM: sleeps) while the learner trains, and takes it back
-    before its next turn. auto: only on a GPU, where the learner's activations and
-    optimizer reuse the memory (on a CPU there is no device memory to share). True where
-    no memory is ever idle is refused, naming why."""
+    """`run.release_engine_memory` resolved for a run in `placement` (default: the run's):
+    colocated in turns, the engine frees its KV cache while the learner trains. auto: only
+    on a GPU, where the learner reuses the memory (a CPU has no device memory to share).
+    True where no memory is ever idle is refused, naming why."""
     setting = run.release_engine_memory
     if setting not in ("auto", True, False):
         raise ValueError(f"run.release_engine_memory must be auto, true or false, got {setting!r}")

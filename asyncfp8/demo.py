@@ -1,10 +1,7 @@
-"""A tour of what asyncfp8 has today: a locally made, warm-started model; a task; a
-rollout engine running it at a chosen precision; and the correction registry measuring
-the mismatch between the engine's logprobs and the learner's.
+"""A tour: a locally made, warm-started model, a task, a rollout engine running it at a chosen
+precision, and the correction registry measuring the engine's mismatch with the learner.
 
-    python -m asyncfp8.demo                                   # small model, BF16, torch engine
     python -m asyncfp8.demo precision=fp8 correction=token_tis
-    python -m asyncfp8.demo model=tiny task=gsm8k_jsonl samples=3 max_new_tokens=24
 """
 
 from __future__ import annotations
@@ -48,8 +45,9 @@ def main(cfg: DictConfig) -> None:
     model_dir = run_model_dir(cfg)
     learner = load_model(model_dir, dtype=torch.float32).eval()
     meta = read_metadata(model_dir) or {}
+    parameters = sum(p.numel() for p in learner.parameters()) / 1e6
     print(
-        f"[demo] model {model_dir}: {sum(p.numel() for p in learner.parameters()) / 1e6:.2f}M parameters"
+        f"[demo] model {model_dir}: {parameters:.2f}M parameters"
         + (f", warm-started {meta['warm_start_steps']} steps" if meta else "")
     )
     task = build_task(cfg.task, model_dir)
@@ -90,7 +88,8 @@ def main(cfg: DictConfig) -> None:
     samples = engine.generate([p.text for p in measured], sampling)
     reward = sum(task.score(s.text, measured[s.prompt_index]) for s in samples) / len(samples)
     print(
-        f"[demo] mean reward at temperature {cfg.temperature} over {cfg.eval_prompts} prompts: {reward:.3f}"
+        f"[demo] mean reward at temperature {cfg.temperature} over {cfg.eval_prompts} "
+        f"prompts: {reward:.3f}"
     )
 
     if cfg.temperature == 1.0:  # the learner's recompute is of the unprocessed distribution
@@ -98,8 +97,9 @@ def main(cfg: DictConfig) -> None:
         out = correction(*learner_logprobs(learner, samples))
         m = out.metrics
         print(
-            f"[demo] mismatch engine vs learner: KL k1 {m['mismatch/kl_k1']:.2e}, k3 {m['mismatch/kl_k3']:.2e}, "
-            f"chi2/token {m['mismatch/chi2_token']:.2e}; {correction.name} weights mean {m['correction/weight_mean']:.4f} "
+            f"[demo] mismatch engine vs learner: KL k1 {m['mismatch/kl_k1']:.2e}, "
+            f"k3 {m['mismatch/kl_k3']:.2e}, chi2/token {m['mismatch/chi2_token']:.2e}; "
+            f"{correction.name} weights mean {m['correction/weight_mean']:.4f} "
             f"[{m['correction/weight_min']:.3f}, {m['correction/weight_max']:.3f}], "
             f"clipped {m['correction/frac_clipped']:.2%}, masked {m['correction/frac_masked']:.2%}"
         )

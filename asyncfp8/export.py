@@ -1,19 +1,8 @@
-"""The trained policy, out: a run's checkpoint as a Hugging Face model directory.
+"""The trained policy, out: a run's checkpoint as a Hugging Face model directory (BF16, with
+the tokenizer; `--precision` also writes the weights through that policy, e.g. FP8 for vLLM),
+read without a process group (docs/running.md#the-trained-model-out).
 
     python -m asyncfp8.export RUN_DIR [--step N] [--out DIR] [--precision fp8|int8|...]
-
-writes `RUN_DIR/model/` (or `--out`) from the run's latest checkpoint (or step N): BF16
-weights saved with `save_pretrained`, the tokenizer and the generation config of the
-model the run started from, and `asyncfp8_export.json` (run, step, source model). It
-loads with `AutoModelForCausalLM.from_pretrained` and serves in vLLM. `--precision`
-also writes `DIR-<precision>/`, the checkpoint's FP32 weights streamed through that
-precision policy (asyncfp8.precision.export: FP8 blockwise for vLLM / SGLang on GPUs,
-INT8 compressed-tensors for vLLM, the CPU wheel included, FP16 for any engine).
-
-The learner writes `RUN_DIR/model/` itself at the end of a run (and every
-`run.export_every` steps) from the weights it holds (`save_model`); this module is the
-same for any checkpoint, without a process group: the sharded checkpoint
-(torch.distributed.checkpoint) is read straight into the model's tensors.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 `--repeats` times (different seeds) into a real learner and real workers on loopback,
 then a table of what was injected, what was lost, and how long recovery took.
 
-    python bench/chaos.py [--repeats 3] [--only worker_kills,...] [--out bench/results/chaos-cpu.json]
-    python bench/chaos.py --refit [--engines torch,vllm] [--versions 500] [--out bench/results/chaos-refit-cpu.json]
+    python bench/chaos.py [--repeats 3] [--only worker_kills,...]
+        [--out bench/results/chaos-cpu.json]
+    python bench/chaos.py --refit [--engines torch,vllm] [--versions 500]
+        [--out bench/results/chaos-refit-cpu.json]
 
 `--refit` runs the refit faults instead (asyncfp8/run/refit_faults.py, each damaging
 one version of one run; detected means caught at the version it damaged) and, per
@@ -112,7 +114,8 @@ def main() -> None:
             else "-"
         )
         print(
-            f"{row['fault']:58} {row['injected']:8d} {row['lost']:5d} {recovery:>22} {row['checks']}"
+            f"{row['fault']:58} {row['injected']:8d} {row['lost']:5d} {recovery:>22} "
+            f"{row['checks']}"
         )
     path = write_json(args.out, {"repeats": args.repeats, "scenarios": rows})
     print(f"\nwritten {path}")

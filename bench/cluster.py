@@ -2,7 +2,8 @@
 this machine: Ray's overhead in trained samples per second, and the time from submit
 to the first trained step.
 
-    python bench/cluster.py [--model-path DIR] [--steps 60] [--repeats 4] [--keep DIR] [--out bench/results/cluster-cpu.json]
+    python bench/cluster.py [--model-path DIR] [--steps 60] [--repeats 4] [--keep DIR]
+        [--out bench/results/cluster-cpu.json]
 
 The Ray cluster is one node made here (`ray.cluster_utils.Cluster`, with as many CPUs
 as the launcher's processes use), so both runs have the same cores and the workers use
@@ -185,7 +186,8 @@ def main() -> None:
                         for role, cores in row["cores_busy_in_steady_state"].items()
                     )
                     print(
-                        f"{mode:<9} #{repeat}: {row['trained_samples_per_s']:7.1f} trained samples/s, "
+                        f"{mode:<9} #{repeat}: "
+                        f"{row['trained_samples_per_s']:7.1f} trained samples/s, "
                         f"first step {row['submit_to_first_step_s']:5.1f} s after submit; "
                         f"cores: {busy}",
                         flush=True,
@@ -210,7 +212,8 @@ def main() -> None:
     paired = paired_ratios(rows, "ray", "launcher")
     print(
         f"\nRay / launcher, trained samples/s: {ratio:.3f} of the medians (overhead "
-        f"{1 - ratio:+.1%}); per repeat {paired['mean']:.3f} ({paired.pop('interval')}); first step "
+        f"{1 - ratio:+.1%}); per repeat {paired['mean']:.3f} ({paired.pop('interval')}); "
+        f"first step "
         f"{summary['ray']['submit_to_first_step_s_median']:.1f} s vs "
         f"{summary['launcher']['submit_to_first_step_s_median']:.1f} s after submit"
     )

@@ -11,7 +11,9 @@ task, held-out evaluated) with `run.placement=colocated`, launched as its own pr
 |---|---|
 | async | `run.mode=async` (a rollout thread generates the next step while the learner trains) |
 | turns | `run.mode=sync run.release_engine_memory=false` |
-| turns_release | `run.mode=sync run.release_engine_memory=true` (KV cache and graph dropped after each turn) |
+| turns_release | `run.mode=sync run.release_engine_memory=true` (see below) |
+
+turns_release: the KV cache and graph dropped after each turn.
 
 Each row: trained samples/s and seconds per step (the run's summary), held-out greedy
 pass@1 at the start and the end, and for turns_release the memory given back per turn

@@ -88,7 +88,8 @@ def main() -> None:
     worst = max(rows, key=lambda r: r["vs_model_step"])
     verdict = "meets" if worst["vs_model_step"] < 0.05 else "MISSES"
     print(
-        f"slowest: {worst['method']} at {100 * worst['vs_model_step']:.2f}% of a model step ({verdict} the 5% goal)"
+        f"slowest: {worst['method']} at {100 * worst['vs_model_step']:.2f}% of a model step "
+        f"({verdict} the 5% goal)"
     )
     path = write_json(
         args.out,

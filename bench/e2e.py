@@ -124,7 +124,8 @@ def main() -> None:
         print(
             f"{row['mode']:<31} {row['trained_samples_per_s']:>17.1f} {row[ratio]:>7.2f}x "
             f"{row['staleness_mean']:>14.2f} {row['learner_wait_frac']:>12.0%} "
-            f"{row['step_total_s_median']:>15.4f} {row['publish_on_learner_thread_s_median'] or 0:>19.4f}"
+            f"{row['step_total_s_median']:>15.4f} "
+            f"{row['publish_on_learner_thread_s_median'] or 0:>19.4f}"
         )
     path = write_json(
         args.out,

@@ -1,7 +1,8 @@
 """What the guard (docs/running.md#the-guard-undoing-a-fatal-step) adds to a training step,
 against the step's own forward and backward.
 
-    python bench/guard.py [--groups 8] [--group-size 8] [--tokens 48] [--out bench/results/guard.json]
+    python bench/guard.py [--groups 8] [--group-size 8] [--tokens 48]
+        [--out bench/results/guard.json]
 
 Per model (the shipped `small`, and `tiny` when it is cached or `--tiny` names it): the
 copy of the good state the guard writes every step (weights and AdamW's two moments to
@@ -85,8 +86,9 @@ def main() -> None:
     )
     for r in results:
         print(
-            f"{r['model']:<6} {r['parameters']:>9} {r['state_mib']:>9.1f} {r['keep_s'] * 1e3:>8.2f} "
-            f"{r['evidence_s'] * 1e3:>11.3f} {r['train_step_s'] * 1e3:>8.1f} {r['guard_share']:>10.1%}"
+            f"{r['model']:<6} {r['parameters']:>9} {r['state_mib']:>9.1f} "
+            f"{r['keep_s'] * 1e3:>8.2f} {r['evidence_s'] * 1e3:>11.3f} "
+            f"{r['train_step_s'] * 1e3:>8.1f} {r['guard_share']:>10.1%}"
         )
     print(
         f"written {write_json(args.out, {'rows': rows, 'tokens': args.tokens, 'results': results})}"

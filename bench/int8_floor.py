@@ -67,7 +67,7 @@ def measure(model_name: str, share: float, prompts: int) -> dict:
 
     import asyncfp8.conf  # noqa: F401  (the config schemas, before Hydra composes)
     from asyncfp8.models import load_model, load_tokenizer, run_model_dir
-    from asyncfp8.precision.policy import build_policy
+    from asyncfp8.precision.registry import build_policy
     from asyncfp8.precision.sensitivity import (
         EngineTwin,
         calibration_batch,

@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help=f"--model {SHAPED} at a toy size and a toy workload on the CPU (bench/gpu.sh --dry-run)",
+        help=f"--model {SHAPED} at a toy size and a toy workload on the CPU "
+        "(bench/gpu.sh --dry-run)",
     )
     parser.add_argument("--out", default="bench/results/longtail-cpu.json")
     args = parser.parse_args(argv)

@@ -27,7 +27,8 @@ from pathlib import Path
 K3 = re.compile(r"k3 ([0-9.e+-]+),")
 REWARD = re.compile(r"mean reward at temperature [0-9.]+ over \d+ prompts: ([0-9.]+)")
 LAYOUT = re.compile(
-    r"\] (\w+): (\d+)/(\d+) linear layers quantized \((\d+)% of their FLOPs\); KL ([0-9.e+-]+) = ([0-9.]+)x"
+    r"\] (\w+): (\d+)/(\d+) linear layers quantized \((\d+)% of their FLOPs\); "
+    r"KL ([0-9.e+-]+) = ([0-9.]+)x"
 )
 
 

@@ -505,7 +505,8 @@ def summarize_rows(rows: list[dict], systems: list[str]) -> list[dict]:
 
 def print_table(summary: list[dict]) -> None:
     print(
-        f"\n{'system':<36} {'samples/s':>9} {'vs TRL':>7} {'wall s':>7} {'reward first→last 20%':>22} "
+        f"\n{'system':<36} {'samples/s':>9} {'vs TRL':>7} {'wall s':>7} "
+        f"{'reward first→last 20%':>22} "
         f"{'held-out greedy':>15} {'sampled':>7}  step s: generate / train / rest"
     )
     for s in summary:
@@ -515,7 +516,8 @@ def print_table(summary: list[dict]) -> None:
         ratio = f"{s['speed_vs_trl']:.2f}x" if s["speed_vs_trl"] else "-"
         print(
             f"{s['system']:<36} {s['trained_samples_per_s']:>9.1f} {ratio:>7} {s['wall_s']:>7.0f} "
-            f"{s['reward_start']:>10.3f} → {s['reward_end']:<9.3f} {s['heldout_pass1_greedy']:>15.3f} "
+            f"{s['reward_start']:>10.3f} → {s['reward_end']:<9.3f} "
+            f"{s['heldout_pass1_greedy']:>15.3f} "
             f"{s['heldout_pass1_sampled']:>7.3f}  {phases['step']:.3f}: {phases['generate']:.3f} / "
             f"{train:.3f} / {'-' if rest is None else f'{rest:.3f}'}"
         )

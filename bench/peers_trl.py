@@ -9,19 +9,23 @@ stream order with their answers, the reward (`_target_` and its arguments, impor
 from this checkout: asyncfp8's reward functions are plain Python) and the
 hyperparameters, mapped onto GRPOConfig so that TRL trains what asyncfp8 trains:
 
-| asyncfp8 | GRPOConfig |
-|---|---|
-| run.groups_per_step × run.group_size samples per step | per_device_train_batch_size, num_generations |
-| one optimizer step per batch (optim.mini_batches 1, ppo_epochs 1) | steps_per_generation 1, num_iterations 1 |
-| optim.loss ppo_clip, clip_low / clip_high | epsilon / epsilon_high |
-| optim.aggregation token_mean | loss_type "dapo" (tokens of the whole batch) |
-| optim.advantage_scale std | scale_rewards "group" |
-| optim.kl_coef 0 | beta 0 (no reference model) |
-| AdamW(lr, betas, eps, weight_decay), optim.warmup_steps, grad_clip | the same, warmup_steps, max_grad_norm |
-| optim.schedule constant / cosine (to 0.1 × lr at the last step) | lr_scheduler_type constant_with_warmup / cosine_with_min_lr (min_lr_rate 0.1) |
-| the prompt stream in order | shuffle_dataset false |
-| run.temperature, run.max_new_tokens | temperature, top_p 1, max_completion_length |
-| FP32 on the CPU | use_cpu, bf16 false |
+asyncfp8 → GRPOConfig:
+
+- run.groups_per_step × run.group_size samples per step → per_device_train_batch_size,
+  num_generations
+- one optimizer step per batch (optim.mini_batches 1, ppo_epochs 1) →
+  steps_per_generation 1, num_iterations 1
+- optim.loss ppo_clip, clip_low / clip_high → epsilon / epsilon_high
+- optim.aggregation token_mean → loss_type "dapo" (tokens of the whole batch)
+- optim.advantage_scale std → scale_rewards "group"
+- optim.kl_coef 0 → beta 0 (no reference model)
+- AdamW(lr, betas, eps, weight_decay), optim.warmup_steps, grad_clip → the same,
+  warmup_steps, max_grad_norm
+- optim.schedule constant / cosine (to 0.1 × lr at the last step) → lr_scheduler_type
+  constant_with_warmup / cosine_with_min_lr (min_lr_rate 0.1)
+- the prompt stream in order → shuffle_dataset false
+- run.temperature, run.max_new_tokens → temperature, top_p 1, max_completion_length
+- FP32 on the CPU → use_cpu, bf16 false
 
 With `save_every` in the job, the model is also saved every that many steps
 (`DIR/trainer/checkpoint-N/`, for bench/peers.py's held-out curve).

@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from omegaconf import OmegaConf
 
-from asyncfp8.plan.calibration import get_factor, load_calibration, predict_points
+from asyncfp8.plan.calibration import load_calibration
 from asyncfp8.plan.costs import kv_bytes_per_token, weight_bytes
+from asyncfp8.plan.fitting import get_factor, predict_points
 from asyncfp8.plan.gpus import GPUS
 from asyncfp8.plan.model import load_model_facts
 from asyncfp8.plan.planner import make_plan
@@ -130,7 +131,9 @@ CASES: list[dict[str, Any]] = [
         "up_to": True,
         # FlashRL does not say how many GPUs an engine had; the recipe's tp=4 is one choice.
         "what_if": {"engine.tp": 2},
-        "note": "'up to ~1.7x', over 'various response lengths'; FP8 on H100, INT8 on H100 and A100",
+        "note": (
+            "'up to ~1.7x', over 'various response lengths'; FP8 on H100, INT8 on H100 and A100"
+        ),
     },
     {
         "name": "Qwen2.5-0.5B, 8-bit rollout (FlashRL, GSM8K)",
@@ -408,17 +411,22 @@ def main() -> None:
         print(f"ranking {'right' if check['right'] else 'WRONG'}: {check['ordering']}")
     for row in capacities["rows"]:
         print(
-            f"KV capacity {row['precision']:<11} published {row['published']:>8,} predicted {row['predicted']:>8,} ({row['error']:+.1%}, {row['role']})"
+            f"KV capacity {row['precision']:<11} published {row['published']:>8,} "
+            f"predicted {row['predicted']:>8,} ({row['error']:+.1%}, {row['role']})"
         )
     for table in cpu:
         print(
-            f"CPU {table['calibration']}: median |error| in sample {table['median_abs_error_in_sample']:.1%}, "
-            f"held out {table['median_abs_error_held_out']:.1%}; ratio to bf16 held out {table['median_abs_ratio_error_held_out']:.1%}"
+            f"CPU {table['calibration']}: median |error| in sample "
+            f"{table['median_abs_error_in_sample']:.1%}, "
+            f"held out {table['median_abs_error_held_out']:.1%}; ratio to bf16 held out "
+            f"{table['median_abs_ratio_error_held_out']:.1%}"
         )
         for row in table["cells"]:
             print(
-                f"  {row['label']:<34} measured {row['measured_tokens_per_s']:>8.0f} fitted {row['predicted_tokens_per_s']:>8.0f} "
-                f"({row['error']:+.0%}) held out {row['held_out_predicted_tokens_per_s']:>8.0f} ({row['held_out_error']:+.0%})"
+                f"  {row['label']:<34} measured {row['measured_tokens_per_s']:>8.0f} "
+                f"fitted {row['predicted_tokens_per_s']:>8.0f} "
+                f"({row['error']:+.0%}) held out "
+                f"{row['held_out_predicted_tokens_per_s']:>8.0f} ({row['held_out_error']:+.0%})"
             )
     path = write_json(
         args.out,

@@ -2,7 +2,8 @@
 `auto` takes on one learner rank) costs in trained samples/s, against π_prox of the
 current weights, on a job whose learner is the bottleneck.
 
-    python bench/proximal.py [--model-path DIR] [--steps 60] [--repeats 3] [--out bench/results/proximal-cpu.json]
+    python bench/proximal.py [--model-path DIR] [--steps 60] [--repeats 3]
+        [--out bench/results/proximal-cpu.json]
 
 The job is bench/cluster.py's (the small model, 60 steps of 8 groups of 8, a learner and
 two workers as separate processes, one thread each): on two cores its learner is busy

@@ -82,7 +82,8 @@ def main() -> int:
         args.out or f"bench/results/quantize-{tag}.json", copy_gb_per_s=bandwidth, layers=layers
     )
     print(
-        f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; copy bandwidth {bandwidth:.1f} GB/s"
+        f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; "
+        f"copy bandwidth {bandwidth:.1f} GB/s"
     )
     print(f"{'format':<6} {'impl':<7} {'workload':<24} {'seconds':>9} {'GB/s':>8} {'of copy':>8}")
     square = weights[(hidden, hidden)]
@@ -117,7 +118,8 @@ def main() -> int:
             table.add(row)
     if device != "cuda":
         print(
-            "triton: not run (no CUDA device; the kernels are checked for exactness under TRITON_INTERPRET=1)"
+            "triton: not run (no CUDA device; the kernels are checked for exactness under "
+            "TRITON_INTERPRET=1)"
         )
     print(f"wrote {table.path}")
     return 1 if any("error" in row for row in table.rows) else 0

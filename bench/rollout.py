@@ -16,16 +16,16 @@ On a GPU (`--device cuda`), the torch engine decodes a random-init Qwen2 shaped 
 Qwen2.5-1.5B (hidden 1536, 28 layers, intermediate 8960, 12 query / 2 KV heads × 128,
 vocabulary 151,936, tied embeddings), built on the GPU (nothing is downloaded), in bf16,
 fp8, fp8_kv, fp8+fp8_kv and int8, at batch 1, 8 and 64 after a 256-token prompt and at
-batch 1 and 64 after an 8192-token one. It
-times the engine's own decode loop (`TorchEngine.generate_requests`: one slot per
-sequence, per-request sampling, the CUDA-graph decode step, bookkeeping) over
-`--new-tokens` tokens, less the same call for 1 token (prefill and first token), after
-one untimed run of each (Triton compiles, the graph is captured): tokens/s = batch ×
-(new tokens − 1) / the difference of the medians of `--repeats`. Each row also carries the memory-bandwidth
-floor: the bytes one decode step must read (every weight of the engine's model once, the
-tied embedding as the LM head, plus the KV cache at the mean context) over the copy
-bandwidth measured in the same run; `fraction_of_floor` = tokens/s over the floor's
-tokens/s. Without a GPU it says so and exits 1.
+batch 1 and 64 after an 8192-token one. It times the engine's own decode loop
+(`TorchEngine.generate_requests`: one slot per sequence, per-request sampling, the
+CUDA-graph decode step, bookkeeping) over `--new-tokens` tokens, less the same call for 1
+token (prefill and first token), after one untimed run of each (Triton compiles, the graph
+is captured): tokens/s = batch × (new tokens − 1) / the difference of the medians of
+`--repeats`. Each row also carries the memory-bandwidth floor: the bytes one decode step
+must read (every weight of the engine's model once, the tied embedding as the LM head,
+plus the KV cache at the mean context) over the copy bandwidth measured in the same run;
+`fraction_of_floor` = tokens/s over the floor's tokens/s. Without a GPU it says so and
+exits 1.
 
 `--dry-run` runs the GPU table's code on the CPU at a toy shape (`TOY`, a few tokens,
 eager decode): what `bash bench/gpu.sh --dry-run` checks. Either table is written to
@@ -460,7 +460,10 @@ def main() -> int:
         f"{'vs bf16':>8} {'of floor':>8}"
     )
     for row in rows:
-        head = f"{row['engine']:<6} {row['precision']:<11} {row.get('context', '-'):<7} {row.get('batch', '-'):>5} "
+        head = (
+            f"{row['engine']:<6} {row['precision']:<11} {row.get('context', '-'):<7} "
+            f"{row.get('batch', '-'):>5} "
+        )
         if "error" in row:
             print(head + f"failed: {row['error']}")
             continue

@@ -134,7 +134,8 @@ def main() -> int:
     out = args.out or Path(__file__).resolve().parent / "results" / f"rollout-profile-{tag}.json"
     table = Table(out, new_tokens=args.new_tokens, cuda_graph=not eager)
     print(
-        f"{'precision':<11} {'prompt':>6} {'batch':>5} {'wall ms':>8} {'gpu ms':>7} {'busy':>5}  heaviest kernels"
+        f"{'precision':<11} {'prompt':>6} {'batch':>5} {'wall ms':>8} {'gpu ms':>7} {'busy':>5}  "
+        f"heaviest kernels"
     )
     for precision, prompt_tokens, batch in cases:
         row = {"precision": precision, "prompt_tokens": prompt_tokens, "batch": batch}

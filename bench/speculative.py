@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     for row in rows:
         cells = " ".join(
-            f"{row['ks'][k]['target_forwards_per_token']:>12.3f} ({row['ks'][k]['mean_accepted_length']:.2f})"
+            f"{row['ks'][k]['target_forwards_per_token']:>12.3f} "
+            f"({row['ks'][k]['mean_accepted_length']:.2f})"
             for k in ks
         )
         kl = f"{row['kl']:.3f}" if "kl" in row else "-"

@@ -118,7 +118,8 @@ class IntWeightOnlyPolicy(PrecisionPolicy):
     def __init__(self, group_size: int = 128, bits: int = 3):
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(
-                f"precision.group_size must be an int >= 1 (input columns per scale), got {group_size!r}"
+                "precision.group_size must be an int >= 1 (input columns per scale), "
+                f"got {group_size!r}"
             )
         if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
             raise ValueError(

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         table[pair] = rows
         print(f"{pair}: seeds {' '.join(map(str, seeds))}")
         print(
-            "  seed  held-out on/off  twin collapsed at  rollbacks (step: signal, far tokens, verdict)"
+            "  seed  held-out on/off  twin collapsed at  "
+            "rollbacks (step: signal, far tokens, verdict)"
         )
         for seed, row in rows.items():
             listed = ", ".join(

@@ -53,7 +53,8 @@ def buy_and_give(rng):
     )
     a = (
         f"{name} buys {boxes}*{per_box}=<<{boxes}*{per_box}={total}>>{total} {item}.\n"
-        f"After giving some away, {name} has {total}-{given}=<<{total}-{given}={total - given}>>{total - given} {item}.\n"
+        f"After giving some away, {name} has "
+        f"{total}-{given}=<<{total}-{given}={total - given}>>{total - given} {item}.\n"
         f"#### {total - given}"
     )
     return q, a
@@ -63,7 +64,10 @@ def hourly_wage(rng):
     name = rng.choice(NAMES)
     rate, hours, days = rng.randint(9, 40), rng.randint(2, 8), rng.randint(3, 6)
     daily, total = rate * hours, rate * hours * days
-    q = f"{name} earns ${rate} an hour and works {hours} hours a day for {days} days. How much does {name} earn?"
+    q = (
+        f"{name} earns ${rate} an hour and works {hours} hours a day for {days} days. "
+        f"How much does {name} earn?"
+    )
     a = (
         f"Each day {name} earns {rate}*{hours}=$<<{rate}*{hours}={daily}>>{daily}.\n"
         f"Over {days} days that is {daily}*{days}=$<<{daily}*{days}={total}>>{total}.\n#### {total}"
@@ -81,7 +85,8 @@ def big_population(rng):
     )
     a = (
         f"The town gains {growth}*{years}=<<{growth}*{years}={added}>>{added} people.\n"
-        f"So it will have {start}+{added}=<<{start}+{added}={final}>>{final} residents.\n#### {final:,}"
+        f"So it will have {start}+{added}=<<{start}+{added}={final}>>{final} residents.\n"
+        f"#### {final:,}"
     )
     return q, a
 
@@ -93,10 +98,16 @@ def money_change(rng):
     if cost >= paid:
         paid = 100
     change = round(paid - cost, 2)
-    q = f"{name} buys {count} notebooks at ${fmt(price)} each and pays with a ${paid} bill. How much change does {name} get?"
+    q = (
+        f"{name} buys {count} notebooks at ${fmt(price)} each and pays with a ${paid} bill. "
+        f"How much change does {name} get?"
+    )
     a = (
-        f"The notebooks cost {count}*{fmt(price)}=$<<{count}*{fmt(price)}={fmt(cost)}>>{fmt(cost)}.\n"
-        f"The change is {paid}-{fmt(cost)}=$<<{paid}-{fmt(cost)}={fmt(change)}>>{fmt(change)}.\n#### {fmt(change)}"
+        f"The notebooks cost "
+        f"{count}*{fmt(price)}=$<<{count}*{fmt(price)}={fmt(cost)}>>{fmt(cost)}.\n"
+        f"The change is "
+        f"{paid}-{fmt(cost)}=$<<{paid}-{fmt(cost)}={fmt(change)}>>{fmt(change)}.\n"
+        f"#### {fmt(change)}"
     )
     return q, a
 
@@ -111,7 +122,8 @@ def share_equally(rng):
     )
     a = (
         f"The friends got {friends}*{each}=<<{friends}*{each}={total}>>{total} {item}.\n"
-        f"With the ones kept, {name} had {total}+{kept}=<<{total}+{kept}={total + kept}>>{total + kept}.\n"
+        f"With the ones kept, {name} had "
+        f"{total}+{kept}=<<{total}+{kept}={total + kept}>>{total + kept}.\n"
         f"#### {total + kept}"
     )
     return q, a
@@ -138,19 +150,24 @@ def percent_discount(rng):
     q = f"A jacket costs ${price}. {name} gets a {percent}% discount. How much does {name} pay?"
     a = (
         f"The discount is {price}*{percent}/100=$<<{price}*{percent}/100={off}>>{off}.\n"
-        f"{name} pays {price}-{off}=$<<{price}-{off}={price - off}>>{price - off}.\n#### {price - off}"
+        f"{name} pays {price}-{off}=$<<{price}-{off}={price - off}>>{price - off}.\n"
+        f"#### {price - off}"
     )
     return q, a
 
 
 def legs_on_farm(rng):
     chickens, cows = rng.randint(3, 40), rng.randint(2, 25)
-    q = f"A farm has {chickens} chickens and {cows} cows. How many legs do the animals have in total?"
+    q = (
+        f"A farm has {chickens} chickens and {cows} cows. "
+        "How many legs do the animals have in total?"
+    )
     chicken_legs, cow_legs = chickens * 2, cows * 4
     a = (
         f"The chickens have {chickens}*2=<<{chickens}*2={chicken_legs}>>{chicken_legs} legs.\n"
         f"The cows have {cows}*4=<<{cows}*4={cow_legs}>>{cow_legs} legs.\n"
-        f"In total {chicken_legs}+{cow_legs}=<<{chicken_legs}+{cow_legs}={chicken_legs + cow_legs}>>"
+        f"In total "
+        f"{chicken_legs}+{cow_legs}=<<{chicken_legs}+{cow_legs}={chicken_legs + cow_legs}>>"
         f"{chicken_legs + cow_legs} legs.\n#### {chicken_legs + cow_legs}"
     )
     return q, a

@@ -134,7 +134,8 @@ def print_table(groups: list[dict], seeds: list[int]) -> None:
         f"mean ± 95% CI over {runs} runs"
     )
     print(
-        f"{'precision':10s}{'learner':10s}{'from master':>24s}{'from compute':>24s}{'master/compute':>20s}"
+        f"{'precision':10s}{'learner':10s}{'from master':>24s}{'from compute':>24s}"
+        f"{'master/compute':>20s}"
     )
     for g in groups:
         cells = []

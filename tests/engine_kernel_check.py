@@ -1,7 +1,7 @@
 """Run under TRITON_INTERPRET=1 (tests/test_engine_kernels.py does, in a subprocess: the
-variable must be set before triton is imported): the Triton kernels of
-the formats' kernels (asyncfp8/precision/<format>/) against their torch references on random shapes, odd ones and
-batch 1 included.
+variable must be set before triton is imported): the Triton kernels of the formats
+(asyncfp8/precision/<format>/) against their torch references on random shapes, odd ones
+and batch 1 included.
 
     TRITON_INTERPRET=1 python tests/engine_kernel_check.py quant|fp8_gemm|int8_gemm|attention
 
@@ -125,7 +125,8 @@ def check_fp8_gemm(report: Report, generator: torch.Generator) -> None:
     # inside tl.dot, and K splits added at the end) and multiply the scales in at
     # different points. fp32 rounding bounds the difference by K·2^-24·Σ|x·w| per output
     # in the worst case (2e-5·Σ|x·w| at K = 384); measured on these cases: ≤ 8e-7·Σ|x·w|
-    # (either side against float64 too), so 4e-6·Σ|x·w| is allowed. bf16 outputs may then land on neighbouring bf16
+    # (either side against float64 too), so 4e-6·Σ|x·w| is allowed. bf16 outputs may then
+    # land on neighbouring bf16
     # values: one bf16 step (2^-7 relative at most) more; Triton's interpreter also
     # truncates fp32 -> bf16 where the GPU rounds to nearest even (as torch does).
     for m, n, k, block, split_k in FP8_CASES:

@@ -47,7 +47,8 @@ def main() -> int:
             ):
                 failures += 1
                 print(
-                    f"fp8 {rows}x{cols} {dtype}: {(q.view(torch.uint8) != q_ref.view(torch.uint8)).sum()} bytes differ"
+                    f"fp8 {rows}x{cols} {dtype}: "
+                    f"{(q.view(torch.uint8) != q_ref.view(torch.uint8)).sum()} bytes differ"
                 )
             q8, scale8 = quantize_per_channel_triton(w)
             q8_ref, scale8_ref = quantize_per_channel_reference(w)

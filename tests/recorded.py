@@ -141,6 +141,9 @@ def assert_same_updates(learner, reference, lr: float, steps: int) -> None:
         largest = max(largest, difference.max().item())
         worst.append((off / difference.numel(), name))
     worst = ", ".join(f"{name} {share:.1%}" for share, name in sorted(worst, reverse=True)[:3])
-    summary = f"{flipped} of {total} weights off by more than lr/2 (most: {worst}), the largest by {largest:.2e}"
+    summary = (
+        f"{flipped} of {total} weights off by more than lr/2 (most: {worst}), "
+        f"the largest by {largest:.2e}"
+    )
     print(summary)
     assert flipped <= 0.05 * total and largest <= 2 * lr * steps * 1.01, summary

@@ -1,4 +1,5 @@
-"""The formats' GEMM, activation and attention kernels (asyncfp8/precision/fp8, int8, fp8_kv): the Triton kernels against their torch references (under
+"""The formats' GEMM, activation and attention kernels (asyncfp8/precision/fp8, int8,
+fp8_kv): the Triton kernels against their torch references (under
 TRITON_INTERPRET=1, in a subprocess: tests/engine_kernel_check.py, whose checks state
 their tolerances), the references against float64 and against today's modules, the scale
 layouts, the errors for paths a device cannot run, and (marked `gpu`, skipped without

@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from asyncfp8.engines import supports
 from asyncfp8.precision import get_policy, registered_policies
-from asyncfp8.precision.policy import _POLICIES
+from asyncfp8.precision.registry import _POLICIES
 from tests.user_policies import NoRuntimeModule
 
 PACKAGE = Path(__file__).resolve().parents[1] / "asyncfp8"

@@ -102,7 +102,8 @@ def test_a_weight_past_fp16s_range_is_refused_naming_it(tiny_model_dir):
         weight[3, 5] = 7.0e4  # past it: would run as inf
     with pytest.raises(
         ValueError,
-        match=rf"{WEIGHT}: 1 value\(s\) beyond FP16's range \(\|x\| up to 70000 > 65504, first at \[3, 5\]\).*precision=bf16",
+        match=rf"{WEIGHT}: 1 value\(s\) beyond FP16's range \(\|x\| up to 70000 > 65504, "
+        r"first at \[3, 5\]\).*precision=bf16",
     ):
         dict(version_tensors(model, get_policy("fp16")).weights)
     dict(version_tensors(model, get_policy("bf16")).weights)  # BF16 has FP32's range

@@ -385,10 +385,10 @@ def test_a_dead_streak_keeps_no_state_and_its_rollback_goes_past_its_oldest_samp
 
 
 def test_rollbacks_to_one_state_count_in_a_row_though_batches_pass_between():
-    """FP8 seed 7 without the held-out line: put back, a batch passes, the next update's
-    batch fails again, 50 times over. Rollbacks that do not get past the state last put
-    back count in a row and stop the run at guard.max_rollbacks; once the run has kept
-    keep_states states past it, the count starts again."""
+    """Put back, a batch passes, the next update's batch fails again, over and over.
+    Rollbacks that do not get past the state last put back count in a row and stop the run
+    at guard.max_rollbacks; once the run has kept keep_states states past it, the count
+    starts again."""
     guard, model, _ = guarded_steps(keep_states=2, steps=MIN_HISTORY + 1, max_rollbacks=3)
     step = MIN_HISTORY + 1
     far = replace(CLEAN, far_tokens=FAR_COUNT)

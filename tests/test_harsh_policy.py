@@ -391,6 +391,7 @@ def test_the_quantized_learner_forward_takes_its_mismatch_away(tiny_model_dir, o
         for label, learner in (("master", master), ("quantized", quantized))
     }
     print(
-        f"k3 of the harsh engine's tokens: master learner {k3['master']:.2e}, quantized {k3['quantized']:.2e}"
+        f"k3 of the harsh engine's tokens: master learner {k3['master']:.2e}, "
+        f"quantized {k3['quantized']:.2e}"
     )
     assert k3["quantized"] < k3["master"] / 20

@@ -15,16 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-from asyncfp8.plan.calibration import (
-    Point,
-    fit,
-    get_factor,
-    load_calibration,
-    predict_points,
-    with_factors,
-)
+from asyncfp8.plan.calibration import load_calibration
 from asyncfp8.plan.costs import decode_ops, kv_bytes_per_token, step_flops, weight_bytes
 from asyncfp8.plan.errors import PlanInputError
+from asyncfp8.plan.fitting import Point, fit, get_factor, predict_points, with_factors
 from asyncfp8.plan.gpus import GPUS, get_gpu
 from asyncfp8.plan.lengths import lognormal, measured
 from asyncfp8.plan.model import BUNDLED_MODELS, facts_from_config, load_model_facts

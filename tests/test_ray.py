@@ -14,16 +14,15 @@ import pytest
 from omegaconf import OmegaConf
 
 from asyncfp8.launch.processes import CONFIG_ERROR, free_ports
-from asyncfp8.launch.ray_cluster import (
+from asyncfp8.launch.ray_actors import (
     bundle,
     cluster_address,
-    common_overrides,
     curve_keys,
     import_ray,
     private_keys_dir,
-    reclaim_ctrl_c,
     shortfall,
 )
+from asyncfp8.launch.ray_cluster import common_overrides, reclaim_ctrl_c
 from asyncfp8.sync.keys import make_keys
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,8 @@ import torch
 ray = pytest.importorskip("ray")
 
 from asyncfp8.chaos.audit import audit  # noqa: E402
-from asyncfp8.launch.ray_cluster import RayProcess, start_ranks  # noqa: E402
+from asyncfp8.launch.ray_actors import RayProcess  # noqa: E402
+from asyncfp8.launch.ray_cluster import start_ranks  # noqa: E402
 from asyncfp8.learner.ledger import read_ledger  # noqa: E402
 from tests.cluster.ray_nodes import (  # noqa: E402
     RayNodes,

@@ -139,7 +139,7 @@ def test_a_patch_against_the_wrong_base_is_refused():
         decode_version(messages, base=base, base_version=3)
 
 
-# --- publisher / subscriber ------------------------------------------------------------------------
+# --- publisher / subscriber -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
@@ -279,7 +279,7 @@ def test_versions_must_increase():
         context.term()
 
 
-# --- trajectories ----------------------------------------------------------------------------------
+# --- trajectories ---------------------------------------------------------------------------------
 
 
 def trajectory(i, n=5):
@@ -348,7 +348,7 @@ def test_trajectory_fields_are_validated():
         Trajectory.decode(payload, Limits(max_message_bytes=10))
 
 
-# --- fuzzing: truncated, bit-flipped and random frames ---------------------------------------------
+# --- fuzzing: truncated, bit-flipped and random frames --------------------------------------------
 
 
 def mutations(frames, rng):
@@ -518,7 +518,7 @@ def test_chunks_of_two_streams_never_make_one_version():
         assembler.feed(new[1])
 
 
-# --- CURVE ------------------------------------------------------------------------------------------
+# --- CURVE ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow

@@ -419,13 +419,8 @@ def test_a_large_tensor_goes_in_aligned_pieces_and_a_spoiled_piece_is_refused():
     first pieces while the learner writes the next); every piece starts 64-byte aligned
     and has its own checksum, so a corrupted byte in a later piece is caught too."""
     from asyncfp8.sync.limits import Limits
-    from asyncfp8.sync.shm import (
-        SegmentReader,
-        SegmentWriter,
-        ShmAssembler,
-        ShmCorrupt,
-        parse_notice,
-    )
+    from asyncfp8.sync.shm import SegmentWriter
+    from asyncfp8.sync.shm_reader import SegmentReader, ShmAssembler, ShmCorrupt, parse_notice
 
     g = torch.Generator().manual_seed(3)
     weights = {

@@ -141,7 +141,8 @@ def test_bad_policies_are_named_at_start(overrides, message):
         ),
         (
             ["precision._target_=user_policies.NoRuntimeModule"],
-            r"'no_runtime_module' quantizes weights but gives the built-in torch engine no runtime module",
+            r"'no_runtime_module' quantizes weights but gives the built-in torch engine no "
+            r"runtime module",
         ),
         (["engine=vllm", "precision.lm_head_fp32=true"], r"no option to run the LM head in FP32"),
     ],

@@ -6,6 +6,7 @@ has the other faults and SCENARIOS; attacks.py the attackers themselves."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,10 +191,7 @@ def impersonation(
     work_dir = Path(work_dir)
     keys = make_keys(work_dir / "keys")
     intruder = make_keys(work_dir / "intruder")
-    stranger = work_dir / "stranger"  # knows the server's public key; its own key is not allowed
-    stranger.mkdir()
-    for name, source in (("server.key", keys), ("client.key_secret", intruder)):
-        (stranger / name).write_bytes((source / name).read_bytes())
+    stranger = _stranger_keys(work_dir, keys, intruder)
     c = Cluster(
         work_dir / "run",
         model_dir,
@@ -209,58 +207,12 @@ def impersonation(
         learner = c.learner()
         c.worker(0)
         c.wait_for_step(3)
-        rogue = VersionPublisher(
-            "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", curve=Curve(True, str(intruder))
-        )
-        rogue.publish(0, [("model.embed_tokens.weight", torch.zeros(8))])
-        fooled = c.worker(
-            9,
-            f"sync.version_port={rogue.publish_address.rsplit(':', 1)[1]}",
-            f"sync.snapshot_port={rogue.snapshot_address.rsplit(':', 1)[1]}",
-            "sync.connect_timeout=6",
-        )
-        version, snapshot = (f"tcp://127.0.0.1:{c.ports[k]}" for k in ("version", "snapshot"))
-        address = f"tcp://127.0.0.1:{c.ports['trajectory']}"
-        senders = {
-            "plain": TrajectorySender(address, "plain"),
-            "foreign keys": TrajectorySender(address, "foreign", curve=Curve(True, str(intruder))),
-            "unlisted client key": TrajectorySender(
-                address, "stranger", curve=Curve(True, str(stranger))
-            ),
-        }
-        eavesdroppers = {
-            "plain": VersionSubscriber(version, snapshot),
-            "unlisted client key": VersionSubscriber(
-                version, snapshot, curve=Curve(True, str(stranger))
-            ),
-        }
+        rogue = _rogue_publisher(intruder)
+        fooled = _worker_of(c, rogue)
+        senders, eavesdroppers = _intruders(c, intruder, stranger)
         attackers = [*senders.values(), *eavesdroppers.values()]
-        step_before = c.last_step()
-        sent = _attack(senders, eavesdroppers, seconds)
-        report.injected = sent + 1 + len(eavesdroppers)  # + the rogue publisher
-        report.check(
-            "the learner kept training during the attack",
-            c.last_step() > step_before,
-            c.last_step(),
-        )
-        for name, eavesdropper in eavesdroppers.items():
-            report.check(
-                f"an eavesdropper ({name}) received no weights",
-                eavesdropper.version is None,
-                eavesdropper.version,
-            )
-        code = fooled.wait(timeout=60)
-        fooled_log = c.log("worker-9", tail=0)
-        report.check(
-            "a worker pointed at a rogue publisher took nothing from it and gave up (exit 3)",
-            code == 3 and not applied_versions(fooled_log),
-            (code, applied_versions(fooled_log)),
-        )
-        report.check(
-            "it logged that the publisher failed the handshake",
-            "handshake" in fooled_log,
-            fooled_log[-300:],
-        )
+        sent = _attack_while_training(report, c, senders, eavesdroppers, seconds)
+        _check_fooled_worker(report, c, fooled)
         _audit_impersonation(report, c, finish(c, learner, report).senders, sent)
     finally:
         c.stop()
@@ -269,6 +221,101 @@ def impersonation(
                 endpoint.close()
         stop_authenticators()
     return report
+
+
+def _stranger_keys(work_dir: Path, keys: Path, intruder: Path) -> Path:
+    """A keys folder that knows the server's public key but whose own client key is not
+    among those allowed."""
+    stranger = work_dir / "stranger"
+    stranger.mkdir()
+    for name, source in (("server.key", keys), ("client.key_secret", intruder)):
+        (stranger / name).write_bytes((source / name).read_bytes())
+    return stranger
+
+
+def _rogue_publisher(intruder: Path) -> VersionPublisher:
+    """A publisher with keys of its own, not the learner's, that offers a version."""
+    rogue = VersionPublisher(
+        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", curve=Curve(True, str(intruder))
+    )
+    rogue.publish(0, [("model.embed_tokens.weight", torch.zeros(8))])
+    return rogue
+
+
+def _worker_of(c: Cluster, rogue: VersionPublisher) -> subprocess.Popen:
+    """A worker (index 9) pointed at the rogue publisher instead of the learner."""
+    return c.worker(
+        9,
+        f"sync.version_port={rogue.publish_address.rsplit(':', 1)[1]}",
+        f"sync.snapshot_port={rogue.snapshot_address.rsplit(':', 1)[1]}",
+        "sync.connect_timeout=6",
+    )
+
+
+def _intruders(
+    c: Cluster, intruder: Path, stranger: Path
+) -> tuple[dict[str, TrajectorySender], dict[str, VersionSubscriber]]:
+    """Senders to the learner and eavesdroppers on its weights, by name: without keys, with
+    keys of their own, or with a client key the learner does not list."""
+    version, snapshot = (f"tcp://127.0.0.1:{c.ports[k]}" for k in ("version", "snapshot"))
+    address = f"tcp://127.0.0.1:{c.ports['trajectory']}"
+    senders = {
+        "plain": TrajectorySender(address, "plain"),
+        "foreign keys": TrajectorySender(address, "foreign", curve=Curve(True, str(intruder))),
+        "unlisted client key": TrajectorySender(
+            address, "stranger", curve=Curve(True, str(stranger))
+        ),
+    }
+    eavesdroppers = {
+        "plain": VersionSubscriber(version, snapshot),
+        "unlisted client key": VersionSubscriber(
+            version, snapshot, curve=Curve(True, str(stranger))
+        ),
+    }
+    return senders, eavesdroppers
+
+
+def _attack_while_training(
+    report: FaultReport,
+    c: Cluster,
+    senders: dict[str, TrajectorySender],
+    eavesdroppers: dict[str, VersionSubscriber],
+    seconds: float,
+) -> int:
+    """Runs the attack: the learner must keep training and no eavesdropper receive weights;
+    returns the messages the senders sent."""
+    step_before = c.last_step()
+    sent = _attack(senders, eavesdroppers, seconds)
+    report.injected = sent + 1 + len(eavesdroppers)  # + the rogue publisher
+    report.check(
+        "the learner kept training during the attack",
+        c.last_step() > step_before,
+        c.last_step(),
+    )
+    for name, eavesdropper in eavesdroppers.items():
+        report.check(
+            f"an eavesdropper ({name}) received no weights",
+            eavesdropper.version is None,
+            eavesdropper.version,
+        )
+    return sent
+
+
+def _check_fooled_worker(report: FaultReport, c: Cluster, fooled: subprocess.Popen) -> None:
+    """The worker pointed at the rogue publisher took nothing from it, gave up with exit
+    status 3 and logged the failed handshake."""
+    code = fooled.wait(timeout=60)
+    fooled_log = c.log("worker-9", tail=0)
+    report.check(
+        "a worker pointed at a rogue publisher took nothing from it and gave up (exit 3)",
+        code == 3 and not applied_versions(fooled_log),
+        (code, applied_versions(fooled_log)),
+    )
+    report.check(
+        "it logged that the publisher failed the handshake",
+        "handshake" in fooled_log,
+        fooled_log[-300:],
+    )
 
 
 def _attack(

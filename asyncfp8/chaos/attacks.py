@@ -179,12 +179,11 @@ class Flood:
 
 
 class CorruptingRelay:
-    """Stands between the learner's PUB socket and one worker (whose `sync.version_port`
-    points here) and, while `spoil` is set, spoils messages going through: a flipped
-    byte in the header or in the payload, a truncated header, an injected random
-    message, or an older message replayed. A worker must reject every header or
-    injected fault, reject a payload fault unless it already holds that version (then
-    the message is ignored), and ignore replays of versions it has passed."""
+    """Stands between the learner's PUB socket and one worker (its `sync.version_port`
+    points here) and, while `spoil` is set, spoils messages: a flipped header or payload
+    byte, a truncated header, an injected random message, an older one replayed. A worker
+    must reject every header or injected fault, a payload fault unless it holds that version
+    already (then ignored), and ignore replays of versions it has passed."""
 
     def __init__(self, upstream: str, seed: int = 0, probability: float = 0.5):
         self.rng = random.Random(seed)

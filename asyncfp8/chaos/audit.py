@@ -1,10 +1,8 @@
 """Reading a run back after faults: was anything trained twice, left half done, or lost?
-
-The learner's ledger says which samples each step trained or skipped (`asyncfp8.learner.ledger`);
-its last checkpoint says which prompts were still out (leased, queued again, received
-but not trained, skipped but not yet in the ledger). Together they must account for
-every prompt handed out, exactly once.
-"""
+The learner's ledger says which samples each step trained or skipped
+(`asyncfp8.learner.ledger`); its last checkpoint says which prompts were still out (leased,
+queued again, received but not trained, skipped but not yet in the ledger). Together they
+must account for every prompt handed out, exactly once."""
 
 from __future__ import annotations
 
@@ -32,6 +30,7 @@ class Audit:
     duplicate_prompts: list = field(default_factory=list)  # prompts trained twice
     incomplete_groups: list = field(default_factory=list)  # wrong size or mixed senders
     lost_prompts: list = field(default_factory=list)  # handed out, neither trained nor open
+
     stale_samples: int = 0  # samples older than max_staleness at their step
     step_gaps_s: list = field(default_factory=list)  # wall time between consecutive steps
     senders: set = field(default_factory=set)

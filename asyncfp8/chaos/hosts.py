@@ -1,13 +1,8 @@
-"""Hosts that really are separate, on one machine: a Linux network namespace per host,
-each joined to one bridge by a veth pair, so that the learner and each worker have an
-address, a network stack and a link of their own. A link can be taken down and brought
-back like a cable pulled out. Needs root (or CAP_NET_ADMIN) and the `ip` tool.
-
-    with Hosts(["learner", "w0", "w1"]) as hosts:
-        hosts.address("learner")             # "10.213.7.1"
-        hosts.command("w0", [...])           # runs [...] inside w0's namespace
-        hosts.cut("w0"); hosts.restore("w0")
-"""
+"""Hosts that really are separate, on one machine: a Linux network namespace per host, each
+joined to one bridge by a veth pair, so the learner and each worker have an address, a
+network stack and a link of their own; `cut` takes a link down like a pulled cable and
+`restore` brings it back. Needs root (or CAP_NET_ADMIN) and the `ip` tool. Use:
+`with Hosts(["learner", "w0"]) as hosts: hosts.command("w0", [...])` (`hosts.address(name)`)."""
 
 from __future__ import annotations
 

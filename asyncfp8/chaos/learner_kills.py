@@ -8,8 +8,10 @@ from __future__ import annotations
 import itertools
 import random
 import re
+import subprocess
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncfp8.learner.ledger import read_ledger
@@ -45,17 +47,43 @@ def learner_kills(
     checkpoint_every: int = 4,
     fault: str = "learner SIGKILL mid-step / mid-publish / random + resume",
 ) -> FaultReport:
-    """Kills the learner once per entry of `kinds` (mid-step, mid-publish with a version
-    half sent, mid-line in metrics.jsonl or ledger.jsonl, or at random: KILL_POINTS) and
-    resumes it each time from its last checkpoint, while the workers are never restarted
-    and this process follows the run's files as the launcher's progress bar, the report
-    and the audit read them. Nothing may crash, nothing half-sent may be applied, every
-    step must be in each file once and the audit be clean."""
+    """Kills the learner once per entry of `kinds` (KILL_POINTS, or "random") and resumes it
+    from its last checkpoint each time; the workers are never restarted and this process
+    follows the run's files as the progress bar, the report and the audit read them. Nothing
+    may crash, nothing half-sent may be applied, every step must be in each file once and
+    the audit be clean."""
     unknown = set(kinds) - set(KILL_POINTS) - {"random"}
     if unknown:
         raise ValueError(f"no learner kill {sorted(unknown)}: {[*KILL_POINTS, 'random']}")
     rng = random.Random(seed)
-    c = Cluster(
+    c = _kill_cluster(work_dir, model_dir, steps, checkpoint_every)
+    report = FaultReport(fault, len(kinds))
+    reader = _Follower(c.run_dir, steps)
+    try:
+        reader.start()
+        kills = _kill_each_kind(c, report, kinds, rng)
+        _finish_run(c, report, kills.workers)
+    finally:
+        reader.stop()
+        c.stop()
+    _check_after_kills(c, report, reader, kills, len(kinds), steps, checkpoint_every)
+    return report
+
+
+@dataclass
+class _Kills:
+    """What the kill cycles left: when the learner died, the newest version published at
+    each death, the versions it may have died publishing, and the workers it started."""
+
+    deaths: list[float] = field(default_factory=list)
+    published: list[int] = field(default_factory=list)
+    half_sent: list[int] = field(default_factory=list)
+    workers: list[subprocess.Popen] = field(default_factory=list)
+
+
+def _kill_cluster(work_dir: Path, model_dir: Path, steps: int, checkpoint_every: int) -> Cluster:
+    """A two-worker run whose versions go out in several chunks, so one can be half sent."""
+    return Cluster(
         work_dir,
         model_dir,
         f"run.steps={steps}",
@@ -65,58 +93,77 @@ def learner_kills(
         "run.lease_timeout=4",
         "sync.resend_after=2",
     )
-    report = FaultReport(fault, len(kinds))
-    reader = _Follower(c.run_dir, steps)
-    try:
-        reader.start()
-        deaths, published, half_sent, workers = [], [], [], []
-        for cycle, kind in enumerate(kinds):
-            resume = ["run.resume=true"] if cycle else []
-            if kind == "random":
-                learner = c.learner(*resume)
-                kill_after_a_step(c, learner, rng.uniform(0.05, 1.5))
-            else:
-                hit = rng.randint(*KILL_POINTS[kind])
-                learner = c.learner(*resume, env={FAILPOINTS_ENV: f"{kind}={hit}"})
-            if not workers:
-                workers = [c.worker(i) for i in (0, 1)]
-            code = learner.wait(timeout=240)
-            deaths.append(time.time())
-            published.append(latest_version(c))
-            report.check(f"cycle {cycle} ({kind}): the learner died by SIGKILL", code == -9, code)
-            if kind == "publish.between_chunks":
-                half_sent.append(published[-1])  # or the one before: see below
-            if kind in TORN_FILES:
-                text = (c.run_dir / TORN_FILES[kind]).read_bytes()
-                report.check(
-                    f"cycle {cycle}: {TORN_FILES[kind]} was left with a torn last line",
-                    bool(text) and not text.endswith(b"\n"),
-                    text[-80:],
-                )
-        learner = c.learner("run.resume=true")
-        code = learner.wait(timeout=300)
-        report.check("the last resumed learner finished the run", code == 0, code)
-        for i, worker in enumerate(workers):
+
+
+def _kill_each_kind(
+    c: Cluster, report: FaultReport, kinds: tuple[str, ...], rng: random.Random
+) -> _Kills:
+    """Starts the learner once per kind (resuming after the first), armed to die there, and
+    the workers once; checks each death was a SIGKILL and a torn kind left its line torn."""
+    kills = _Kills()
+    for cycle, kind in enumerate(kinds):
+        resume = ["run.resume=true"] if cycle else []
+        if kind == "random":
+            learner = c.learner(*resume)
+            kill_after_a_step(c, learner, rng.uniform(0.05, 1.5))
+        else:
+            hit = rng.randint(*KILL_POINTS[kind])
+            learner = c.learner(*resume, env={FAILPOINTS_ENV: f"{kind}={hit}"})
+        if not kills.workers:
+            kills.workers = [c.worker(i) for i in (0, 1)]
+        code = learner.wait(timeout=240)
+        kills.deaths.append(time.time())
+        kills.published.append(latest_version(c))
+        report.check(f"cycle {cycle} ({kind}): the learner died by SIGKILL", code == -9, code)
+        if kind == "publish.between_chunks":
+            kills.half_sent.append(kills.published[-1])  # or the one before: see below
+        if kind in TORN_FILES:
+            text = (c.run_dir / TORN_FILES[kind]).read_bytes()
             report.check(
-                f"worker {i} was never restarted and finished when told",
-                worker.wait(timeout=60) == 0,
-                worker.returncode,
+                f"cycle {cycle}: {TORN_FILES[kind]} was left with a torn last line",
+                bool(text) and not text.endswith(b"\n"),
+                text[-80:],
             )
-    finally:
-        reader.stop()
-        c.stop()
+    return kills
+
+
+def _finish_run(c: Cluster, report: FaultReport, workers: list[subprocess.Popen]) -> None:
+    """Resumes the learner a last time to the end of the run; the workers, never restarted,
+    must finish when it tells them to."""
+    learner = c.learner("run.resume=true")
+    code = learner.wait(timeout=300)
+    report.check("the last resumed learner finished the run", code == 0, code)
+    for i, worker in enumerate(workers):
+        report.check(
+            f"worker {i} was never restarted and finished when told",
+            worker.wait(timeout=60) == 0,
+            worker.returncode,
+        )
+
+
+def _check_after_kills(
+    c: Cluster,
+    report: FaultReport,
+    reader: _Follower,
+    kills: _Kills,
+    resumes: int,
+    steps: int,
+    checkpoint_every: int,
+) -> None:
+    """Reads the finished run back: how long each recovery took, versions that never go
+    back, the half-sent versions, the resumes, the files, the audit and the sample total."""
     records = read_ledger(c.run_dir)
     report.recovery_s = [
         min((r["time"] for r in records if r["time"] > died), default=float("nan")) - died
-        for died in deaths
+        for died in kills.deaths
     ]
     versions = [r["version"] for r in records]
     report.check("trained versions never go back", versions == sorted(versions), versions)
     metrics = read_metrics(c.run_dir)
-    _check_half_sent(c, report, half_sent)
-    _check_resumes(c, report, metrics, len(kinds), checkpoint_every, published[-1])
-    _check_files(c, report, reader, metrics, records, steps, len(kinds))
-    report.details["resumes"] = len(kinds)
+    _check_half_sent(c, report, kills.half_sent)
+    _check_resumes(c, report, metrics, resumes, checkpoint_every, kills.published[-1])
+    _check_files(c, report, reader, metrics, records, steps, resumes)
+    report.details["resumes"] = resumes
     result = audit_run(c, report, max_staleness=1)
     report.check("all steps trained", result.steps == steps, result.steps)
     # The totals came back with each checkpoint: the count covers every incarnation. It
@@ -127,7 +174,6 @@ def learner_kills(
         total >= result.trained_samples,
         (total, result.trained_samples),
     )
-    return report
 
 
 def _check_half_sent(c: Cluster, report: FaultReport, half_sent: list[int]) -> None:

@@ -1,9 +1,8 @@
-"""The faults of docs/reliability.md, each against a real learner and real workers on
-loopback (tiny model); the learner's own kills are in learner_kills.py, the attacks (bad
-frames, impersonation) in attack_scenarios.py, and SCENARIOS names them all. A scenario injects its fault a bounded number of times, lets the run go
-on, stops the learner (SIGTERM: it checkpoints), audits the run and returns a
-`FaultReport` (fault_report.py): what was injected, what was lost (must be 0), how long
-recovery took, and every check with what it saw."""
+"""The faults of docs/reliability.md against a real learner and workers on loopback (tiny
+model; the learner's kills in learner_kills.py, the attacks in attack_scenarios.py; SCENARIOS
+names all). A scenario injects its fault a bounded number of times, lets the run go on,
+stops the learner (SIGTERM: it checkpoints), audits the run and returns a `FaultReport`:
+what was injected, what was lost (must be 0), how long recovery took, every check."""
 
 from __future__ import annotations
 
@@ -216,12 +215,11 @@ def slow_worker(
 def separate_hosts(
     work_dir: Path, model_dir: Path, seed: int = 0, resend_after: float = 2.0
 ) -> FaultReport:
-    """The learner and two workers each on a host of its own (network namespaces on one
-    bridge, `asyncfp8.chaos.hosts`), started with the multi-host commands of
-    docs/running.md and CurveZMQ on. A worker's link is cut for longer than
-    `sync.resend_after` while it pushes trajectories (the learner must train on with the
-    other), then the learner's own link while it publishes versions; each comes back, and
-    the audit must find nothing lost or trained twice. `seed` varies when the cuts fall."""
+    """The learner and two workers each on a host of its own (`asyncfp8.chaos.hosts`), started
+    with docs/running.md's multi-host commands and CurveZMQ on. A worker's link is cut past
+    `sync.resend_after` while it pushes (the learner must train on with the other), then the
+    learner's while it publishes; each comes back, and the audit must find nothing lost or
+    trained twice. `seed` varies when the cuts fall."""
     reason = hosts_unavailable()
     if reason:
         raise RuntimeError(f"separate hosts cannot be made here: {reason}")
@@ -231,76 +229,102 @@ def separate_hosts(
     outage = 3 * resend_after
     report = FaultReport("separate hosts: links cut and restored", injected=0)
     with Hosts(["learner", "w0", "w1"]) as hosts:
-        c = Cluster(
-            work_dir / "run",
-            model_dir,
-            *OPEN_ENDED,
-            "run.workers=2",
-            "run.lease_timeout=4",
-            f"sync.resend_after={resend_after}",
-            f"sync.host={hosts.address('learner')}",
-            "sync.curve.enabled=true",
-            f"sync.curve.keys_dir={keys}",
-        )
+        c = _hosts_cluster(work_dir, model_dir, hosts, keys, resend_after)
         try:
             learner = c.learner("sync.bind=0.0.0.0", host=hosts.command("learner", []))
             for index in (0, 1):
                 c.worker(index, host=hosts.command(f"w{index}", []))
             c.wait_for_step(5)
-            for index in (0, 1):
-                started = c.log(f"worker-{index}", tail=0)
-                report.check(
-                    f"worker {index} takes versions over ZeroMQ with CURVE (another host)",
-                    "versions over ZeroMQ, CurveZMQ on" in started,
-                    started[-300:],
-                )
-            # 1. a worker's link, while it pushes trajectories
-            time.sleep(rng.uniform(0.2, 1.0))
-            step = c.last_step()
-            hosts.cut("w0")
-            report.injected += 1
-            time.sleep(outage)
-            trained_meanwhile = c.last_step() - step
-            report.check(
-                "the learner trained on with the worker it could reach",
-                trained_meanwhile >= 2,
-                f"{trained_meanwhile} steps in {outage:.0f} s",
-            )
-            restored = time.time()
-            hosts.restore("w0")
-            back = wait_for(
-                lambda: _trained_from_after(c.run_dir, "0/", restored),
-                120,
-                "worker 0 trained on after its link came back",
-            )
-            report.recovery_s.append(back - restored)
-            # 2. the learner's link, while it publishes (a version every step)
-            time.sleep(rng.uniform(0.2, 1.0))
-            hosts.cut("learner")
-            report.injected += 1
-            time.sleep(outage)
-            restored, latest = time.time(), latest_version(c)
-            hosts.restore("learner")
-            for prefix in ("0/", "1/"):
-                back = wait_for(
-                    lambda p=prefix, r=restored: _trained_from_after(c.run_dir, p, r),
-                    120,
-                    f"worker {prefix[0]} trained on after the learner's link came back",
-                )
-                report.recovery_s.append(back - restored)
-            c.wait_for_step(c.last_step() + 3)
-            for index in (0, 1):
-                applied = applied_versions(c.log(f"worker-{index}", tail=0))
-                report.check(
-                    f"worker {index} applied versions published after the outage (> {latest})",
-                    bool(applied) and applied[-1] > latest,
-                    applied[-3:],
-                )
+            _check_curve_workers(c, report)
+            _cut_worker_link(c, hosts, report, rng, outage)
+            _cut_learner_link(c, hosts, report, rng, outage)
             alive(learner, c)
             finish(c, learner, report)
         finally:
             c.stop()
     return report
+
+
+def _hosts_cluster(
+    work_dir: Path, model_dir: Path, hosts: Hosts, keys: Path, resend_after: float
+) -> Cluster:
+    """Two workers that reach the learner at its host's address, over CurveZMQ."""
+    return Cluster(
+        work_dir / "run",
+        model_dir,
+        *OPEN_ENDED,
+        "run.workers=2",
+        "run.lease_timeout=4",
+        f"sync.resend_after={resend_after}",
+        f"sync.host={hosts.address('learner')}",
+        "sync.curve.enabled=true",
+        f"sync.curve.keys_dir={keys}",
+    )
+
+
+def _check_curve_workers(c: Cluster, report: FaultReport) -> None:
+    """Each worker says it takes versions over ZeroMQ with CURVE, as from another host."""
+    for index in (0, 1):
+        started = c.log(f"worker-{index}", tail=0)
+        report.check(
+            f"worker {index} takes versions over ZeroMQ with CURVE (another host)",
+            "versions over ZeroMQ, CurveZMQ on" in started,
+            started[-300:],
+        )
+
+
+def _cut_worker_link(
+    c: Cluster, hosts: Hosts, report: FaultReport, rng: random.Random, outage: float
+) -> None:
+    """Cuts worker 0's link while it pushes trajectories: the learner must train on with
+    worker 1, and worker 0's samples be trained again once its link is back."""
+    time.sleep(rng.uniform(0.2, 1.0))
+    step = c.last_step()
+    hosts.cut("w0")
+    report.injected += 1
+    time.sleep(outage)
+    trained_meanwhile = c.last_step() - step
+    report.check(
+        "the learner trained on with the worker it could reach",
+        trained_meanwhile >= 2,
+        f"{trained_meanwhile} steps in {outage:.0f} s",
+    )
+    restored = time.time()
+    hosts.restore("w0")
+    back = wait_for(
+        lambda: _trained_from_after(c.run_dir, "0/", restored),
+        120,
+        "worker 0 trained on after its link came back",
+    )
+    report.recovery_s.append(back - restored)
+
+
+def _cut_learner_link(
+    c: Cluster, hosts: Hosts, report: FaultReport, rng: random.Random, outage: float
+) -> None:
+    """Cuts the learner's link while it publishes (a version every step): once it is back,
+    both workers' samples are trained again and both apply versions newer than the outage."""
+    time.sleep(rng.uniform(0.2, 1.0))
+    hosts.cut("learner")
+    report.injected += 1
+    time.sleep(outage)
+    restored, latest = time.time(), latest_version(c)
+    hosts.restore("learner")
+    for prefix in ("0/", "1/"):
+        back = wait_for(
+            lambda p=prefix, r=restored: _trained_from_after(c.run_dir, p, r),
+            120,
+            f"worker {prefix[0]} trained on after the learner's link came back",
+        )
+        report.recovery_s.append(back - restored)
+    c.wait_for_step(c.last_step() + 3)
+    for index in (0, 1):
+        applied = applied_versions(c.log(f"worker-{index}", tail=0))
+        report.check(
+            f"worker {index} applied versions published after the outage (> {latest})",
+            bool(applied) and applied[-1] > latest,
+            applied[-3:],
+        )
 
 
 def _trained_from_after(run_dir: Path, sender_prefix: str, after: float) -> float | None:

@@ -1,9 +1,8 @@
 """Hydra config groups (a package so that Hydra can find them as `pkg://asyncfp8.conf`).
 
 Importing it (Hydra does, before composing) stores the schemas the YAML files extend:
-`schema/precision` (asyncfp8.precision.schema), `schema/reward` and
-`schema/correction/<name>` (asyncfp8.correction.schema), `schema/run`, `schema/optim`,
-`schema/sync`, `schema/eval` and `schema/engine/<name>` (asyncfp8.conf.schemas)."""
+`schema/precision`, `schema/reward`, `schema/correction/<name>`, `schema/run`, `schema/optim`,
+`schema/sync`, `schema/eval` and `schema/engine/<name>`."""
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf

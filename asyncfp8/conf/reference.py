@@ -1,9 +1,7 @@
 """The configuration reference, made from the schemas: every key with its type, default
-and help, never written by hand.
+and help, never written by hand; a test checks docs/configuration.md is what this prints.
 
-    python -m asyncfp8.conf.reference > docs/configuration.md
-
-A test checks that docs/configuration.md is what this prints."""
+    python -m asyncfp8.conf.reference > docs/configuration.md"""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Every setting of `run`, `optim`, `sync`, `eval`, `guard` and `engine`: its type, its
-default and its help, in one place. Stored in Hydra's ConfigStore (`schema/<group>`,
-`schema/engine/<name>`), which the YAML files of those groups extend, so that a typo or a
-value of the wrong type fails when the config is composed, naming the key, before any
-process starts; a resumed run takes a key its saved config lacks from here. What a type
-cannot say (a count >= 1, a rule between two keys) is checked in asyncfp8/checks.py.
+"""Every setting of `run`, `optim`, `sync`, `eval`, `guard` and `engine`: type, default, help.
+Stored in Hydra's ConfigStore (`schema/<group>`, `schema/engine/<name>`), which the groups'
+YAML files extend, so a typo or a wrong type fails when the config is composed, naming the
+key; a resumed run takes a key its saved config lacks from here. Value rules: asyncfp8/checks.py.
 """
 
 from __future__ import annotations
@@ -93,7 +91,8 @@ class WandbConfig:
 
 @dataclass
 class RayActorConfig:
-    """One learner rank's or one worker's share of a Ray cluster (asyncfp8/launch/ray_cluster.py)."""
+    """One learner rank's or one worker's share of a Ray cluster
+    (asyncfp8/launch/ray_cluster.py)."""
 
     num_cpus: float = setting(1, "CPUs the actor asks for")
     num_gpus: float = setting(0, "GPUs the actor asks for")

@@ -1,14 +1,8 @@
 """The data a correction sees and what it returns.
 
-ρ_t = π_learner(y_t) / π_rollout(y_t) is computed once, in log space, clamped to ±20
-(e^20 ≈ 5e8: far past any threshold, and finite in float32 even when squared or summed
-over a sequence), and zeroed at padded positions so that sums over a sequence need no
-further masking.
-
-Sequence quantities sum the *unclamped* token log-ratios and clamp the sum (as veRL
-does): clamping each token first would let one token's +45 be cut to +20 and then be
-outweighed by the rest of the sequence, turning a sequence far above any threshold into
-one far below it.
+ρ_t = π_learner(y_t) / π_rollout(y_t) is computed once in log space, clamped to ±20 (finite
+in float32 even squared or summed) and zeroed at padded positions. Sequence quantities sum
+the *unclamped* token log-ratios and clamp the sum, as veRL does (docs/correction.md).
 """
 
 from __future__ import annotations

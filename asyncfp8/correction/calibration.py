@@ -1,21 +1,8 @@
-"""Rejection that does not starve (docs/correction.md, "Bounds from the measured mismatch"):
-rejection bounds taken from the precision's own mismatch, and a rule for the steps whose
-kept evidence is too small.
+"""Rejection that does not starve (docs/correction.md, "Bounds from the measured mismatch").
 
-Calibration. The bounds of `token_mis` (`icepop`), `seq_mis` and `geo_rs` are bounds on a
-log-statistic of ρ: the token log-ratio, the sequence's summed log-ratio, its mean. With
-`correction.target_rejected=f`, the learner measures that statistic once, on the first
-step's tokens of the version it trains (staleness 0, so the ratio is the rollout
-precision's mismatch alone), and sets each bound the user left unset at a quantile: the
-lower at f/2, the upper at 1 − f/2, so that about f of the tokens (token_mis) or sequences
-(seq_mis, geo_rs) of that step fall outside. A bound never excludes ρ = 1 (the lower is
-at most 1, the upper at least 1): a rollout that agrees with the learner is always kept.
-
-Starvation. A mini-batch whose kept tokens are fewer than `correction.min_kept` of its
-real tokens is starved: its update is taken with the learning rate times
-kept / (min_kept × tokens) (`starved=scale`) or not at all (`starved=skip`). Adam's step
-is nearly independent of the gradient's size, so scaling the gradient would not do:
-without this, three kept sequences move the weights as far as sixty-four.
+Calibration: with `target_rejected=f`, each unset bound of token_mis, seq_mis or geo_rs is set
+at a quantile of the first step's fresh log-ratios, so about f falls outside (ρ = 1 is kept).
+Starvation: an update keeping under `min_kept` of its tokens steps at a scaled rate, or none.
 """
 
 from __future__ import annotations

@@ -168,7 +168,8 @@ def make_batch(
         bad = torch.isnan(value) & mask
         if bad.any():
             raise ValueError(
-                f"{key} is NaN at {bad.sum().item()} unmasked positions (first at {bad.nonzero()[0].tolist()})"
+                f"{key} is NaN at {bad.sum().item()} unmasked positions "
+                f"(first at {bad.nonzero()[0].tolist()})"
             )
         if ((value > 1e-4) & mask).any():
             raise ValueError(
@@ -183,7 +184,8 @@ def make_batch(
     if versions is not None:
         if tuple(versions.shape) != shapes["mask"]:
             raise ValueError(
-                f"versions must be [B, T] like the logprobs {shapes['mask']}, got {tuple(versions.shape)}"
+                f"versions must be [B, T] like the logprobs {shapes['mask']}, "
+                f"got {tuple(versions.shape)}"
             )
         if current_version is None:
             raise ValueError("versions were given without current_version")

@@ -1,10 +1,7 @@
 """The `correction=` config as schemas in Hydra's ConfigStore: one base for the keys every
-correction has (`name`, `reject`, `mode`, `proximal`, `max_staleness`, `target_rejected`,
-`min_kept`, `starved`) and, for every registered
-method, a dataclass with its own parameters, typed from its signature. Each YAML under
-conf/correction/ extends its method's schema, so a mistyped key
-(`correction.uper=5`) or a wrong type (`correction.upper=five`) fails when the config is
-composed, naming the key; value checks (lower <= upper, ...) stay with the methods."""
+correction has and, per registered method, a dataclass of its parameters typed from its
+signature. Each YAML under conf/correction/ extends its method's schema, so a mistyped key
+or a wrong type fails when the config is composed; value checks stay with the methods."""
 
 from __future__ import annotations
 

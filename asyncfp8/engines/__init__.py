@@ -1,11 +1,8 @@
 """Rollout engines: the built-in torch engine and the vLLM and SGLang adapters.
 
-from asyncfp8.engines import make_engine, SamplingParams
-engine = make_engine("torch", model_dir, policy)      # or "vllm", "sglang"
-supports("vllm", policy)   # None, or why that engine cannot run the policy
+engine = make_engine("torch", model_dir, policy)  # or "vllm", "sglang"; supports(name, policy)
 engine.update_weights(version, tensors, extra)
-samples = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=32, seed=0))
-"""
+samples = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=32, seed=0))"""
 
 from __future__ import annotations
 
@@ -48,7 +45,7 @@ def supports(name: str, policy: PrecisionPolicy) -> str | None:
     need its shapes), else the reason; each adapter says (its `supports`), without
     importing vLLM or SGLang."""
     if name == "torch":
-        from .torch_engine import supports as adapter_supports
+        from .torch_support import supports as adapter_supports
     elif name == "vllm":
         from .vllm_engine import supports as adapter_supports
     elif name == "sglang":

@@ -89,11 +89,10 @@ class RolloutEngine(Protocol):
 @dataclass
 class Scores:
     """Teacher-forced scores of token sequences under the version an engine runs now.
-
-    `logprobs[i][t]`: the fp32 log-probability of token t+1 of sequence i given its
-    tokens up to t, at temperature 1 with no top-k / top-p ([len_i - 1]).
-    `layer_rms[i][l, t]`: the root mean square of decoder layer l's output at position t
-    ([layers, len_i]), for an engine that can read its layers' outputs; None otherwise."""
+    `logprobs[i][t]`: the fp32 log-probability of token t+1 of sequence i given its tokens
+    up to t, at temperature 1, no top-k / top-p ([len_i - 1]). `layer_rms[i][l, t]`: the RMS
+    of decoder layer l's output at position t ([layers, len_i]), for an engine that can read
+    its layers' outputs; None otherwise."""
 
     logprobs: list[torch.Tensor]
     layer_rms: list[torch.Tensor] | None = None

@@ -1,19 +1,8 @@
-"""The built-in engine's forward pieces over a static KV cache (the decode loop that
-runs them is `slot_loop.SlotLoop`, over a `slots.SlotDecoder`).
-
-- `processed_logprobs`: the distribution actually sampled from (temperature, top-k,
-  top-p); `request_sampling` draws from it with per-request random streams.
-- `forward_static`: one forward of a transformers causal LM over a `StaticKVCache`, with
-  the masks given per layer kind (no shape that grows, no host sync).
-- `Prefill`: the forward of a few distinct prompts over a cache of their own, whose rows
-  the slot decoder copies into the slots it fills.
-
-Attention runs through `static_attention`, registered with transformers' attention
-interface: SDPA over the cache in the model dtype (grouped-query heads folded into rows,
-so no copy of the cache), and for an e4m3 cache `fp8_kv_decode_attention`, which reads
-the e4m3 bytes (a Triton kernel on CUDA, its torch reference elsewhere); prefill
-dequantizes an e4m3 cache.
-"""
+"""The built-in engine's forward pieces over a static KV cache: `processed_logprobs` (the
+distribution sampled from), `forward_static` (one forward with per-layer-kind masks, no
+growing shape, no host sync) and `Prefill` (distinct prompts over a cache of their own).
+Attention is `static_attention`: SDPA in the model dtype, `fp8_kv_decode_attention` for an
+e4m3 cache (docs/engines.md, "What runs where")."""
 
 from __future__ import annotations
 
@@ -165,13 +154,11 @@ def forward_static(
 
 
 class Prefill:
-    """The forward of `batch` distinct prompts of at most `width` tokens (left padded) of
-    `model`, a transformers causal LM whose attention implementation is `ATTENTION`,
-    over a static cache of their own (`kv_scales` and `dtype` as for
-    `StaticKVCache.for_model`: None for a cache in the model dtype). The slot decoder
-    copies its rows into the slots it fills; the engine's probe and scoring run through
-    it too. `keep_hidden`: keep the last forward's hidden states in `hidden` (for a
-    speculative drafter)."""
+    """The forward of `batch` distinct left-padded prompts of at most `width` tokens of
+    `model` (attention `ATTENTION`) over a static cache of their own (`kv_scales`, `dtype`
+    as for `StaticKVCache.for_model`), whose rows the slot decoder copies into its slots;
+    the probe and scoring run through it too. `keep_hidden`: keep the last forward's
+    hidden states in `hidden` (for a speculative drafter)."""
 
     def __init__(
         self,

@@ -1,20 +1,8 @@
-"""The built-in engine's KV cache: preallocated, static in shape and address.
-
-One key and one value buffer per layer, [batch, kv_heads, max_tokens, head_dim], in the
-model dtype or in e4m3. Nothing is concatenated or reallocated while a batch decodes,
-so one captured decode-step graph serves every step of a generation (and every
-generation of the same shape).
-
-The e4m3 variant stores round(x / scale) in float8_e4m3fn (clamped to ±448), the
-version's recalibrated `k_scale` / `v_scale` (asyncfp8.precision.fp8_kv). The scales
-are 0-dim fp32 tensors the engine owns and overwrites in place when a version arrives:
-the cache and a captured graph read them, so a new version needs no new graph. Decode
-attention reads the e4m3 bytes as they are (`asyncfp8.precision.fp8_kv
-.attention.fp8_kv_decode_attention`); prefill reads them dequantized.
-
-Where a forward writes is set by the decoder before it runs (`write_at`): the transformers
-attention modules call `update(keys, values, layer_idx)` with no position.
-"""
+"""The built-in engine's KV cache: preallocated, static in shape and address, so one
+captured decode graph serves every step. One key and one value buffer per layer, in the
+model dtype or in e4m3 (round(x / scale), the version's 0-dim fp32 k/v scales, overwritten
+in place). `write_at` sets where the next forward writes. See docs/engines.md, "The decode
+loop"."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""Sampling from a model held outside an engine (the learner's own, sharded, for held-out
-evaluation; a model being warm-started) through the built-in engine's decode loop.
-
-It is `TorchEngine.generate`'s path: a `SlotLoop` over a `SlotDecoder` with one slot per
-sequence, the engine's sampling rule (`processed_logprobs`) and per-request random
-streams, requests seeded as the engine seeds them (`seeded_requests`). So for the same
-weights and seed it gives the engine's tokens, and a request's tokens do not depend on
-the batch, the rank or the other requests it runs with.
-
-The model runs with the decoder's attention (`decode.ATTENTION`) for the call and gets
-its own back after.
-"""
+"""Sampling from a model held outside an engine (the learner's, sharded, for held-out
+evaluation; a model being warm-started) through `TorchEngine.generate`'s path: a `SlotLoop`
+with one slot per sequence, requests seeded as the engine seeds them, so the same weights
+and seed give the engine's tokens. The model gets its own attention back after the call
+(docs/engines.md, "The decode loop")."""
 
 from __future__ import annotations
 
@@ -36,13 +29,11 @@ def sample_from_model(
     all_done: Callable[[bool], bool] | None = None,
     kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> list[Generated]:
-    """`sampling.n` completions of each token-id prompt from `model` (a transformers
-    causal LM), prompt-major: completion k of prompt i is request `indices[i] · n + k`
-    (default `indices[i]` = i) of a call seeded with `sampling.seed` (None: 0), as in
-    `TorchEngine.generate`. `dtype`: what the model computes in, when not its embeddings'
-    dtype (FSDP's mixed precision). `all_done`: see `SlotLoop` (ranks of a sharded model
-    step together). `kv_scales`: per layer (k_scale, v_scale) 0-dim fp32 tensors for an
-    e4m3 KV cache, as the engine's (None: a cache in the model's dtype)."""
+    """`sampling.n` completions of each token-id prompt from `model`, prompt-major:
+    completion k of prompt i is request `indices[i] · n + k` (default `indices[i]` = i) of a
+    call seeded with `sampling.seed` (None: 0). `dtype`: what the model computes in (FSDP's
+    mixed precision); `all_done`: see `SlotLoop`; `kv_scales`: per layer (k, v) 0-dim fp32
+    scales for an e4m3 KV cache (None: a cache in the model's dtype)."""
     if not prompts:
         raise ValueError("sample_from_model needs at least one prompt")
     if any(not ids for ids in prompts):

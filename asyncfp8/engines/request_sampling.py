@@ -1,14 +1,8 @@
-"""Per-request random streams for the slot decoder: a sample's tokens depend on its
-seed and on nothing else (not its slot, the batch it shares, when it started).
-
-A `torch.Generator` per request would need one sampling call per row each step and a
-host round-trip to know which rows to call it for; a shared generator makes a row's
-draws depend on its neighbours. Instead each draw is a pure function of (request seed,
-token index): a 32-bit integer hash evaluated on the device, turned into one uniform
-per row, which picks the token by inverse CDF of the processed distribution. No state
-to advance or rewind, the same shapes every step (a CUDA graph could hold it), and rows
-that are idle or finished simply draw numbers nobody records.
-"""
+"""Per-request random streams: a sample's tokens depend on its seed only (not its slot,
+its batch, when it started). Each draw is a pure function of (request seed, token index),
+a 32-bit hash on the device, one uniform per row, inverse CDF of the processed
+distribution: no generator state, the same shapes every step, unlike a generator per row
+or a shared one (docs/engines.md, "Slots")."""
 
 from __future__ import annotations
 

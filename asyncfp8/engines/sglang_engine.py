@@ -1,33 +1,8 @@
-"""SGLang as a rollout engine, through its offline `sglang.Engine` API.
-
-Not run here: SGLang does not install on these machines (CUDA only), and no GPU machine
-lent to this project has it. Written against SGLang 0.5's documented API (see
-docs/engines.md); its tests skip when `sglang` is absent.
-
-Why the Engine API and not the HTTP server: a worker already owns its engine for life
-and holds every version as tensors; `Engine.update_weights_from_tensor` takes them as
-they are (SGLang moves them to its scheduler process itself), where the server's
-`/update_weights_from_tensor` needs them serialized into a request body and a server
-process to start, watch and stop. The server's `/pause_generation` and
-`/continue_generation` matter when updates land while requests run; a worker applies
-versions between `generate` calls, and SGLang's update waits for running requests
-(its model-update lock), so a sample never mixes two versions.
-
-What the engine returns and what it refuses:
-- `meta_info["output_token_logprobs"]`: SGLang computes them in its sampler as
-  log_softmax(logits / temperature), before top-k / top-p / min-p filtering. That is
-  the processed distribution only without filters, so `generate` refuses top_k or
-  top_p (the learner's leases never set them). With SGLANG_RETURN_ORIGINAL_LOGPROB set,
-  SGLang returns temperature-1 logprobs instead: refused at start.
-- Precisions: bf16; fp8 (blockwise W8A8: SGLang starts from the exported checkpoint,
-  whose `quantization_config` names fp8 with 128×128 blocks, and each version's FP8
-  weights and `weight_scale_inv` load as they are, which is how slime refits FP8);
-  fp8_kv (`kv_cache_dtype="fp8_e4m3"`, each version's k/v scales sent with the weights).
-  int8 is refused at start: `update_weights_from_tensor` calls the model's
-  `load_weights` and re-runs no post-load processing, which SGLang's int8 layers need.
-- Seeds: SGLang honours per-request seeds only with deterministic inference on; the
-  engine passes `sampling_seed` and says so in the docs.
-"""
+"""SGLang as a rollout engine through its offline `sglang.Engine` API (versions by
+`update_weights_from_tensor`, not the HTTP server). Written against SGLang 0.5's documented
+API, not run here (CUDA only; its tests skip without `sglang`). Why the Engine API, the
+logprobs it returns (so top-k / top-p are refused), the precisions (int8 refused) and seeds:
+docs/engines.md, "sglang"."""
 
 from __future__ import annotations
 

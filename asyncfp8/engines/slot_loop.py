@@ -1,15 +1,8 @@
 """The built-in engine's one decode loop: requests through a `SlotDecoder`'s slots, a
-slot refilled with the next request as soon as its sequence ends. A static batch is
-this loop with one slot per sequence.
-
-Each request draws its tokens from its own random stream (`request_sampling`), so its
-tokens do not depend on the slot, the number of slots, the batch or the order it runs
-in. Between two steps the loop calls `between_steps` (a worker applies the newest
-version there: in-flight updates); every token is tagged with the version whose forward
-produced its logits, and nothing sampled is recomputed (the KV cache written under the
-old version is kept). How each step is made is a `stepping.StepStrategy`: `PlainStep`
-here, speculative decoding in `asyncfp8.engines.speculative.slots`.
-"""
+slot refilled as soon as its sequence ends (a static batch: one slot per sequence). Each
+request samples from its own stream; `between_steps` may apply a version between steps,
+every token tagged with its forward's version. Steps are made by a `StepStrategy`
+(docs/engines.md, "Slots: continuous batching and in-flight updates")."""
 
 from __future__ import annotations
 
@@ -95,21 +88,11 @@ class PlainStep:
 
 
 class SlotLoop:
-    """Generates `requests` through `decoder`'s slots (`run`): one `Generated` per
-    request, in order.
-
-    A sequence ends at `eos` (unless `sampling.ignore_eos`) or at its `max_new_tokens`.
-    Whether a row sampled eos is asked every `check_every` plain steps (a device sync;
-    a verify step always knows); a finished row idles until then, recording nothing,
-    and its sample is the same. `between_steps` runs before each forward; `version()` is
-    read after it: that version's forward (and any prefill then) produces the next
-    logits, and the tokens sampled from them carry it. `strategy` makes the steps
-    (default `PlainStep`).
-
-    `all_done`: for processes that run one sharded model together (FSDP: every forward
-    is a collective, so all must make as many), called once per iteration with whether
-    this loop's requests are all done; the loop ends when it returns True and steps its
-    idle rows until then. It needs a slot per request (one prefill each, at the start)."""
+    """Generates `requests` through `decoder`'s slots (`run`): one `Generated` per request,
+    in order; a sequence ends at `eos` (unless ignored, asked every `check_every` plain
+    steps) or its budget. `between_steps` runs before each forward, then `version()` tags
+    the tokens it produces. `all_done` (ranks of one sharded model step together): called
+    each iteration with whether this loop is done; needs a slot per request."""
 
     def __init__(
         self,

@@ -1,17 +1,8 @@
-"""The slot decoder: a fixed number of sequence slots over one static KV cache, each
-refilled with the next request as soon as its sequence ends (the loop that does so is
-`slot_loop.SlotLoop`; a static batch is that loop with one slot per sequence).
-
-Each row has its own write position, RoPE position and mask row, so the rows hold
-sequences of different lengths that started at different steps. `fill` prefills new
-prompts (once per distinct prompt) and copies their keys and values into the chosen
-rows, resetting those rows' masks and positions; `step` appends one token to every row;
-`verify` and `commit` run a speculative verify step. Shapes and addresses never change
-(idle rows compute and record nothing) and the decode step reads only device tensors,
-so on CUDA it is captured as a CUDA graph and replayed every step (the graph reads the
-weights and the KV scales where the engine updates them in place, so a new version
-needs no new graph); verify steps run eagerly.
-"""
+"""The slot decoder: sequence slots over one static KV cache, each row with its own write
+position, RoPE position and mask row. `fill` prefills prompts (once per distinct one) into
+rows, `step` appends a token to every row, `verify` / `commit` run a speculative step. Fixed
+shapes and addresses let CUDA replay the decode step as a graph; verify steps run eagerly
+(docs/engines.md, "The decode loop")."""
 
 from __future__ import annotations
 
@@ -26,20 +17,11 @@ from .stepping import RecordedSpan
 
 
 class SlotDecoder:
-    """`slots` sequences of at most `max_tokens` positions each (prompt + new tokens) of
-    `model`, a transformers causal LM whose attention implementation is
-    `decode.ATTENTION`. `kv_scales`: per layer (k_scale, v_scale) 0-dim fp32 tensors
-    for an e4m3 cache, None for a cache in the model dtype. `record_hidden`: every
-    forward also keeps the target's last hidden states (the LM head's input), per row
-    and position, in `hidden_states` with the token fed there in `fed_tokens`: what a
-    speculative drafter reads and trains on.
-
-    `graph`: capture the decode step as a CUDA graph (CUDA only), at the first `step`.
-    `fixed_length` (default: as `graph`): every step attends over all `max_tokens`
-    positions under the mask, the one shape a graph replays; without it a step reads
-    only the positions some row has reached (launched one by one, a step gains nothing
-    from a fixed shape). `dtype`: the dtype the model's forward computes in, when it is
-    not its embeddings' (FSDP's mixed precision casts the weights at each forward)."""
+    """`slots` sequences of at most `max_tokens` positions of `model` (attention
+    `decode.ATTENTION`). `kv_scales`: per layer (k, v) 0-dim fp32 scales of an e4m3 cache, or
+    None. `record_hidden`: keep each forward's last hidden states and fed tokens (what a
+    drafter reads). `graph`: capture the step on CUDA; `fixed_length` (default `graph`):
+    attend over all positions, the one shape a graph replays. `dtype`: the forward's dtype."""
 
     def __init__(
         self,

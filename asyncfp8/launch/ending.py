@@ -28,9 +28,8 @@ def report_guard_stop(run_dir: Path, started: float) -> int:
     finished run's (with `guard_stopped`), the learner's reason (the last line of
     learner.log), and how to go on."""
     report_end(run_dir, started)
-    print(
-        f"[launch] the guard stopped the run. learner.log ends:\n{log_tail(run_dir / 'learner.log', 1)}"
-    )
+    tail = log_tail(run_dir / "learner.log", 1)
+    print(f"[launch] the guard stopped the run. learner.log ends:\n{tail}")
     print(resume_hint(run_dir))
     return GUARD_STOPPED
 

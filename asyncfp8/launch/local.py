@@ -1,18 +1,8 @@
 """One command for a run on this machine: the learner and its workers as processes (or,
-colocated, the learner alone with its own engine; `run.placement=auto` picks), with the
-same Hydra overrides, one progress bar, and a summary with plots.
-
-    python -m asyncfp8.launch                                   # small model, BF16, auto placement
-    python -m asyncfp8.launch precision=fp8 correction=token_tis run.steps=100
-    python -m asyncfp8.launch run.mode=sync                     # the synchronous baseline
-    srun python -m asyncfp8.launch run.learner_procs=8 ...      # one process per Slurm task
-    python -m asyncfp8.launch run.ray=true run.workers=8 ...    # actors on a Ray cluster
-
-Each process logs to `<run.dir>/<name>.log`; the learner's metrics go to
-`<run.dir>/metrics.jsonl`. Ctrl-C stops the workers and lets the learner checkpoint
-(continue with `run.resume=true run.dir=<that dir>`). A worker that dies is restarted
-(up to `run.worker_restarts` times); the learner re-leases what it held.
-"""
+colocated, the learner alone with its own engine), with the same Hydra overrides, one
+progress bar, and a summary with plots; under srun or with run.ray=true, the same run on
+Slurm or Ray. Ctrl-C stops the workers and lets the learner checkpoint; a worker that dies
+is restarted (docs/running.md#what-each-process-does)."""
 
 from __future__ import annotations
 
@@ -98,27 +88,7 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
     run = cfg.run
     run_dir = Path(run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    ports = chosen_ports(cfg, overrides)
-    placement, resolved = placement_of(run), []
-    # A fresh run's auto is resolved here and handed to the processes, so the run saves
-    # (and a resume keeps) what ran; a resumed run runs as it ran (auto read as separate).
-    if run.placement == "auto" and not run.resume:
-        gpus = 0 if run.device == "cpu" else torch.cuda.device_count()
-        placement, why = auto_placement(cfg, gpus)
-        resolved = [f"run.placement={placement}"]
-        print(f"[launch] run.placement=auto: {placement} ({why})", flush=True)
-    own = ("run.dir=", "run.worker_id=", "sync.host=", *(f"sync.{p}_port=" for p in PORTS))
-    common = [
-        *(
-            o
-            for o in overrides
-            if not o.startswith(own) and not (resolved and o.startswith("run.placement="))
-        ),
-        f"run.dir={run_dir}",
-        *resolved,
-        "sync.host=127.0.0.1",
-        *(f"sync.{name}_port={port}" for name, port in zip(PORTS, ports, strict=True)),
-    ]
+    placement, common = process_overrides(cfg, overrides, run_dir)
     learner = Process("learner", "asyncfp8.learner", common, run_dir, ranks=run.learner_procs)
     colocated = placement == "colocated"
     workers = [
@@ -131,17 +101,10 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
         )
         for i in range(0 if colocated else worker_count(run))
     ]
-    ranks = f"{run.learner_procs} rank{'s' if run.learner_procs > 1 else ''}"
-    shape = (
-        f"learner ({ranks}) generating with its own engine (run.placement=colocated; "
-        "no worker processes)"
-        if colocated
-        else f"learner ({ranks}) + {len(workers)} worker{'s' if len(workers) > 1 else ''}"
-        + ("" if run.workers is not None else f" (run.workers=null: {usable_cores()} cores)")
-    )
     print(
-        f"[launch] {shape} ({cfg.engine.name} engine, {policy.spec}, "
-        f"correction {cfg.correction.name}, {run.mode}); logs and metrics in {run_dir}",
+        f"[launch] {run_shape(run, colocated, len(workers))} ({cfg.engine.name} engine, "
+        f"{policy.spec}, correction {cfg.correction.name}, {run.mode}); logs and metrics in "
+        f"{run_dir}",
         flush=True,
     )
     started = time.perf_counter()
@@ -161,24 +124,71 @@ def launch(cfg: DictConfig, overrides: list[str], policy: PrecisionPolicy) -> in
     progress.update()
     progress.close()
     if failed is not None:
-        process, code = failed
-        stop_all(learner, workers)
-        if process is learner and code == GUARD_STOPPED:
-            return report_guard_stop(run_dir, started)
-        print(
-            f"[launch] {process.name} exited with {code} "
-            f"({'a configuration error: restarting cannot help' if code == CONFIG_ERROR else 'failed'}); "
-            f"stopped the other processes. {process.name}.log ends:\n{process.tail(20)}"
-        )
-        if code != CONFIG_ERROR:
-            print(resume_hint(run_dir))
-        return code if code > 0 else 1
+        return report_failure(*failed, learner, workers, run_dir, started)
     for worker in workers:  # the learner told them the run is over
         if worker.wait(30) is None:
             print(f"[launch] {worker.name} had not exited 30 s after the run ended; stopping it")
             worker.signal(signal.SIGTERM)
     stop_all(learner, workers)
     return report_end(run_dir, started, [e for worker in workers for e in worker.exits])
+
+
+def process_overrides(
+    cfg: DictConfig, overrides: list[str], run_dir: Path
+) -> tuple[str, list[str]]:
+    """(the placement, the overrides every process of the run starts with). A fresh run's
+    auto placement is resolved here and handed to the processes, so the run saves (and a
+    resume keeps) what ran; a resumed run runs as it ran (auto read as separate)."""
+    run = cfg.run
+    ports = chosen_ports(cfg, overrides)
+    placement, resolved = placement_of(run), []
+    if run.placement == "auto" and not run.resume:
+        gpus = 0 if run.device == "cpu" else torch.cuda.device_count()
+        placement, why = auto_placement(cfg, gpus)
+        resolved = [f"run.placement={placement}"]
+        print(f"[launch] run.placement=auto: {placement} ({why})", flush=True)
+    own = ("run.dir=", "run.worker_id=", "sync.host=", *(f"sync.{p}_port=" for p in PORTS))
+    kept = [
+        o
+        for o in overrides
+        if not o.startswith(own) and not (resolved and o.startswith("run.placement="))
+    ]
+    return placement, [
+        *kept,
+        f"run.dir={run_dir}",
+        *resolved,
+        "sync.host=127.0.0.1",
+        *(f"sync.{name}_port={port}" for name, port in zip(PORTS, ports, strict=True)),
+    ]
+
+
+def run_shape(run: DictConfig, colocated: bool, workers: int) -> str:
+    """The processes of the run, in words, for its first line."""
+    ranks = f"{run.learner_procs} rank{'s' if run.learner_procs > 1 else ''}"
+    if colocated:
+        return (
+            f"learner ({ranks}) generating with its own engine (run.placement=colocated; "
+            "no worker processes)"
+        )
+    cores = "" if run.workers is not None else f" (run.workers=null: {usable_cores()} cores)"
+    return f"learner ({ranks}) + {workers} worker{'s' if workers > 1 else ''}{cores}"
+
+
+def report_failure(
+    process: Process, code: int, learner: Process, workers: list[Process], run_dir, started
+) -> int:
+    """A process of the run failed: the others stopped, and what happened said."""
+    stop_all(learner, workers)
+    if process is learner and code == GUARD_STOPPED:
+        return report_guard_stop(run_dir, started)
+    why = "a configuration error: restarting cannot help" if code == CONFIG_ERROR else "failed"
+    print(
+        f"[launch] {process.name} exited with {code} ({why}); "
+        f"stopped the other processes. {process.name}.log ends:\n{process.tail(20)}"
+    )
+    if code != CONFIG_ERROR:
+        print(resume_hint(run_dir))
+    return code if code > 0 else 1
 
 
 def launch_under_slurm(

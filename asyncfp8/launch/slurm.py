@@ -1,18 +1,8 @@
-"""A run under Slurm: which process this task is, read from Slurm's variables.
-
-`srun python -m asyncfp8.launch [overrides]` starts one launcher per task; each finds its
-role here. Tasks 0 .. L-1 (L = `run.learner_procs`) are the learner's ranks, the rest are
-rollout workers. The learner's address is the node of task 0; its ranks form their
-process group through torch.distributed's environment rendezvous (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT, set here, what torchrun would set; MASTER_PORT is the
-job's own when it sets one, else 29500 + job id mod 10000), so no torchrun
-is needed: srun already started one process per rank. Tasks are placed on nodes as Slurm's
-default block distribution does (fill the first node, then the next): the node of each
-task comes from SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST) and SLURM_STEP_TASKS_PER_NODE
-(or SLURM_TASKS_PER_NODE); a cyclic or arbitrary distribution is refused, naming it.
-
-Pure functions of an environment mapping, so the tests set the variables themselves.
-"""
+"""A run under Slurm (`srun python -m asyncfp8.launch`): which process this task is, read
+from Slurm's variables. Tasks 0 .. L-1 (L = `run.learner_procs`) are the learner's ranks,
+the rest workers; the ranks rendezvous as torchrun would (variables set here), placed as
+Slurm's block distribution places them (docs/running.md#under-slurm). Pure functions of
+an environment mapping, so the tests set the variables themselves."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""The learner's checkpoints and exports.
-
-A checkpoint is a directory per step: the sharded model and optimizer, written by every
-rank (torch.distributed.checkpoint: readable at another world size), and rank 0's
-`learner.pt` (schedule, step, version, the inbox's state: data position and what was
-received but not trained on, RNG states). It is written beside its final name and
-renamed, so a directory with that name is complete; the oldest beyond
-`run.keep_checkpoints` are removed. An export is the policy as a Hugging Face model.
-"""
+"""The learner's checkpoints and exports. A checkpoint is a directory per step: the sharded
+model and optimizer from every rank (torch.distributed.checkpoint: readable at another world
+size) and rank 0's `learner.pt` (schedule, step, version, the inbox's state, RNG states);
+written beside its name and renamed, so a directory of that name is complete
+(docs/running.md#checkpoints-and-resume). An export is the policy as an HF model."""
 
 from __future__ import annotations
 

@@ -1,32 +1,8 @@
-"""The colocated placement (`run.placement=colocated`): the learner and its rollout engine
-in one process, sharing its device.
-
-Nothing but the transport changes. Work is leased from the same lease book and its
-trajectories go through the same inbox (`Inbox.lease` / `Inbox.deliver`, no socket), so
-the version numbers, leases, ledger, corrections and the chaos audit are the placement's
-too. A version is quantized by the precision policy from the gathered weights, as for a
-worker, and handed to the engine as tensors (`EngineVersions`: no encoding, no socket;
-the refit probe is checked as a worker checks it).
-
-Two ways to share it, by `run.mode`:
-- `sync`, turns: when a step needs groups the learner generates them (one lease of all
-  that are missing), then trains, then applies the new version. Nothing it trains on is
-  stale.
-- `async`, overlapped: a rollout thread leases and generates the next step's groups with
-  the version the engine holds while the learner trains the current one, as a worker
-  would (`run.max_staleness` bounds how old they may be, and the lease book's capacity
-  how far ahead it runs). The learner gathers, calibrates and snapshots a new version's
-  weights; the rollout thread makes it (the refit probe's reference, the policy's quantization),
-  applies and checks it between two generate calls (`RolloutThreadJobs`), so only that
-  thread touches the engine and none of it is on the learner's step. The torch threads
-  are split between the two.
-Under torchrun every rank has its own engine, and rank 0 splits each lease over them
-(`Colocated`). The engine is the built-in torch engine, or vLLM (one learner rank).
-
-In turns, the engine's memory can be given back while the learner trains
-(`run.release_engine_memory`, `MemoryRelease`): the torch engine drops its static KV cache
-and captured graph, vLLM sleeps; each takes back what it needs before its next use.
-"""
+"""The colocated placement (`run.placement=colocated`): the learner and its rollout engine in
+one process, sharing its device, with the separate placement's leases, inbox, versions and
+refit probe (no socket). In turns (`run.mode=sync`) it generates, then trains; overlapped
+(`async`) a rollout thread generates beside the training one and alone touches the engine.
+How and why: docs/running.md#one-process-the-colocated-placement."""
 
 from __future__ import annotations
 
@@ -132,13 +108,11 @@ class EngineVersions:
 
 
 class RolloutThreadJobs(Executor):
-    """Work the learner hands its rollout thread (overlapped): each version's publish,
-    which the thread runs before its next lease and generate call (`run_pending`). A
-    version is submitted before the lease book learns its number, so a lease that asks
-    for it finds it here. With several colocated ranks, another rank's thread runs its
-    jobs up to the version rank 0 names (`run_until`). A job that raises stops the thread (it cannot generate what
-    the learner expects); once the thread has ended, new jobs run on the caller's thread,
-    or are refused naming the thread's error."""
+    """Work the learner hands its rollout thread (overlapped): each version's publish, run
+    before the thread's next lease (`run_pending`; other ranks up to the version rank 0
+    names, `run_until`). Submitted before the lease book learns the number, so a lease that
+    asks for it finds it. A job that raises stops the thread; later jobs then run on the
+    caller's thread, or are refused naming the thread's error."""
 
     def __init__(self):
         #: called after a job is queued: the rollout thread may be waiting on the lease book
@@ -237,17 +211,10 @@ LEASE, DONE, STOPPED = "lease", "done", "stopped"
 
 class Colocated:
     """A learner rank's own engine: its rollout turns (`run.mode=sync`) or its rollout
-    thread (`run.mode=async`), see the module's docstring.
-
-    With several ranks (torchrun) every rank has an engine. Rank 0 alone holds the books:
-    it leases a step's groups, splits each lease over the ranks (`split_lease`: each part
-    keeps its samples' streams, so the parts make the tokens one engine would), sends
-    every rank its part with the version to generate it with, generates its own and
-    gathers theirs, then delivers them all. The other ranks follow (`follow`). In turns
-    this runs on the learner's group between steps; overlapped, on the rollout threads'
-    own `group`, beside training. Every rank applies each version to its engine from the
-    weights gathered to it; a rank told to generate with a version it has not applied
-    yet waits for its learner thread to hand it over."""
+    thread (`async`). With several ranks, rank 0 holds the books and splits each lease over
+    the ranks' engines (`split_lease` keeps each sample's stream, so the tokens are one
+    engine's); the others follow (`follow`), in turns on the learner's group, overlapped
+    on the rollout threads' own `group`."""
 
     def __init__(
         self,

@@ -1,18 +1,8 @@
-"""Held-out evaluation: pass@1 of the learner's current policy on prompts it never
-trains on, greedy (temperature 0) and at the run's sampling temperature.
-
-The prompts are the task's held-out split (`Task.heldout_prompts`: disjoint from the
-prompt stream and from what the tiny models were warm-started on), fixed for the run.
-The learner evaluates between steps, with its own weights (the workers keep generating
-meanwhile), sampling as the built-in engine samples (`engines.model_sampling`: its
-decode loop, its sampling rule, a random stream per request keyed by `run.seed` and the
-prompt's place in the split, so a prompt's completions do not depend on the number of
-ranks or on the global RNG). Every rank generates for its share of the prompts with the
-sharded model, in lock-step (a rank whose sequences have all ended keeps joining the
-others' forwards until every rank's have), and the scores are summed over ranks. pass@1
-is the mean reward (for a 0/1 reward, the fraction of prompts solved); sampled pass@1
-averages `eval.samples` samples per prompt.
-"""
+"""Held-out evaluation: pass@1 of the learner's policy, greedy and at the run's temperature,
+on the task's held-out prompts (never trained on). It samples as the built-in engine does,
+one seeded stream per prompt, so the scores depend on neither the ranks nor the global RNG;
+every rank takes a share of the prompts in lock-step and the scores are summed over ranks.
+pass@1 is the mean reward; sampled pass@1 averages `eval.samples` samples a prompt."""
 
 from __future__ import annotations
 

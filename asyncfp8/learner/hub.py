@@ -1,15 +1,8 @@
-"""Rank 0's side of the learner: the network, the books and the logs.
-
-`Hub` owns everything only rank 0 has: the sockets (versions out through the publisher,
-trajectories and lease requests in through the inbox, on its own thread), the lease
-book, the ledger of what each step trained on, the metrics log, and the protocol that
-hands every rank its share of a step (or STOP when the run stops). Colocated
-(`colocated.py`), it has no sockets: versions go to the learner's own engine, and the
-engine's rollout turns fill the inbox. `RankHub` is its
-counterpart on the other ranks: it receives its share (colocated, and its engine's part
-of each lease) and does nothing else, so the learner's loop reads the same on every
-rank.
-"""
+"""Rank 0's side of the learner: the sockets (versions out, trajectories and lease requests in
+on the inbox's thread), the lease book, the ledger, the metrics log, and the hand-out of
+every rank's share of a step (or STOP). Colocated it has no sockets: the learner's own
+engine fills the inbox. `RankHub`, on the other ranks, only receives its share, so the
+learner's loop reads the same on every rank."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""The learner's receiving side: trajectories in, complete GRPO groups out, and the
-answers to the workers' lease requests, on a thread of its own so that trajectories are
-acknowledged and work is leased out while the learner computes. It sits beside the lease
-book (asyncfp8.learner.leases), whose state it keeps current.
-
-Without an address (a colocated learner, `learner/colocated.py`) there is no socket and
-no thread: the learner's own engine asks `lease` and hands its trajectories to `deliver`,
-and they go through the same books."""
+"""The learner's receiving side: trajectories in, complete GRPO groups out, and the answers to
+the workers' lease requests, on a thread of its own so that trajectories are acknowledged and
+work leased while the learner computes; it keeps the lease book (learner/leases.py) current.
+A colocated learner has no socket and no thread: its engine calls `lease` and `deliver`
+directly, through the same books."""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""Which prompts go to which worker, and when: the learner's lease book.
-
-Workers ask the learner for work; the learner answers with a *lease*: a few prompt
-indices and the oldest policy version the worker may generate them with. The book is
-where two promises are kept:
-
-- **Bounded staleness** (AReaL's rule): at most `capacity` groups may be open (leased
-  and not yet trained, dropped or expired) at any time. With capacity
-  `(max_staleness + 1) × groups per version`, a worker that runs ahead of the learner
-  is told to wait instead of producing samples that would be thrown away;
-  `max_staleness = 0` is the classic synchronous loop.
-- **Nothing silently lost**: the data position is the next prompt index plus the
-  prompts of expired leases (a worker that died holding them), which are handed out
-  again first. The whole book is in the learner's checkpoint.
-"""
+"""The learner's lease book: which prompts go to which worker, and the oldest version it may
+generate them with. It keeps two promises: bounded staleness (AReaL's rule: at most
+`(max_staleness + 1) x groups per version` groups open, so a worker that runs ahead waits
+instead of making samples that would be dropped) and nothing silently lost (the prompts of
+expired leases are handed out again first; the book is checkpointed)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""The learner's ledger: what every step trained on, one JSON line per step in
-`<run.dir>/ledger.jsonl`.
-
-A record names the step, its wall-clock time, the version trained, and each group
-trained as `[lease, prompt, [[sender, seq, oldest_version], ...]]` (sender is the
-worker process, `<worker_id>/<incarnation>`, and seq its sequence number), plus the
-groups dropped as too stale, `[lease, prompt, oldest_version]` (their prompts are
-queued again), and the groups skipped without training since the step before (DAPO's
-dynamic sampling: all rewards equal), in the format of the trained ones. It is how a run proves that no trajectory was trained twice and no
-prompt was lost (`asyncfp8.chaos.audit`). A resumed learner cuts the records past its
-checkpoint: those steps were undone and are trained again.
-"""
+"""The learner's ledger, `<run.dir>/ledger.jsonl`: per step, the version trained and each group
+trained (`[lease, prompt, [[sender, seq, oldest_version], ...]]`), dropped as too stale or
+skipped (dynamic sampling). It is how a run proves that no trajectory was trained twice and
+no prompt lost (`asyncfp8.chaos.audit`, docs/reliability.md); a resumed learner cuts the
+records past its checkpoint, whose steps are trained again."""
 
 from __future__ import annotations
 

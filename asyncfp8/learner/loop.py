@@ -1,10 +1,7 @@
 """The learner: trains the policy on the workers' trajectories and publishes versions.
-
-The loop (`Learner.run`) is the algorithm; its parts are made in `build.py`. The training
-step is `asyncfp8.train` (no sockets); beside this module: `hub.py` (rank 0's sockets,
-leases, ledger and metrics log; `RankHub` on the other ranks), `publisher.py` (a version
-out), `checkpoints.py`, `evaluation.py` and `colocated.py` (`run.placement=colocated`).
-"""
+`Learner.run` is the algorithm; `build.py` makes its parts; the training step is
+`asyncfp8.train` (no sockets); beside this module: `hub.py` (rank 0's sockets, books and
+logs), `publisher.py`, `checkpoints.py`, `evaluation.py` and `colocated.py`."""
 
 from __future__ import annotations
 

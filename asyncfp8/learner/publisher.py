@@ -1,14 +1,8 @@
-"""Publishing a version: number it, gather the weights, calibrate, hand it to the sender.
-
-Every rank takes part in the gather and the calibration (collectives); rank 0 reserves
-the number on disk before any byte leaves (a learner killed mid-send must not have its
-number reused by the one that resumes) and submits the snapshot to the background
-sender (`asyncfp8.sync.BackgroundPublisher`), which quantizes it by the precision policy,
-encodes and sends it while the next step trains (colocated, every rank gathers the whole
-model and submits it to its own engine's, which applies it without encoding). With the
-refit probe on, the sender's thread also computes the probe's reference log-probs from
-the same snapshot (`asyncfp8.refit`).
-"""
+"""Publishing a version: rank 0 reserves its number on disk before any byte leaves (a learner
+killed mid-send must not have its number reused), every rank gathers the weights and
+calibrates (collectives), and the background sender quantizes, encodes and sends it while
+the next step trains, computing the refit probe's reference from the same snapshot.
+Colocated, every rank gathers the whole model for its own engine."""
 
 from __future__ import annotations
 

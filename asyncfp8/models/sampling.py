@@ -1,10 +1,8 @@
-"""Plain temperature-1 sampling of a model outside an engine, and the task reward it
-scores.
+"""Plain temperature-1 sampling of a model outside an engine, and the task reward it scores.
 
 Used to measure a policy (the tiny-model warm-start, the demo); it samples through the
 built-in engine's decode loop and sampling rule (`engines.model_sampling`), so a seed
-gives the tokens `TorchEngine` gives for the same weights.
-"""
+gives the tokens `TorchEngine` gives for the same weights."""
 
 from __future__ import annotations
 

@@ -1,28 +1,13 @@
-"""Tiny Qwen2 models made locally, warm-started on a task they will be trained on.
-
-A random model scores zero reward and RL on a CPU cannot lift it in minutes; a
-perfect one leaves RL nothing to do. So the factory trains a fresh model with a short
-supervised pass on the task (the run's task where it has a recipe here: `addition`,
-`arithmetic`; else `arithmetic`), checking the temperature-1 sampled reward as it goes,
-and stops once that reward is inside a window (default: at least 0.3, backing off any
-chunk of steps that overshoots 0.6; `addition` trains a fixed 3,000 steps from a sloppy
-teacher, see RECIPES, and `tiny` on it 1,000 from the exact one, see SIZE_RECIPES), well
-within the 0.05-0.7 the rest of the project expects. The warm-start draws from the task's
-prompt stream, which never holds a held-out prompt. The result is saved with
-`save_pretrained` (BF16 weights, a byte-level tokenizer) and cached: the same size, seed,
-task and recipe are built once per directory. The models that `make run`, the README and
-each documented `model=` and `task=` value start from ship with the package
-(`asyncfp8/models/shipped/`): every CPU starts from the same weights (a model warm-started
-on an AMX CPU is not the one an AVX-512 CPU makes), and none is built at start.
+"""Tiny Qwen2 models made locally, warm-started on a task they will be trained on (how and
+why: docs/running.md, "Tiny models"): the sizes, each task's recipe, the build, the cache
+and the models shipped with the package (`asyncfp8/models/shipped/`).
 
     python -m asyncfp8.models.tiny --size small --task addition --out models/small
-    from asyncfp8.models import make_tiny_model; path = make_tiny_model("tiny")
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import fcntl
 import hashlib
 import json
@@ -31,27 +16,28 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
-from asyncfp8.tasks import Prompt, Task, get_task
-
-from .sampling import mean_reward
 from .tokenizer import build_byte_tokenizer
+from .warmstart import (
+    DEFAULT_TASK,
+    REWARD_WINDOW,
+    WarmStart,
+    describe,
+    measure_saved_model,
+    warm_start,
+)
 
 METADATA_FILE = "asyncfp8_model.json"
 # Bump when the recipe changes in a way that must invalidate cached models (2: the
 # arithmetic stream leaves out the held-out expressions evaluation scores on; 3: the
 # warm-start task is part of the recipe).
 RECIPE_VERSION = 3
-REWARD_WINDOW = (0.05, 0.7)
 SHIPPED_DIR = Path(__file__).parent / "shipped"
-# The task a model is warm-started on when the run's task has no reference completions.
-DEFAULT_TASK: dict[str, Any] = {"name": "arithmetic"}
 
 
 @dataclass(frozen=True)
@@ -87,55 +73,11 @@ SIZES: dict[str, ModelSpec] = {
 }
 
 
-@dataclass(frozen=True)
-class WarmStart:
-    """The supervised pass that gives RL a policy with room to improve. `task`: the
-    task's name and parameters (its seed and reward aside), e.g. {"name": "addition",
-    "digits": 3}."""
-
-    task: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_TASK))
-    learning_rate: float = 3e-3
-    batch_size: int = 64
-    steps_per_check: int = 25
-    max_steps: int = 4000
-    stop_at_reward: float = 0.3
-    overshoot_reward: float = 0.6
-    check_prompts: int = 256
-    final_prompts: int = 512
-    # Steps trained before the reward may stop the warm-start.
-    min_steps: int = 0
-    # `addition` only: the supervised answers come from a teacher that forgets each carry
-    # with this probability, so the model learns to carry only sometimes (what RL fixes).
-    carry_drop: float = 0.0
-
-    def __post_init__(self):
-        if not 0 <= self.carry_drop < 1:
-            raise ValueError(f"warm-start: carry_drop must be in [0, 1), got {self.carry_drop}")
-        if self.carry_drop and self.task.get("name") != "addition":
-            raise ValueError(
-                f"warm-start: carry_drop is for the addition task, not {self.task.get('name')!r}"
-            )
-        if not 0 < self.stop_at_reward < self.overshoot_reward <= 1:
-            raise ValueError(
-                f"warm-start: need 0 < stop_at_reward < overshoot_reward <= 1, got "
-                f"{self.stop_at_reward} and {self.overshoot_reward}"
-            )
-        low, high = REWARD_WINDOW
-        if not low <= self.stop_at_reward <= high:
-            raise ValueError(
-                f"warm-start: stop_at_reward {self.stop_at_reward} is outside the window "
-                f"[{low}, {high}] a warm-started model must score in"
-            )
-
-
-# Per task, the recipe that reaches its window on the `small` model: `addition` answers
-# are 34 tokens at 3 digits, so checks (sampling 128 answers) are rarer. Its teacher
-# forgets a carry 65% of the time: the warm-started model has learned the digit steps and
-# the final sum from them, but carries only about a third of the time where it should, so
-# its greedy answers are right only where no carry is needed (0.31 of held-out problems
-# for the shipped model, T = 1 reward 0.48), and RL's reward (the true sum) has one clear
-# thing to teach: carry, always. `min_steps` lets it learn the steps whole before its
-# reward may stop it (docs/results.md says what stopping earlier did).
+# Per task, the recipe that reaches its window on the `small` model. `addition` answers are
+# 34 tokens at 3 digits, so checks (sampling 128 answers) are rarer; its teacher forgets a
+# carry 65% of the time, so the model learns the digit steps but carries only about a third
+# of the time, and RL's reward (the true sum) has one thing to teach. `min_steps` lets it
+# learn the steps whole before its reward may stop it.
 RECIPES: dict[str, dict[str, Any]] = {
     "arithmetic": {},
     "addition": {
@@ -149,13 +91,10 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 
 
-# Where a size needs its own recipe for a task. `tiny` (0.14 M parameters) cannot learn
-# the sloppy teacher's worked answers: its T = 1 reward was 0.047 after 7,750 steps, below
-# the 0.1 that `addition`'s recipe stops at, so `model=tiny` with the default task never
-# started. From the exact teacher it reaches 0.11 by step 750 and stays there to step
-# 1,250 at least (sampling at T = 1 still gets a carry or a digit wrong, which is what RL
-# on it can fix), so it stops after 1,000 steps at 0.1 or more, as `addition` does on
-# `small`. The result ships with the package, so `model=tiny` starts in seconds.
+# Where a size needs its own recipe for a task. `tiny` (0.14 M parameters) cannot learn the
+# sloppy teacher's worked answers (it never reaches `addition`'s 0.1 stop), so on `addition`
+# it learns from the exact teacher and stops after 1,000 steps at 0.1 or more; sampling at
+# T = 1 still gets a carry or a digit wrong, which is what RL on it can fix.
 SIZE_RECIPES: dict[tuple[str, str], dict[str, Any]] = {
     ("tiny", "addition"): {
         "steps_per_check": 250,
@@ -228,104 +167,6 @@ def build_model(spec: ModelSpec, tokenizer, seed: int):
     )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
-
-
-def supervised_batch(
-    tokenizer, task: Task, prompts: list[Prompt], completion=None
-) -> dict[str, torch.Tensor]:
-    """Prompt + completion (`completion(prompt)`, default the task's reference) + eos,
-    right-padded; loss only on the completion."""
-    completion = completion or task.completion
-    rows, labels = [], []
-    for prompt in prompts:
-        prompt_ids = tokenizer(prompt.text)["input_ids"]
-        target_ids = tokenizer(completion(prompt))["input_ids"] + [tokenizer.eos_token_id]
-        rows.append(prompt_ids + target_ids)
-        labels.append([-100] * len(prompt_ids) + target_ids)
-    width = max(map(len, rows))
-    pad = tokenizer.pad_token_id
-    return {
-        "input_ids": torch.tensor([r + [pad] * (width - len(r)) for r in rows]),
-        "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
-        "labels": torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels]),
-    }
-
-
-def describe(task: dict[str, Any]) -> str:
-    """`addition (digits=3, answer_format=worked)`: a warm-start task, for messages."""
-    params = ", ".join(f"{k}={v}" for k, v in task.items() if k != "name")
-    return f"{task['name']} ({params})" if params else task["name"]
-
-
-def answer_tokens(tokenizer, task: Task) -> int:
-    """Tokens to sample when scoring: the longest of a few reference answers, and room
-    for a model that runs on past it."""
-    longest = max(len(tokenizer(task.completion(task.prompt(i)))["input_ids"]) for i in range(64))
-    return longest + 4
-
-
-def warm_start(model, tokenizer, recipe: WarmStart, seed: int, progress: bool = True) -> dict:
-    """Train until the sampled reward reaches `stop_at_reward`; a chunk of steps that
-    overshoots `overshoot_reward` is undone and retried at half the learning rate. The
-    training and check prompts come from the task's prompt stream (other seeds), which
-    never holds a held-out prompt."""
-    train_task = get_task(**recipe.task, seed=seed)
-    check_task = get_task(**recipe.task, seed=seed + 10_000)
-    check_prompts = [check_task.prompt(i) for i in range(recipe.check_prompts)]
-    max_new_tokens = answer_tokens(tokenizer, train_task)
-    teacher = None
-    if recipe.carry_drop:
-
-        def teacher(prompt):
-            return train_task.sloppy_completion(prompt, recipe.carry_drop, seed)
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.0)
-    step, reward, history = 0, 0.0, []
-    bar = tqdm(
-        total=recipe.max_steps, desc="warm-start", disable=None if progress else True, leave=False
-    )
-    model.train()
-    while reward < recipe.stop_at_reward or step < recipe.min_steps:
-        if step >= recipe.max_steps:
-            bar.close()
-            raise RuntimeError(
-                f"warm-start on {describe(recipe.task)} reached reward {reward:.3f} < "
-                f"stop_at_reward {recipe.stop_at_reward} after {step} steps; raise max_steps "
-                "or learning_rate (RECIPES in asyncfp8/models/tiny.py), or pick a bigger model"
-            )
-        saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()), step)
-        for _ in range(recipe.steps_per_check):
-            start = step * recipe.batch_size
-            batch = supervised_batch(
-                tokenizer,
-                train_task,
-                [train_task.prompt(start + i) for i in range(recipe.batch_size)],
-                teacher,
-            )
-            loss = model(**batch).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step += 1
-            bar.update(1)
-        reward = mean_reward(model, tokenizer, check_task, check_prompts, max_new_tokens, seed=seed)
-        history.append({"step": step, "loss": round(loss.item(), 4), "reward": reward})
-        bar.set_postfix(loss=f"{loss.item():.3f}", reward=f"{reward:.3f}")
-        if progress and bar.disable:  # no terminal (a log file): a line per check instead
-            print(
-                f"[warm-start] {describe(recipe.task)}: step {step}, loss {loss.item():.3f}, "
-                f"reward at T=1 {reward:.3f} (stops at {recipe.stop_at_reward})",
-                flush=True,
-            )
-        if reward > recipe.overshoot_reward:
-            model.load_state_dict(saved[0])
-            optimizer.load_state_dict(saved[1])
-            step = saved[2]
-            for group in optimizer.param_groups:
-                group["lr"] /= 2
-            reward = 0.0
-    bar.close()
-    return {"steps": step, "history": history}
 
 
 @contextmanager
@@ -434,18 +275,6 @@ def make_tiny_model(
     return out
 
 
-def measure_saved_model(model_dir: Path, recipe: WarmStart, seed: int) -> float:
-    """Mean temperature-1 reward of the saved (BF16) model on prompts it was not tuned on."""
-    from asyncfp8.hf.loading import load_model, load_tokenizer
-
-    model, tokenizer = load_model(model_dir, dtype=torch.bfloat16), load_tokenizer(model_dir)
-    task = get_task(**recipe.task, seed=seed + 20_000)
-    prompts = [task.prompt(i) for i in range(recipe.final_prompts)]
-    return mean_reward(
-        model, tokenizer, task, prompts, answer_tokens(tokenizer, task), seed=seed + 1
-    )
-
-
 def parse_task(name: str, params: list[str]) -> dict[str, Any]:
     """{"name": name, key: value, ...} from `key=value` strings (values as YAML reads them)."""
     import yaml
@@ -499,10 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     task = parse_task(args.task, args.param)
     out = args.out
     if args.ship:
-        out = (
-            SHIPPED_DIR
-            / f"{args.size}-seed{args.seed}-{fingerprint(SIZES[args.size], recipe_for(task, args.size), args.seed)}"
-        )
+        key = fingerprint(SIZES[args.size], recipe_for(task, args.size), args.seed)
+        out = SHIPPED_DIR / f"{args.size}-seed{args.seed}-{key}"
     path = make_tiny_model(args.size, out, args.seed, force=args.force, task=task)
     meta = read_metadata(path)
     print(

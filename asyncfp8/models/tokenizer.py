@@ -1,12 +1,7 @@
 """A byte-level tokenizer with no merges: one token per byte, nothing to download.
 
-It is a genuine `Qwen2Tokenizer` (Qwen2's pre-tokenizer regex and byte-level BPE),
-only with an empty merge list, so every ASCII character, digit included, is one
-token. Being the tokenizer class that transformers' `AutoTokenizer` and vLLM pick for
-a Qwen2 model, it loads back exactly as it was saved; a custom tokenizer class would
-be silently replaced by Qwen2's on load. Numbers are sequences of digit tokens, which
-a tiny model learns arithmetic on easily.
-"""
+A genuine `Qwen2Tokenizer` with an empty merge list, so it loads back exactly as saved in
+transformers and vLLM (why: docs/running.md, "Tiny models")."""
 
 from __future__ import annotations
 

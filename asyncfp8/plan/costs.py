@@ -1,17 +1,8 @@
 """What one forward step does, counted: FLOPs and bytes per primitive, no hardware.
 
-A decode step of a running batch of B sequences is, per layer, four GEMMs of B rows
-(fused q/k/v, attention output, fused gate/up, down; for an MoE layer the router and the
-experts the batch's tokens are routed to), attention over every sequence's KV cache, and
-elementwise work (norms, residuals, rotary, SiLU); then the LM head over the vocabulary
-and the logits (sampling and logprobs). `step.py` prices these with a GPU and
-efficiency factors; these counts are checked by hand and against a traced forward in
-tests/test_plan.py.
-
-With tensor parallelism of `tp` GPUs each GPU holds 1/tp of every GEMM's weight and of
-the query heads; KV heads are split too, but never below one per GPU (vLLM replicates
-them when tp exceeds their number).
-"""
+Per layer four GEMMs, attention over every sequence's KV cache and elementwise work, then
+the LM head and the logits; with tensor parallelism each GPU's share (docs/plan.md, "The
+model"). `step.py` prices them; tests/test_plan.py checks them by hand and by trace."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """Accelerators the planner knows: published datasheet figures, dense (no 2:4 sparsity).
 
-`gpu=<name>` picks one of the table; a GPU that is not in it is given by its numbers,
-either inline (`gpu={name:mygpu,memory_gb:96,bandwidth_tb_s:4,bf16_tflops:900,
-fp8_tflops:1800,int8_tops:1800,link_gb_s:450}`) or as a JSON/YAML file with those keys
-(`gpu=/path/to/mygpu.yaml`). `fp8_tflops: null` means no FP8 tensor cores: FP8 then runs
-weight-only (W8A16, as vLLM's Marlin kernels do on Ampere), the GEMM math in BF16.
-
-Memory sizes are the datasheets' "GB", which for HBM are GiB (stacks of 16 or 24 GiB);
-`link_gb_s` is one direction of the GPU-to-GPU link tensor parallelism uses.
-"""
+`gpu=<name>` picks one of the table; any other GPU is given by its numbers, inline or as a
+JSON/YAML file with the fields of `GPU` (docs/plan.md, "Inputs", says how and in what
+units; without FP8 tensor cores FP8 runs weight-only)."""
 
 from __future__ import annotations
 
@@ -27,13 +21,17 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class GPU:
+    """Datasheet figures: memory in GiB (a datasheet's "GB" of HBM), bandwidth in TB/s
+    (1e12 bytes/s), dense tensor-core rates (`None`: no such tensor cores), and one direction
+    of the GPU-GPU link tensor parallelism uses (NVLink, or PCIe without it)."""
+
     name: str
-    memory_gb: float  # GiB
-    bandwidth_tb_s: float  # memory bandwidth, 1e12 bytes/s
-    bf16_tflops: float  # dense tensor-core BF16
-    fp8_tflops: float | None  # dense tensor-core FP8 (None: no FP8 tensor cores)
-    int8_tops: float | None  # dense tensor-core INT8
-    link_gb_s: float  # one direction of the GPU-GPU link (NVLink, or PCIe without it)
+    memory_gb: float
+    bandwidth_tb_s: float
+    bf16_tflops: float
+    fp8_tflops: float | None
+    int8_tops: float | None
+    link_gb_s: float
     source: str = "custom"
 
     @property

@@ -1,7 +1,6 @@
 """The layout of `precision=mixed`, measured on a run's model: which linear layers stay in
-BF16 (asyncfp8.precision.sensitivity says how). The launcher measures it before any
-process starts; on its own it prints each layer's sensitivity and the override that
-starts every process with that layout:
+BF16 (asyncfp8.precision.sensitivity says how). The launcher measures it before any process
+starts; on its own it prints each layer's sensitivity and the override that starts with it:
 
     python -m asyncfp8.plan.layout model=small precision.base=int8 precision.budget=1.3
 """
@@ -13,7 +12,7 @@ from pathlib import Path
 import torch
 
 from asyncfp8.hf.loading import load_model, load_tokenizer
-from asyncfp8.precision.policy import build_policy
+from asyncfp8.precision.registry import build_policy
 from asyncfp8.precision.sensitivity import (
     Layout,
     keep_override,

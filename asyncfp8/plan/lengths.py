@@ -1,17 +1,8 @@
-"""Response-length distributions of a rollout workload.
-
-`lognormal`: a mean and a tail (the lognormal's sigma), cut at the maximum response
-length as generation is. `measured`: the lengths of a real run, from
-
-- a JSON file of per-sample lengths (`[812, 4096, ...]` or `{"lengths": [...]}`) or of a
-  histogram (`{"bins": [edges...], "counts": [...]}`, one count per bin between edges);
-- a run directory or its `metrics.jsonl`: asyncfp8's learner logs each step's mean
-  response length (`response/length_mean`), so the distribution is that of step means;
-  it has the run's mean but a narrower tail than the samples (said in the plan).
-
-Samples are drawn as evenly spaced quantiles (deterministic, the same for every
-precision) and shuffled with the workload's seed, so arrival order is mixed.
-"""
+"""Response-length distributions of a rollout workload: `lognormal` (a mean and a tail, cut
+at the maximum response length) or `measured` (a JSON of lengths or of a histogram, or a
+run's metrics.jsonl: its step means, a narrower tail than its samples); docs/plan.md,
+"Inputs". Samples are evenly spaced quantiles (the same for every precision), shuffled
+with the workload's seed so arrival order is mixed."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """What the planner needs to know about a model, read from its HF `config.json`.
 
-Dense and MoE decoder-only transformers with grouped-query attention (Qwen2/2.5,
-Qwen3, Qwen3-MoE, Llama, Mistral, Mixtral and their kin): hidden size, layers, query
-and KV heads, head size, MLP or expert sizes, vocabulary, tied embeddings. `model.path`
-is an HF model directory, a `config.json`, or the name of a config bundled with the
-planner (`asyncfp8/plan/data/models/`: the published models docs/plan.md compares with,
-and asyncfp8's own `tiny` and `small`).
-"""
+Dense and MoE decoder-only transformers with grouped-query attention (Qwen2/2.5, Qwen3,
+Llama, Mistral, Mixtral and their kin); `model.path` is an HF model directory, a
+`config.json`, or a config bundled with the planner (`asyncfp8/plan/data/models/`)."""
 
 from __future__ import annotations
 

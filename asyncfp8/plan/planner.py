@@ -190,25 +190,7 @@ def make_plan(cfg: Mapping[str, Any]) -> dict[str, Any]:
         )
 
     learner_s, learner_source = _learner_seconds(cfg, model, gpu, lengths, seed)
-
-    for row in rows.values():
-        if not row["fits"]:
-            row |= {"rollout_speedup_vs_bf16": None, "step_sync_s": None, "step_async_s": None}
-            continue
-        row |= step_times(
-            row["rollout_seconds"],
-            row["rollout_stream_seconds_per_step"],
-            learner_s,
-            row.pop("_sync"),
-            staleness,
-        )
-    base = rows["bf16"]
-    for row in rows.values():
-        if row["fits"] and base["fits"]:
-            row["rollout_speedup_vs_bf16"] = base["rollout_seconds"] / row["rollout_seconds"]
-            row["step_async_speedup_vs_bf16_sync"] = base["step_sync_s"] / row["step_async_s"]
-        elif row["fits"]:
-            row["rollout_speedup_vs_bf16"] = None
+    _add_step_times(rows, learner_s, staleness)
 
     return {
         "model": {
@@ -234,6 +216,28 @@ def make_plan(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "precisions": rows,
         "recommendation": recommend(rows, gpu),
     }
+
+
+def _add_step_times(rows: dict[str, dict[str, Any]], learner_s: float, staleness: int) -> None:
+    """Each row's RL step synchronous and asynchronous, and its speed-ups over BF16's."""
+    for row in rows.values():
+        if not row["fits"]:
+            row |= {"rollout_speedup_vs_bf16": None, "step_sync_s": None, "step_async_s": None}
+            continue
+        row |= step_times(
+            row["rollout_seconds"],
+            row["rollout_stream_seconds_per_step"],
+            learner_s,
+            row.pop("_sync"),
+            staleness,
+        )
+    base = rows["bf16"]
+    for row in rows.values():
+        if row["fits"] and base["fits"]:
+            row["rollout_speedup_vs_bf16"] = base["rollout_seconds"] / row["rollout_seconds"]
+            row["step_async_speedup_vs_bf16_sync"] = base["step_sync_s"] / row["step_async_s"]
+        elif row["fits"]:
+            row["rollout_speedup_vs_bf16"] = None
 
 
 def _checked_settings(cfg: Mapping[str, Any]) -> tuple[int, float, int, list[int], list, str]:
@@ -322,7 +326,8 @@ def recommend(rows: dict[str, dict[str, Any]], gpu: GPU) -> dict[str, Any]:
     misfits = [name for name, row in rows.items() if not row["fits"]]
     if misfits:
         lines.append(
-            f"{', '.join(misfits)}: the longest sequence does not fit in the KV cache at this precision"
+            f"{', '.join(misfits)}: the longest sequence does not fit in the KV cache at this "
+            "precision"
         )
     if "bf16" in feasible:
         best = max(feasible, key=lambda n: feasible[n]["rollout_speedup_vs_bf16"])

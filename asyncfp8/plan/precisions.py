@@ -1,11 +1,8 @@
 """The rollout precisions the planner prices, read from each policy's own storage.
 
-A precision is an asyncfp8 precision policy (asyncfp8/precision/), a built-in one or a
-registered plugin; what it stores and computes in comes from `policy.storage()`
-(asyncfp8/precision/storage.py), the format's own description, so the byte counts here
-are what the policies export (checked in tests/test_plan.py against
-`policy.quantize_weights`).
-"""
+A precision is an asyncfp8 precision policy (built-in or a registered plugin); what it
+stores and computes in comes from `policy.storage()` (asyncfp8/precision/storage.py), so
+the byte counts are what the policies export (checked in tests/test_plan.py)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
 """An RL step end to end: rollout, learner, and publishing the new weights.
 
-Synchronous: the engines generate a step's samples and drain (the long tail included),
-the learner trains on them, then the new version is quantized, sent and applied before
-the next rollout starts. Asynchronous with bounded staleness (at least one version):
-the engines never wait for the learner; they generate continuously, pausing only to
-apply each version, while the learner trains on samples at most `max_staleness`
-versions old and quantizes and sends the next version meanwhile. A step then takes
-the longer of the two sides.
-
-A version is the whole model as the engine holds it (full), or the elements that
-changed since the last one (delta, asyncfp8's lossless patches): changed fraction ×
-full bytes × what an index costs beside each value (measured by bench/sync.py).
-"""
+Synchronous: rollout (tail included), then the learner, then quantize, send and apply the
+version. Asynchronous with bounded staleness: the longer of the engines' steady stream and
+the learner's side. A version is full or a delta (docs/plan.md, "The model", "RL step")."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """One engine's rollout of a step, simulated: continuous batching under a KV-cache
 budget, with a long-tailed length distribution that empties the batch at the end.
 
-Sequences are admitted in order (a prefill each) while fewer than `max_num_seqs` run and
-their tokens fit in the cache with a watermark of 1% of it to spare (vLLM's default
-block watermark: without it every step would preempt what the last admitted); every
-decode step adds one token to each running sequence. When the cache would overflow, the
-most recently admitted sequence is preempted and requeued first, to be prefilled again
-with what it had generated (vLLM's recompute preemption). Steps are taken in chunks between events (a sequence finishing,
-the cache filling), each priced at its mean context: a step's price is linear in the
-context within a chunk.
-"""
+Admission with vLLM's 1% watermark, recompute preemption of the latest admitted, and steps
+taken in chunks between events, each priced at its mean context (docs/plan.md, "Rollout")."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""The price of a forward step on a GPU: a roofline per primitive, corrected by
-measured efficiency, plus fixed per-kernel and per-step costs (AIConfigurator's
-decomposition, priced by speed-of-light formulas).
-
-A GEMM takes max(FLOPs / (peak of its input type × compute efficiency), bytes /
-(bandwidth × memory efficiency)); attention the same with the KV cache's bytes; the
-elementwise work and the logits are bytes only. On top: a fixed cost per GEMM kernel by
-its input type (a W8A8 GEMM's includes the activation-quantization kernel before it),
-one per layer for the other kernels, one per layer with an FP8 KV cache (writing the new
-token's K/V in e4m3), one per step (scheduler, sampler, host), and with tensor
-parallelism two all-reduces per layer.
-The efficiency factors come from a calibration (calibration.py).
-"""
+"""The price of a forward step on a GPU: a roofline per primitive, corrected by measured
+efficiency, plus fixed per-kernel, per-layer and per-step costs (AIConfigurator's
+decomposition, priced by speed-of-light formulas; docs/plan.md, "The model", "Price").
+The efficiency factors come from a calibration (calibration.py)."""
 
 from __future__ import annotations
 

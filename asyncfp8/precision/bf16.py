@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .policy import PrecisionPolicy, dtype_name, register_policy
+from .policy import PrecisionPolicy, dtype_name
+from .registry import register_policy
 
 
 @register_policy("bf16")

@@ -1,11 +1,6 @@
 """Writing a quantized HF checkpoint: the BF16 model streamed through a policy (or only
-cast, for FP16).
-
-Tensors are read one at a time from the source safetensors files and written in
-shards of at most `shard_bytes`, so neither the source nor the quantized model is ever
-held whole in memory. The result loads where its format is supported: blockwise FP8
-in vLLM / SGLang on GPUs (and in transformers, dequantized), INT8 compressed-tensors in
-vLLM (the CPU wheel included).
+cast, for FP16), one tensor at a time into shards of at most `shard_bytes`, so that neither
+model is ever held whole. Where the result loads: docs/precision.md, "Exported checkpoints".
 """
 
 from __future__ import annotations
@@ -77,21 +72,41 @@ def export_checkpoint(
     require_calibration: bool = True,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Write `model_dir` quantized by `policy` to `out_dir` (config.json with the
-    policy's `quantization_config`, tokenizer files copied). Policies that calibrate
-    (fp8_kv) need `calibration_batch` (input_ids, attention_mask); their tensors (KV
-    scales) are written with the weights. An engine that receives the scales with every
-    version anyway may export without them (`require_calibration=False`): the engine
-    then starts with scale 1.0 until the first version. `tensors` replaces the weights
-    read from `model_dir` (e.g. a run's FP32 masters, so that FP16 is not cast from a BF16
-    rounding); config.json says the policy's `engine_dtype`, which every tensor the
-    policy does not quantize is stored in."""
+    """Write `model_dir` quantized by `policy` to `out_dir`: the shards, config.json (dtype
+    `engine_dtype`, the policy's `quantization_config`) and the tokenizer files.
+    `calibration_batch` (input_ids, attention_mask) gives a calibrating policy its extra
+    tensors, `require_calibration=False` exports without them, `tensors` replaces the
+    weights read from `model_dir` (docs/precision.md, "Exported checkpoints")."""
     source = check_model_dir(model_dir)
     out = Path(out_dir)
     if out.resolve() == source.resolve():
         raise ValueError("export_checkpoint: out_dir must differ from model_dir")
     out.mkdir(parents=True, exist_ok=True)
 
+    extra = _calibrated(policy, source, calibration_batch, require_calibration)
+    if policy.model_config is None:
+        from transformers import AutoConfig
+
+        policy.bind_model(AutoConfig.from_pretrained(source, local_files_only=True))
+    weights = read_tensors(source) if tensors is None else tensors
+    _write_shards(
+        itertools.chain(policy.quantize_weights(weights), extra.items()), out, shard_bytes
+    )
+    _write_config(policy, source, out)
+    for name in COPIED_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+    return out
+
+
+def _calibrated(
+    policy: PrecisionPolicy,
+    source: Path,
+    calibration_batch: Mapping[str, torch.Tensor] | None,
+    require_calibration: bool,
+) -> dict[str, torch.Tensor]:
+    """The policy's extra tensors (KV scales) from `calibration_batch` through the FP32
+    model; none without a batch, where the policy allows it."""
     extra: dict[str, torch.Tensor] = {}
     if calibration_batch is not None:
         from asyncfp8.hf.loading import load_model
@@ -101,7 +116,15 @@ def export_checkpoint(
         raise ValueError(
             f"precision {policy.name!r} calibrates (KV scales): pass calibration_batch"
         )
+    return extra
 
+
+def _write_shards(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], out: Path, shard_bytes: int
+) -> None:
+    """Streams the tensors into safetensors shards of at most `shard_bytes` (one tensor
+    larger than that gets a shard of its own): model.safetensors, or numbered shards with
+    their index."""
     shard: dict[str, torch.Tensor] = {}
     shard_size, shard_files, weight_map = 0, [], {}
 
@@ -114,12 +137,7 @@ def export_checkpoint(
             weight_map.update(dict.fromkeys(shard, name))
             shard, shard_size = {}, 0
 
-    if policy.model_config is None:
-        from transformers import AutoConfig
-
-        policy.bind_model(AutoConfig.from_pretrained(source, local_files_only=True))
-    weights = read_tensors(source) if tensors is None else tensors
-    for name, tensor in itertools.chain(policy.quantize_weights(weights), extra.items()):
+    for name, tensor in named_tensors:
         size = tensor.numel() * tensor.element_size()
         if shard and shard_size + size > shard_bytes:
             flush()
@@ -136,6 +154,9 @@ def export_checkpoint(
         }
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
+
+def _write_config(policy: PrecisionPolicy, source: Path, out: Path) -> None:
+    """config.json: the source's, with the policy's dtype and `quantization_config`."""
     config = json.loads((source / "config.json").read_text())
     config["dtype"] = dtype_name(policy.engine_dtype)
     if "torch_dtype" in config:  # the name before transformers 4.56
@@ -146,7 +167,3 @@ def export_checkpoint(
     else:
         config.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in COPIED_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, out / name)
-    return out

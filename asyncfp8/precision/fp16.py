@@ -1,20 +1,14 @@
 """FP16: the weights as the learner has them, cast to float16, and the engine computing in it.
 
-FP16 keeps 10 mantissa bits where BF16 keeps 7: a rollout engine in FP16 rounds every
-weight, activation and logit 8x finer, so its log-probs sit much nearer the FP32 learner's
-(Sea AI Lab, "Defeating the Training-Inference Mismatch via FP16", arXiv 2510.26788). The
-price is range: FP16's largest finite value is 65504. A weight beyond it would become inf
-in the engine, so it is refused here, naming the tensor, before the version leaves the
-learner; activations beyond it show as non-finite log-probs in the refit probe (whose
-reference runs in FP16 too) and, with `run.compute_dtype=float16`, as overflowing
-gradients the learner's loss scaler counts (docs/precision.md, "FP16").
-"""
+FP16 rounds 8x finer than BF16, at the price of range (65504): a weight beyond it is refused
+here, naming the tensor, before the version leaves the learner (docs/precision.md, "FP16")."""
 
 from __future__ import annotations
 
 import torch
 
-from .policy import PrecisionPolicy, register_policy
+from .policy import PrecisionPolicy
+from .registry import register_policy
 from .storage import Storage
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504

@@ -1,12 +1,8 @@
 """What every format's kernels share: whether Triton can run on a tensor, how a path is
 chosen (`impl`), the error raised when the device can run none of a kernel's paths, the
 GEMM tiling, and the exact roundings (half to even, to the e4m3 grid) that let a Triton
-kernel give its torch reference's bytes.
-
-Triton runs on CUDA tensors, and on CPU tensors under `TRITON_INTERPRET=1` (set before
-triton is imported; the tests run the kernels that way in a subprocess). The variable
-`ASYNCFP8_TRITON=0` turns Triton off for every kernel.
-"""
+kernel give its torch reference's bytes. Triton runs on CUDA, and on the CPU under
+`TRITON_INTERPRET=1` (set before triton is imported); `ASYNCFP8_TRITON=0` turns it off."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
 """The typed manifest of a version: what each tensor is, and the one check of a received
-version that every engine runs.
-
-Every tensor a version carries has a `TensorRole`: its `Role` (a weight as the engine
-runs it, a weight's scale, a KV-cache scale, a refit-probe tensor, ...), the decoder
-layer it belongs to and, for a KV scale, which of q / k / v it scales. The policy sets
-the role (`PrecisionPolicy.output_role`, `PrecisionPolicy.extra_roles`), the learner
-writes it into the version's header (`asyncfp8.sync.codec`), and a receiver reads it
-there: nothing parses a tensor's name to learn what it is.
-
-`check_received` is the one check of a received version, made before any of it is
-written (a version is applied whole or not at all): each engine describes what it
-holds as `TensorSpec`s once, at start, and every version is checked against them.
-"""
+version that every engine runs. Each tensor's `TensorRole` (its role, decoder layer and
+q/k/v part) is set by the policy and read by receivers: nothing parses a tensor's name.
+`check_received` checks a version whole against the `TensorSpec`s an engine declared at
+start, before any of it is written (docs/precision.md, "The lifecycle")."""
 
 from __future__ import annotations
 

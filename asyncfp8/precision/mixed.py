@@ -1,30 +1,8 @@
 """A mixed precision: one weight format (FP8 or INT8) on most linear layers, the engine
 dtype (BF16) on the layers where quantizing adds the most mismatch.
 
-    python -m asyncfp8.launch precision=mixed precision.base=int8 precision.budget=1.3
-
-`profile` (INT8 only) is a SmoothQuant profile (asyncfp8.precision.profile) the INT8 base
-applies to every layer, those kept in BF16 too (the float model stays the same), so the
-sensitivities are measured on the smoothed layers.
-
-`keep` lists the linear layers left in BF16 (module names, `model.layers.3.mlp.down_proj`).
-Left out, the launcher measures it once, on the model the run starts from
-(`asyncfp8.precision.sensitivity.plan_layout`: the layers that add the most mismatch per
-FLOP, kept until the layout stays within `budget` times BF16's own mismatch, then
-none kept that the layout can do without, or within an
-absolute mean KL `budget_kl`, or that quantizes `quantized_share` of the linear FLOPs),
-and starts the learner and every worker with that
-list. The layout is then frozen for the run: it is part of the policy's spec, which every
-version's header carries and every worker checks, so no engine ever has to rebuild a
-layer between versions (the torch engine, vLLM and SGLang alike). The learner measures
-the frozen layout again every `remeasure_every` versions (`precision/layout_kl_ratio`,
-`asyncfp8.precision.sensitivity.LayoutDrift`) and warns when it has left its budget: RL
-moves the weights, and a layout chosen at the start may drift.
-
-Everything else is the base format's: `quantizes` is the one decision, so the learner's
-fake quantization, the torch engine's modules, exported checkpoints and vLLM's
-`ignored_layers` all leave the same layers in BF16.
-"""
+`keep` lists the layers left in BF16; left out, the launcher measures it once (sensitivity.py)
+and the layout is then frozen for the run (docs/precision.md, "A mixed precision")."""
 
 from __future__ import annotations
 
@@ -32,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .policy import PrecisionPolicy, get_policy, register_policy
+from .policy import PrecisionPolicy
+from .registry import get_policy, register_policy
 
 MIXED_BASES = ("fp8", "int8")
 

@@ -1,17 +1,8 @@
 """Quantized linear layers, engine side and learner side, for any policy.
 
-Engine side (the built-in torch engine): `apply_policy` replaces every linear layer whose
-weight the policy `quantizes` by the policy's own runtime module (`linear_module`, a
-`QuantizedLinear`), so that the mismatch a real engine shows is reproduced on any
-machine. A `QuantizedLinear` knows the tensors it owns (the engine checks a version
-against them, `asyncfp8.precision.manifest.check_received`) and copies new values into
-its existing storage (a captured CUDA graph keeps pointing at the right memory).
-
-Learner side (`precision.learner_forward=quantized`): `use_fake_quant` makes each such
-layer multiply the policy's quantize-dequantized weight and input, with straight-through
-gradients to the FP32 master weight, so the learner's log-probs are the engine's up to
-kernel arithmetic.
-"""
+Engine side: `apply_policy` swaps each linear layer the policy `quantizes` for the policy's
+`QuantizedLinear`, which owns its tensors and copies each version into its own storage.
+Learner side: `use_fake_quant`, straight-through gradients (docs/precision.md has both)."""
 
 from __future__ import annotations
 

@@ -1,30 +1,7 @@
 """SmoothQuant-style calibration profile for INT8 rollouts, computed once, reused
 every version (FlashRL's profile step, without a second pre-quantized model).
 
-For each norm → linear-layers group of a Llama-family decoder layer
-(input_layernorm → q/k/v_proj, post_attention_layernorm → gate/up_proj), input
-channel j gets s_j = max|X_j|^α / max|W_·j|^(1−α) from activations on task prompts.
-The INT8 policy multiplies those layers' weight columns by s and divides the norm's
-weight by s: the float model computes the same function, but the activations the
-layers see are divided by s, so their outliers shrink before per-token INT8 rounding.
-
-The two linear layers whose input is another linear layer's output, channel for channel,
-are smoothed the same way through that layer (FOLDED): down_proj's input is
-act(gate) · up_proj's output, so dividing up_proj's output channels (its weight's rows)
-by s divides down_proj's input by s; o_proj's input is attention's weighted sum of
-v_proj's outputs, so dividing v_proj's rows and bias by s divides it by s, each of a kv
-head's channels shared by the query heads of its group (GQA: one factor per v channel,
-the largest activation over the group). Both are exact in float. down_proj's input is
-where a decoder's activation outliers sit, and on `small` the layers a mixed INT8 layout
-keeps in BF16 are mostly down_proj and v_proj (docs/precision.md).
-
-`--alpha auto` chooses α per group instead (each norm's group, each fold): the α of
-ALPHA_GRID whose smoothed INT8 W8A8 product (per-token activations, per-channel weights,
-rounded as the INT8 policy rounds them) is nearest, in squared error, the float product
-on the calibration activations (at most ROWS_KEPT rows of each input). SmoothQuant's
-paper takes one α for a model; a per-layer search is what Intel Neural Compressor's
-auto-α does.
-
+The factors, the folds and `--alpha auto`: docs/precision.md, "INT8 and the SmoothQuant profile".
     python -m asyncfp8.precision.profile --model DIR --task arithmetic --out profile.safetensors
 """
 
@@ -70,54 +47,9 @@ def compute_profile(
     if not search and not (isinstance(alpha, int | float) and 0.0 <= alpha <= 1.0):
         raise ValueError(f"alpha must be in [0, 1] or 'auto', got {alpha!r}")
     modules = dict(model.named_modules())
-    groups = {}
-    for name in modules:
-        match = _LAYER.match(name)
-        if match:
-            linears = [f"{match.group(1)}.{suffix}" for suffix in SMOOTHED_GROUPS[match.group(2)]]
-            if all(n in modules for n in linears):
-                groups[name] = linears
-    if not groups:
-        raise ValueError(
-            "no Llama-family norm -> linear groups (input_layernorm, post_attention_layernorm) found"
-        )
+    groups = _norm_groups(modules)
     folds = _folds(modules) if fold else {}
-
-    act_max: dict[str, torch.Tensor] = {}
-    act_rows: dict[str, list[torch.Tensor]] = {}  # alpha="auto": inputs to judge on
-
-    real: list[torch.Tensor | None] = [None]  # the batch's token positions (not padding)
-
-    def record(key: str, x: torch.Tensor) -> None:
-        rows = x.detach().float().reshape(-1, x.shape[-1])
-        flat = rows.abs().amax(0)
-        act_max[key] = torch.maximum(act_max[key], flat) if key in act_max else flat
-        if not search:
-            return
-        have = sum(len(r) for r in act_rows.get(key, []))
-        if have < ROWS_KEPT:
-            if real[0] is not None and real[0].numel() == len(rows):
-                rows = rows[real[0]]  # judged on tokens, not on the padding
-            act_rows.setdefault(key, []).append(rows[: ROWS_KEPT - have].clone())
-
-    hooks = [
-        modules[norm].register_forward_hook(lambda _m, _i, out, key=norm: record(key, out))
-        for norm in groups
-    ] + [
-        modules[consumer].register_forward_pre_hook(
-            lambda _m, args, key=consumer: record(key, args[0])
-        )
-        for consumer in folds
-    ]
-    try:
-        model.eval()
-        for batch in batches:
-            mask = batch.get("attention_mask")
-            real[0] = None if mask is None else mask.reshape(-1).bool()
-            model(**batch)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    act_max, act_rows = _activations(model, batches, modules, groups, folds, search)
 
     profile = {}
     for norm_name, linears in groups.items():
@@ -167,6 +99,72 @@ def compute_profile(
             profile[f"{producer}.bias"] = factors.clone()
         profile[f"{consumer}.weight"] = on_consumer(factors).clone()
     return profile
+
+
+def _norm_groups(modules: dict[str, torch.nn.Module]) -> dict[str, list[str]]:
+    """{norm: the linear layers it feeds} of every SMOOTHED_GROUPS group the model has."""
+    groups = {}
+    for name in modules:
+        match = _LAYER.match(name)
+        if match:
+            linears = [f"{match.group(1)}.{suffix}" for suffix in SMOOTHED_GROUPS[match.group(2)]]
+            if all(n in modules for n in linears):
+                groups[name] = linears
+    if not groups:
+        raise ValueError(
+            "no Llama-family norm -> linear groups (input_layernorm, post_attention_layernorm) "
+            "found"
+        )
+    return groups
+
+
+def _activations(
+    model: torch.nn.Module,
+    batches: list[dict[str, torch.Tensor]],
+    modules: dict[str, torch.nn.Module],
+    groups: dict[str, list[str]],
+    folds: dict[str, str],
+    search: bool,
+) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
+    """Runs `batches` through `model`: (the largest |input| per channel of each group's
+    linears, by norm, and of each fold's consumer; with `search`, up to ROWS_KEPT of those
+    input rows, padding left out, to judge α on)."""
+    act_max: dict[str, torch.Tensor] = {}
+    act_rows: dict[str, list[torch.Tensor]] = {}  # alpha="auto": inputs to judge on
+
+    real: list[torch.Tensor | None] = [None]  # the batch's token positions (not padding)
+
+    def record(key: str, x: torch.Tensor) -> None:
+        rows = x.detach().float().reshape(-1, x.shape[-1])
+        flat = rows.abs().amax(0)
+        act_max[key] = torch.maximum(act_max[key], flat) if key in act_max else flat
+        if not search:
+            return
+        have = sum(len(r) for r in act_rows.get(key, []))
+        if have < ROWS_KEPT:
+            if real[0] is not None and real[0].numel() == len(rows):
+                rows = rows[real[0]]  # judged on tokens, not on the padding
+            act_rows.setdefault(key, []).append(rows[: ROWS_KEPT - have].clone())
+
+    hooks = [
+        modules[norm].register_forward_hook(lambda _m, _i, out, key=norm: record(key, out))
+        for norm in groups
+    ] + [
+        modules[consumer].register_forward_pre_hook(
+            lambda _m, args, key=consumer: record(key, args[0])
+        )
+        for consumer in folds
+    ]
+    try:
+        model.eval()
+        for batch in batches:
+            mask = batch.get("attention_mask")
+            real[0] = None if mask is None else mask.reshape(-1).bool()
+            model(**batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return act_max, act_rows
 
 
 def _best_alpha(
@@ -285,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     spread = torch.cat([v for k, v in profile.items() if "norm" in k])
     print(
-        f"wrote {path}: {len(profile)} tensors, factors {spread.min().item():.3g}..{spread.max().item():.3g}"
+        f"wrote {path}: {len(profile)} tensors, "
+        f"factors {spread.min().item():.3g}..{spread.max().item():.3g}"
     )
     if chosen:
         print("α per group: " + ", ".join(f"{k} {a:.1f}" for k, a in chosen.items()))

@@ -1,9 +1,7 @@
-"""The `precision=` config as a schema: the keys every policy entry has (`name`,
-`_target_`, `learner_forward`, `quantize_from`) are typed in Hydra's ConfigStore; a policy's own
-parameters are checked against its constructor (names and annotated types), so a typo or
-a wrong type fails at start with the key's name. The node stays open to new keys because
-a user's class (`precision._target_=pkg.MyPolicy precision.my_option=3`) brings
-parameters no schema here can know."""
+"""The `precision=` config as a schema: the keys every policy entry has (`name`, `_target_`,
+`learner_forward`, `quantize_from`) are typed in Hydra's ConfigStore; a policy's own
+parameters are checked against its constructor (names and annotated types), so a typo or a
+wrong type fails at start. The node stays open: a user's class brings parameters of its own."""
 
 from __future__ import annotations
 

@@ -1,22 +1,7 @@
 """Which linear layers a weight format hurts most, measured, and the layout that keeps the
-mismatch within a budget (`precision=mixed`).
-
-The mismatch of a layout is the exact KL(engine || learner), averaged over the positions
-that predict the completion tokens of calibration texts (the task's prompts with their
-reference completions, as a rollout holds them): the engine is the model in its engine
-dtype (BF16) with the layout's layers quantized by the policy's runtime modules (those
-the torch engine runs), the learner is the FP32 model. It is the quantity a run's
-`mismatch/kl_k3` estimates from samples, computed over the whole vocabulary instead, so
-two layouts compare without sampling noise. BF16 everywhere is the floor: no layout can go under it.
-
-A layer's sensitivity is what quantizing it alone adds to the floor. `plan_layout` keeps
-layers in BF16, the most sensitivity per FLOP first, one at a time, until the layout is
-within `budget` times the floor (each candidate measured whole: sensitivities do not
-simply add), then gives back to the base format each kept layer the layout can do
-without; or it keeps the most sensitivity per FLOP that leaves `quantized_share` of the
-linear FLOPs quantized.
-
-`python -m asyncfp8.plan.layout` measures a layout for a model (asyncfp8/plan/layout.py).
+mismatch within a budget (`precision=mixed`): the exact KL(engine || learner) on calibration
+texts, layers kept in BF16 by the most sensitivity per FLOP (docs/precision.md, "A mixed
+precision"). `python -m asyncfp8.plan.layout` measures a layout (asyncfp8/plan/layout.py).
 """
 
 from __future__ import annotations
@@ -43,6 +28,7 @@ class Layout:
     floor: float  # KL with every layer in BF16
     full: float  # KL with every layer the base format takes quantized
     kl: float  # KL of this layout
+
     sensitivity: dict[str, float]  # KL added by quantizing that layer alone
     flops: dict[str, int]  # multiply-adds per token of each layer the format takes
 
@@ -139,10 +125,8 @@ def calibration_batch(
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The task's first `prompts` prompts, each followed by its reference completion as a
     rollout holds them (the prompt's tokens, then the completion's), left-padded, and the
-    mask of the positions measured: those that predict a completion token. A rollout's
-    mismatch (`mismatch/kl_k3`) is over response tokens only; the positions inside the
-    prompt predict tokens no engine samples, and on `small` they carried most of INT8's
-    KL on whole texts (layer 0's down_proj alone 8.5x BF16's)."""
+    mask of the positions measured: those that predict a completion token, as a rollout's
+    mismatch (`mismatch/kl_k3`) is over response tokens only (docs/precision.md)."""
     rows, starts = [], []
     for i in range(prompts):
         prompt = task.prompt(i)
@@ -191,11 +175,10 @@ def plan_layout(
     budget_kl: float | None = None,
 ) -> Layout:
     """The layout of `base` over `model` within `budget` x BF16's KL, within an absolute
-    mean KL `budget_kl`, or quantizing `quantized_share` of the FLOPs (exactly one of the
-    three). `progress(text)` hears of each measurement (one forward pass per layer, then
-    one per layer kept and one per layer tried back). A `budget_kl` below BF16's own KL
-    on these texts (the floor: no layout goes under it) is refused, naming the floor
-    measured."""
+    mean KL `budget_kl` (refused below BF16's own, the floor), or quantizing
+    `quantized_share` of the FLOPs (exactly one of the three). `progress(text)` hears of
+    each measurement (one forward pass per layer, then one per layer kept and one per layer
+    tried back)."""
     if sum(rule is not None for rule in (budget, quantized_share, budget_kl)) != 1:
         raise ValueError("plan_layout needs one of a budget, a budget_kl or a quantized_share")
     if budget is not None and budget < 1:
@@ -215,14 +198,7 @@ def plan_layout(
             "BF16's measured mismatch on the calibration texts is 0: nothing to budget against"
         )
     if budget_kl is not None:
-        if budget_kl < floor:
-            raise ValueError(
-                f"precision.budget_kl={budget_kl:.3e} is below BF16's own mismatch on the "
-                f"calibration texts, {floor:.3e} (measured: every layer in BF16), the floor "
-                "no layout can go under; ask for at least that, or precision.budget (a "
-                "multiple of it)"
-            )
-        budget = budget_kl / floor
+        budget = _relative_budget(budget_kl, floor)
     full = measure(layers)  # after the checks on the floor: a refusal costs one pass
     sensitivity = {}
     for i, name in enumerate(layers):
@@ -231,19 +207,13 @@ def plan_layout(
     flops = twin.flops()
     # a layer kept in BF16 costs its FLOPs: rank by the KL it adds per FLOP, so that a small
     # harmful layer (a k or v projection under GQA) is kept before a large layer that
-    # harms a little more (on `small`, INT8 at budget 1.3, measured on whole texts: 79% of
-    # the FLOPs quantized instead of 67%; docs/precision.md)
+    # harms a little more (docs/precision.md)
     by_harm_per_flop = sorted(
         layers, key=lambda name: sensitivity[name] / flops[name], reverse=True
     )
     keep: list[str] = []
     if quantized_share is not None:
-        total, quantized = sum(flops.values()), sum(flops.values())
-        for name in by_harm_per_flop:  # keep the worst that the share leaves room for
-            if (quantized - flops[name]) / total < quantized_share - 1e-12:
-                continue
-            keep.append(name)
-            quantized -= flops[name]
+        keep = _keep_for_share(by_harm_per_flop, flops, quantized_share)
         kl = measure([n for n in layers if n not in keep])
     else:
         kl = full
@@ -267,6 +237,33 @@ def plan_layout(
                     keep, kl, given_back = trial, trial_kl, True
                     say(f"{name} back to {base.name}: {kl / floor:.2f}x BF16's KL")
     return Layout(keep, floor, full, kl, sensitivity, flops)
+
+
+def _relative_budget(budget_kl: float, floor: float) -> float:
+    """An absolute mean KL as a multiple of BF16's `floor`; refused below the floor."""
+    if budget_kl < floor:
+        raise ValueError(
+            f"precision.budget_kl={budget_kl:.3e} is below BF16's own mismatch on the "
+            f"calibration texts, {floor:.3e} (measured: every layer in BF16), the floor "
+            "no layout can go under; ask for at least that, or precision.budget (a "
+            "multiple of it)"
+        )
+    return budget_kl / floor
+
+
+def _keep_for_share(
+    by_harm_per_flop: list[str], flops: dict[str, int], quantized_share: float
+) -> list[str]:
+    """The most harmful layers per FLOP that still leave `quantized_share` of the FLOPs
+    quantized, in that order."""
+    keep: list[str] = []
+    total, quantized = sum(flops.values()), sum(flops.values())
+    for name in by_harm_per_flop:  # keep the worst that the share leaves room for
+        if (quantized - flops[name]) / total < quantized_share - 1e-12:
+            continue
+        keep.append(name)
+        quantized -= flops[name]
+    return keep
 
 
 class LayoutDrift:

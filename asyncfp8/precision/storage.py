@@ -1,13 +1,8 @@
 """How a precision stores a model: the one description the planner prices and the docs cite.
 
-A policy's `storage()` says what its versions hold (the dtype of a quantized linear
-weight, the layout of its scales, the KV cache's dtype) and which tensor-core type its
-GEMMs run in. The planner (`asyncfp8.plan.precisions`) reads it for bytes per parameter,
-scale bytes and KV bytes per token, so a new format is priced from its own description,
-not from a table elsewhere; the wire (`asyncfp8.sync.codec`) carries any real torch
-dtype, so a format's dtypes need no entry there either. `tests/test_plan.py` checks the
-description against the bytes each built-in policy actually exports.
-"""
+A policy's `storage()` says what its versions hold (weight dtype, scale layout, KV dtype) and
+its GEMMs' tensor-core type; the planner prices a new format from it, not from a table
+elsewhere (`tests/test_plan.py` checks it against the bytes each built-in policy exports)."""
 
 from __future__ import annotations
 

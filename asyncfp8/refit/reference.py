@@ -26,11 +26,9 @@ REFERENCE_ATTENTION = "asyncfp8_probe_reference"
 def _reference_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """Attention as the built-in engine's prefill computes it: keys and values rounded to
     e4m3 with the version's scales for an FP8 cache, then the engine's own grouped SDPA
-    (`grouped_attention`: how it lays out query heads over KV heads decides the order
-    SDPA sums in) under an explicit causal mask. transformers' SDPA path rounds
-    otherwise: 1 BF16 ulp in 1 of 150 probes, measured, which an e4m3 cache can turn into
-    |Δ log p| 0.004. Probe rows are unpadded (a forward runs rows of one length), so the
-    mask is causal only and transformers' `attention_mask` is not needed."""
+    (its head layout decides the order SDPA sums in; transformers' SDPA is 1 BF16 ulp off in
+    1 of 150 probes, which an e4m3 cache turns into |Δ log p| 0.004) under a causal mask.
+    Probe rows are unpadded, so transformers' `attention_mask` is not needed."""
     from asyncfp8.engines.decode import grouped_attention
 
     scales = getattr(module, "probe_kv_scales", None)
@@ -75,19 +73,11 @@ def _use_reference_linears(model: torch.nn.Module, policy: PrecisionPolicy) -> d
 
 
 class ReferenceForward:
-    """The learner's reference of what an engine running a version computes: a copy of
-    the model in the engine's compute dtype (the policy's `engine_dtype`, as the torch
-    engine's, BF16 by default) whose quantized linear layers are fake-quantized by the policy
-    (weights and inputs) and, for an FP8 KV cache, whose attention reads keys and values
-    rounded to e4m3 with the version's scales. It lives on rank 0 (colocated, on every
-    rank, for that rank's engine) and is loaded with the masters each version is
-    quantized from.
-
-    Why the engine's dtype and not FP32: this tiny model's logits reach -50, where BF16
-    resolves 0.25, so an FP32 reference sits up to 6.6 (mean 0.09) from a correct BF16
-    engine, far more than one optimizer step moves the log-probs (mean 0.018); a BF16
-    reference sits 0.007 (max 0.28) from it (measured when the probe was built, by a
-    script the repository never kept)."""
+    """What an engine running a version computes: the model in the engine's dtype (the
+    policy's `engine_dtype`; an FP32 reference sits further from a correct BF16 engine than a
+    step moves the log-probs, docs/reliability.md), its quantized linears fake-quantized by
+    the policy and, for an FP8 KV cache, keys and values rounded with the version's scales.
+    It lives on rank 0 (colocated: every rank) and loads the masters each version comes from."""
 
     def __init__(self, model_dir: str | Path, policy: PrecisionPolicy):
         from transformers import AttentionInterface

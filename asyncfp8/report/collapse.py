@@ -1,13 +1,8 @@
 """Whether a run collapsed, from its per-step stream reward and its held-out curve (the
-definition and why: docs/correction.md, "Collapse"). Pure: lists of (step, value) in,
-a `Collapse` out; `asyncfp8.report` counts them per group with a Wilson interval.
-
-A run collapsed when either
-- its last held-out greedy pass@1 is below half the best it reached (the best at least
-  HELDOUT_FLOOR), or
-- after some REWARD_WINDOW steps whose mean stream reward was at least REWARD_LEARNED,
-  the stream reward stayed below REWARD_DEAD for REWARD_WINDOW steps in a row.
-"""
+definition and why: docs/correction.md, "Collapse"): its last held-out greedy pass@1 below
+HELDOUT_FRACTION of its best (the best at least HELDOUT_FLOOR), or the stream reward dead
+after it had learned. Pure: lists of (step, value) in, a `Collapse` out; `asyncfp8.report`
+counts them per group with a Wilson interval."""
 
 from __future__ import annotations
 

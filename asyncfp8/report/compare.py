@@ -1,30 +1,8 @@
-"""Compare finished runs: seeds grouped by setting, held-out accuracy and mismatch KL as
-mean ± 95% confidence interval, and plots (from each run's config.yaml and metrics.jsonl).
+"""Compare finished runs: seeds grouped by setting, held-out accuracy, collapses and mismatch
+KL as mean ± 95% confidence interval, and plots (from each run's config.yaml and
+metrics.jsonl; the groups, their keys and the plots: docs/running.md, "Comparing runs").
 
     python -m asyncfp8.report runs/parity/* --out compare.png --json compare.json
-
-Groups: runs are grouped by setting, read from each run's config.yaml: the rollout
-precision (its name, or the `_target_` of a user plugin), the correction's name,
-`precision.learner_forward`, `precision.quantize_from`, `run.compute_dtype`, `run.mode`,
-`correction.proximal` and `guard.enabled`; the runs of one setting (its seeds, run.seed) form one group, unless `--labels` (one per run) groups them otherwise. Per group it prints
-the number of runs and their seeds; the final held-out pass@1, greedy and sampled, and the
-held-out pass@1 before training, as the mean over seeds ± the half-width of its 95%
-confidence interval (Student t with n-1 degrees of freedom; one run: "n=1, no CI"); how
-many runs collapsed (asyncfp8/report/collapse.py) with the 95% Wilson interval of the rate; the
-evaluation's size (prompts a run) and the binomial standard error of one run's final
-greedy pass@1 (the evaluation's own noise); and the mismatch KL (k3, a run's mean over
-steps) with its precision-only part where a run measured it on enough steps. Runs whose
-task (name or any parameter) or model (model.path, size, seed) differ cannot be compared:
-the report refuses them at start, naming the settings and the runs.
-
-Two PNGs. `--out` (compare.png): reward (trailing mean, raw faint), held-out evaluation,
-mismatch KL (all tokens, and precision-only where a step had current-version tokens), IS
-weights, clipped and masked tokens, staleness, throughput and loss per step (one version
-per step unless sync.every > 1), resumes marked; one line per group, its runs averaged.
-`--curves` (default: compare_heldout.png beside --out): held-out pass@1 per group over the
-evaluated steps, greedy and sampled, the mean over seeds with a 95% confidence band.
-The per-run table gives the precision-only KL with the number of steps it rests on, and
-leaves it out below 10. `--json` writes {"runs": [...], "groups": [...]}.
 """
 
 from __future__ import annotations
@@ -342,7 +320,7 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m asyncfp8.report",
         description=__doc__,
@@ -371,14 +349,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--json", help='also write {"runs": [per-run summaries], "groups": [per-group rows]} here'
     )
-    args = parser.parse_args(argv)
-    if args.labels and len(args.labels) != len(args.runs):
-        parser.error(f"{len(args.labels)} labels for {len(args.runs)} runs")
-    if repeated := sorted({run for run in args.runs if args.runs.count(run) > 1}):
-        parser.error(f"{', '.join(repeated)} given more than once")
-    # Every problem with the input at once, before anything is summarized or drawn.
+    return parser
+
+
+def _read_runs(runs: list[str]) -> tuple[dict[str, DictConfig], dict[str, dict], list[str]]:
+    """Each run's config and summary, and every problem with the input at once, before
+    anything is summarized or drawn."""
     configs, problems = {}, []
-    for run in args.runs:
+    for run in runs:
         try:
             configs[run] = run_config(run)
         except ValueError as error:
@@ -394,16 +372,18 @@ def main(argv: list[str] | None = None) -> None:
             summaries[run] = summarize(run)
         except ValueError as error:
             problems.append(str(error))
-    if problems:
-        parser.exit(2, "asyncfp8.report: " + "\n".join(problems) + "\n")
+    return configs, summaries, problems
 
-    names = {run: f"{summaries[run]['label']} s{configs[run].run.seed}" for run in args.runs}
+
+def _print_runs(runs: list[str], configs: dict[str, DictConfig], summaries: dict[str, dict]):
+    """The per-run table, each run's warnings under its row."""
+    names = {run: f"{summaries[run]['label']} s{configs[run].run.seed}" for run in runs}
     width = max(40, *map(len, names.values()))
     print(
         f"{'run':<{width}} {'steps':>5} {'reward start':>12} {'reward end':>10} {'KL k3':>9} "
         f"{'fresh KL (steps)':>17} {'samples/s':>9}"
     )
-    for run in args.runs:
+    for run in runs:
         s = summaries[run]
         fresh = (
             f"{s['fresh_kl_k3_mean']:.2e} ({s['fresh_kl_steps']})"
@@ -411,11 +391,26 @@ def main(argv: list[str] | None = None) -> None:
             else f"- ({s['fresh_kl_steps']})"
         )
         print(
-            f"{names[run]:<{width}} {s['steps']:>5} {s['reward_start']:>12.3f} {s['reward_end']:>10.3f} "
-            f"{s['kl_k3_mean']:>9.2e} {fresh:>17} {s['samples_per_s']:>9.1f}"
+            f"{names[run]:<{width}} {s['steps']:>5} {s['reward_start']:>12.3f} "
+            f"{s['reward_end']:>10.3f} {s['kl_k3_mean']:>9.2e} {fresh:>17} "
+            f"{s['samples_per_s']:>9.1f}"
         )
         for warning in s["warnings"]:
             print(f"  warning: {warning}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.labels and len(args.labels) != len(args.runs):
+        parser.error(f"{len(args.labels)} labels for {len(args.runs)} runs")
+    if repeated := sorted({run for run in args.runs if args.runs.count(run) > 1}):
+        parser.error(f"{', '.join(repeated)} given more than once")
+    configs, summaries, problems = _read_runs(args.runs)
+    if problems:
+        parser.exit(2, "asyncfp8.report: " + "\n".join(problems) + "\n")
+
+    _print_runs(args.runs, configs, summaries)
     groups = group_runs(configs, args.labels)
     entries = [group_summary(name, runs, configs, summaries) for name, runs in groups.items()]
     print()

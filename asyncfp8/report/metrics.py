@@ -211,12 +211,11 @@ class WandbRun:
             self.run.finish()
 
     def attach_report(self) -> None:
-        """The run's summary and plots, as the launcher makes them. The launcher writes
-        summary.json and plots.png only after the learner exits, and the learner owns
-        this W&B run: rather than a second process reopening it (offline, that is a second
-        folder to sync), the learner computes both itself from the same metrics.jsonl
-        (asyncfp8.report) before finishing; this also serves a learner run without the
-        launcher. The launcher's summary.json adds only its wall time (`wall_s`)."""
+        """The run's summary and plots, as the launcher makes them after the learner exits.
+        The learner owns this W&B run, so it computes both itself from the same
+        metrics.jsonl before finishing, rather than a second process reopening the run
+        (offline, a second folder to sync); this also serves a run without the launcher.
+        The launcher's summary.json adds only its wall time (`wall_s`)."""
         import wandb
 
         try:

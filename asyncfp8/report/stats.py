@@ -1,15 +1,8 @@
-"""Confidence intervals over a handful of seeds, for `asyncfp8.report`.
-
-`mean_ci(values)`: the mean and the half-width of its 95% confidence interval, Student t
-with n - 1 degrees of freedom (seeds are few, so the normal 1.96 would be too narrow:
-with 5 seeds the factor is 2.776). `binomial_se(p, n)`: the standard error of one run's
-pass@1 measured on n prompts, the noise of the evaluation itself.
-`wilson_interval(k, n)`: the 95% interval of a rate of k events in n runs (collapses in
-a group's seeds), which unlike k/n ± 1.96 SE stays inside [0, 1] and is not empty at 0.
-
-No scipy: it is not a dependency, and for whole degrees of freedom the t distribution's
-CDF has a closed form (Abramowitz & Stegun 26.7.3-4), inverted here by bisection.
-"""
+"""Confidence intervals over a handful of seeds, for `asyncfp8.report` (docs/running.md,
+"Comparing runs"): `mean_ci` (Student t, n - 1 degrees of freedom: seeds are few),
+`binomial_se` (one evaluation's own noise) and `wilson_interval` (a rate of k in n, inside
+[0, 1]). No scipy: for whole degrees of freedom the t distribution's CDF has a closed form
+(Abramowitz & Stegun 26.7.3-4), inverted here by bisection."""
 
 from __future__ import annotations
 

@@ -64,19 +64,8 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     fresh = [r for r in records if r.get("fresh/kl_k3") is not None]
     fresh_enough = len(fresh) >= MIN_FRESH_STEPS
     zero_spread = _mean(records, "groups/frac_zero_advantage")
-    warnings = []
-    if zero_spread > ZERO_SPREAD_WARN:
-        warnings.append(
-            f"{zero_spread:.0%} of groups had no reward spread (every sample scored the same) "
-            "and trained nothing: the task is too hard or too easy for this model, or the "
-            "reward is constant"
-        )
+    warnings = _warnings(zero_spread, len(fresh))
     collapse = run_collapse(records, evaluated)
-    if fresh and not fresh_enough:
-        warnings.append(
-            f"the precision-only KL rests on {len(fresh)} steps with current-version tokens "
-            f"(< {MIN_FRESH_STEPS}); left out (run.mode=sync measures it at every step)"
-        )
     return {
         "run": str(run_dir),
         "label": label(run_dir),
@@ -112,18 +101,8 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "eval_pass1_greedy_end_se": _end_se(evaluated),
         # steps the guard rolled back, resumes included (None: a run without the guard)
         "guard_rollbacks": _rollbacks(records),
-        # evaluations the held-out guard undid (guard.heldout_below): the step, the undone
-        # greedy pass@1, the step whose weights came back and their pass@1 now
-        "guard_heldout_rollbacks": [
-            {
-                "step": r["step"],
-                "undone": r["guard/heldout_undone_greedy"],
-                "restored_step": r["guard/heldout_restored_step"],
-                "restored": r["eval/pass1_greedy"],
-            }
-            for r in evaluated
-            if r.get("guard/heldout_undone_greedy") is not None
-        ],
+        # evaluations the held-out guard undid (guard.heldout_below)
+        "guard_heldout_rollbacks": _heldout_rollbacks(evaluated),
         "collapsed": collapse.collapsed,
         "collapse_signal": collapse.signal,
         "collapse_step": collapse.step,
@@ -133,6 +112,39 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "guard_stopped": _guard_stop(run_dir),
         "warnings": warnings,
     }
+
+
+def _warnings(zero_spread: float, fresh_steps: int) -> list[str]:
+    """A run's warnings: most groups without reward spread, or a precision-only KL on too
+    few steps to keep."""
+    warnings = []
+    if zero_spread > ZERO_SPREAD_WARN:
+        warnings.append(
+            f"{zero_spread:.0%} of groups had no reward spread (every sample scored the same) "
+            "and trained nothing: the task is too hard or too easy for this model, or the "
+            "reward is constant"
+        )
+    if fresh_steps and fresh_steps < MIN_FRESH_STEPS:
+        warnings.append(
+            f"the precision-only KL rests on {fresh_steps} steps with current-version tokens "
+            f"(< {MIN_FRESH_STEPS}); left out (run.mode=sync measures it at every step)"
+        )
+    return warnings
+
+
+def _heldout_rollbacks(evaluated: list[dict]) -> list[dict[str, Any]]:
+    """The evaluations the held-out guard undid: the step, the undone greedy pass@1, the
+    step whose weights came back and their pass@1 now."""
+    return [
+        {
+            "step": r["step"],
+            "undone": r["guard/heldout_undone_greedy"],
+            "restored_step": r["guard/heldout_restored_step"],
+            "restored": r["eval/pass1_greedy"],
+        }
+        for r in evaluated
+        if r.get("guard/heldout_undone_greedy") is not None
+    ]
 
 
 def _guard_stop(run_dir: str | Path) -> dict[str, Any] | None:
@@ -202,7 +214,7 @@ def setting_label(setting: dict[str, str]) -> str:
         precision += f" ({', '.join(notes)})"
     label = f"{precision} · {setting['correction']} · {setting['mode']}"
     proximal = setting.get("proximal", "current")
-    if proximal != "auto":  # the default since session 22: unnamed, as other defaults are
+    if proximal != "auto":  # the default: unnamed, as other defaults are
         label += f" · π_prox {PROXIMAL_NOTES.get(proximal, proximal)}"
     if setting.get("guard", "on") != "on":
         label += " · guard off"

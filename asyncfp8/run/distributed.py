@@ -1,22 +1,8 @@
 """The learner as one or N processes on PyTorch's own distributed engine.
 
-    torchrun --nproc_per_node 4 -m asyncfp8.learner ...     # or the launcher's run.learner_procs=4
-    python -m asyncfp8.learner ...                          # one process: the same code
+    torchrun --nproc_per_node 4 -m asyncfp8.learner ...  # or python -m asyncfp8.learner: one
 
-Every rank holds a shard of the model (`fully_shard` per decoder layer and on the root,
-FSDP2), runs every forward and backward (collectives), and steps its shard of the
-optimizer. NCCL between GPUs (one per rank), gloo on CPUs. Rank 0 alone owns the
-learner's sockets; what the others need of a step they get from it here (`scatter`,
-`broadcast`). A version is gathered whole to rank 0's CPU (`full_state_dict`; in a
-colocated run to every rank, whose own engine takes it); a
-checkpoint is written and read by every rank through `torch.distributed.checkpoint`,
-so a run resumes at another world size. A process started without torchrun is a group
-of one.
-
-Failures take the group down instead of hanging it: torchrun stops every rank when one
-exits, each rank dies with its torchrun agent (Linux parent-death signal), a rank's
-collective with a dead peer fails (gloo: at once; NCCL: by its watchdog), and every
-collective gives up after `run.dist_timeout` seconds.
+FSDP2, rank 0 owning the sockets (docs/running.md, 'The learner on several GPUs').
 """
 
 from __future__ import annotations
@@ -284,15 +270,10 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 def resharded(model: nn.Module) -> nn.Module:
     """`model` with every FSDP2 unit's parameters sharded: what anything that writes the
-    weights outside the optimizer (a rollback, a version's swap) must write. FSDP2 leaves
-    the root unit's (embeddings, final norm, LM head) unsharded after a forward without
-    gradients (an evaluation, a π_prox forward), and the next forward uses that copy as it
-    is, without gathering again: `parameters()` then gives the copy, which the next
-    reshard drops. Weights written into the copy reached the forward after but not the
-    training or the checkpoint (a held-out rollback of the tiny model checkpointed the
-    undone root weights so); weights written into the shards alone did not reach the
-    next forward (the training forward after a version's swap ran with that version's
-    root weights, train/versions.py)."""
+    weights outside the optimizer (a rollback, a version's swap) must write. After a forward
+    without gradients FSDP2 leaves the root unit unsharded and the next forward reuses that
+    copy, so a write into the copy or into the shards alone would reach only one of them
+    (docs/running.md, 'The learner on several GPUs')."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()

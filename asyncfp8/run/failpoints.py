@@ -1,18 +1,8 @@
-"""Fail points: deterministic crashes at named places, for the reliability suite.
+"""Fail points: `name=N` SIGKILLs the process the N-th time it reaches `failpoint(name)`, a
+place a random kill rarely hits (mid-version); `learner.poison_update=N` instead makes the
+learner's N-th step POISON_FACTOR times too large, for the guard (docs/reliability.md).
 
     ASYNCFP8_FAILPOINTS="publish.between_chunks=3,learner.mid_step=7" python -m asyncfp8.learner
-
-kills the process with SIGKILL (what the OOM killer or a preempted node does) the 3rd
-time it reaches `failpoint("publish.between_chunks")`, or the 7th time it reaches
-`failpoint("learner.mid_step")`. Killing at random times rarely lands inside a version
-that is half sent, which is the case that matters; a fail point lands there every time.
-An unset variable costs one dict lookup per fail point.
-
-`learner.poison_update=N` does not kill: the learner's N-th optimizer step moves every
-parameter POISON_FACTOR times as far as AdamW asked (`install_poison`), the one fatal
-step the guard (train/guard.py) must undo. It acts on the learner only: any other
-process refuses it at start (`check_process`), and the launcher hands it to the learner
-alone.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ def check_counts(cfg: Any) -> None:
     export_every = cfg.run.export_every
     if not isinstance(export_every, int) or export_every < 0:
         raise ValueError(
-            f"run.export_every must be 0 (only at the end) or a positive integer, got {export_every!r}"
+            "run.export_every must be 0 (only at the end) or a positive integer, "
+            f"got {export_every!r}"
         )
     for key, value in counts.items():
         if not isinstance(value, int) or value < 1:

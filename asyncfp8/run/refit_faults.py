@@ -1,21 +1,8 @@
-"""Refit faults: a worker that damages one version on its way into the engine, as
-refits of other RL stacks have (REFERENCES.md), for the reliability suite to show that
-the refit probe (asyncfp8/refit/probe.py) catches each at the version it happens.
+"""Refit faults: a worker damages the first version numbered N or more it applies, once, so the
+reliability suite can show that the refit probe catches it (docs/reliability.md, 'Refit
+faults'); the snapshot it then asks for arrives intact. Kinds: `KINDS`.
 
     ASYNCFP8_REFIT_FAULT=kv_scales_dropped@3 python -m asyncfp8.worker ...
-
-damages version 3 (the first version numbered 3 or more that this worker applies) once;
-the snapshot the worker then asks for arrives intact, so a caught fault costs one
-snapshot and no samples. Faults:
-
-- kv_scales_dropped: the version's KV scales never reach the cache (it runs with 1.0)
-- kv_scales_doubled: every KV scale ×2
-- layer_skipped: layer 1 keeps the previous version's tensors (an engine that skipped
-  loading it: the version still arrives whole, so only the probe can tell)
-- scale_transposed: the first weight scale with two dimensions of 2 or more is read in
-  the transposed order (same shape: what a kernel expecting the other layout does)
-- nan: one value of one weight tensor is NaN
-- stale: the update is not applied at all (the engine stays on the previous version)
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """A resumed run continues the run that was stopped: its settings come from the config the
-learner saved in `<run.dir>/config.yaml`, not from today's defaults.
-
-The overrides given with `run.resume=true` are applied on top only where changing them
-does not change the experiment (how long it runs, how it is logged and checkpointed,
-how many workers, where processes listen); every applied change is logged. An override of
-the model, task, precision, engine, correction, optimizer or any other setting is refused
-with the keys named, unless `run.force_resume=true` says the change is meant.
+learner saved in `<run.dir>/config.yaml`, not from today's defaults. Overrides apply on top
+only where they do not change the experiment (each logged); any other is refused with the
+keys named unless `run.force_resume=true` (docs/running.md, 'Checkpoints and resume').
 """
 
 from __future__ import annotations

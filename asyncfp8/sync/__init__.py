@@ -1,7 +1,6 @@
-"""What crosses between processes: policy versions (learner -> workers) and
-trajectories (workers -> learner), over ZeroMQ, optionally CURVE-authenticated.
+"""Policy versions (learner -> workers) and trajectories (workers -> learner) over ZeroMQ,
+optionally CURVE-authenticated (docs/sync.md).
 
-    from asyncfp8.sync import encode_version, decode_version
     messages = encode_version(7, weights.items(), extra, base=previous, base_version=6)
     version = decode_version(messages, base=previous, base_version=6)  # .weights, .extra
 """

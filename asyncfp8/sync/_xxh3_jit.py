@@ -1,13 +1,8 @@
-"""The numba-compiled kernel behind `copyhash.copy_xxh3` (imported on first use only: see
-`copyhash`'s docstring for why numba is not loaded with the package).
+"""The numba-compiled kernel behind `copyhash.copy_xxh3`, imported on first use only.
 
-XXH3-64 (seed 0, the default secret) of inputs over 240 bytes, as in the reference
-implementation (xxhash.h, `XXH3_hashLong_64b`): eight 64-bit accumulators take one
-64-byte stripe at a time, scrambled after every 1024-byte block, merged at the end.
-Each stripe is stored to the destination from the same registers it is hashed from, so
-the bytes are read from memory once; with a 64-byte aligned destination the stores are
-non-temporal (they do not first read the destination's cache lines, and do not evict
-what the other side of the copy is reading).
+XXH3-64 (seed 0, the default secret) of inputs over 240 bytes, as xxhash.h's
+`XXH3_hashLong_64b`. Each 64-byte stripe is stored to the destination from the registers it
+is hashed from (one read per byte), non-temporally when the destination is 64-byte aligned.
 """
 
 from __future__ import annotations

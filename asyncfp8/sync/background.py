@@ -1,16 +1,8 @@
-"""Publishing off the learner's critical path.
+"""Publishing off the learner's critical path (docs/sync.md, 'Publishing off the critical path').
 
-`submit` copies the weights into buffers of this object (one copy, in the weights' own
-dtype unless told otherwise: a precision policy decides from the FP32 master values), then
-returns; a thread quantizes that
-snapshot, encodes it and sends it through the `VersionPublisher` while the learner
-trains the next step. So version N is made from exactly the weights of step N, and its
-extra tensors (KV scales), computed by the caller beforehand, from the same weights.
-The next `submit` waits only if the previous publish is still running, and says how
-long it waited (the learner records it as `sync/publish_wait_s`).
-
-The thread is its own unless an `executor` is given: a colocated learner hands each
-version to its rollout thread, which applies it between two generate calls.
+`submit` copies the weights into buffers of this object and returns; a thread quantizes,
+encodes and sends that snapshot while the learner trains the next step, so version N is
+made from exactly step N's weights. With an `executor` (a colocated learner) it runs there.
 """
 
 from __future__ import annotations
@@ -72,10 +64,10 @@ class BackgroundPublisher:
         annotate: Annotate | None = None,
         roles: Mapping[str, TensorRole] | None = None,
     ) -> float:
-        """Snapshots `weights` (as `dtype`; None: as they are) and publishes `quantize(snapshot)` plus
-        `extra` (and `annotate(snapshot, extra)`) as version `version` in the background,
-        each tensor with its role in `roles` (which `quantize` may fill as it streams);
-        returns the seconds spent waiting for the previous publish to finish."""
+        """Snapshots `weights` (as `dtype`; None: as they are) and publishes
+        `quantize(snapshot)` plus `extra` (and `annotate(snapshot, extra)`) as version
+        `version` in the background, each tensor with its role in `roles` (which `quantize`
+        may fill as it streams); returns the seconds spent waiting for the previous publish."""
         waited = self.wait()
         snapshot = self._snapshot(weights, dtype)
         job = (

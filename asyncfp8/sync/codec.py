@@ -1,26 +1,8 @@
-"""Weight versions as ZeroMQ messages: a header frame and a payload frame per chunk.
+"""Weight versions as ZeroMQ messages `[header, payload]`, one per chunk (docs/sync.md).
 
-A version is typed and one-way: every tensor carries its role in the header (a
-`TensorRole`: weight, weight scale, KV scale with its layer and part, ...; the
-manifest, `asyncfp8.precision.manifest`), which puts it in one of two sections,
-`weights` (what the precision policy made of the model) or `extra` (per-version tensors
-such as KV scales), and the header carries the policy name and the engine config it
-was made for.
-
-A version travels as chunk messages `[header, payload]`. The header frame is a topic
-byte (`V`, which subscribers filter on) and a msgpack map sealed with its xxh3-64
-digest: format, version number, the publisher's stream id, the delta base, policy and
-engine config, chunk index, the payload's length, and for each tensor with data in the
-chunk: name, role (role, layer, kv_part), dtype, shape, encoding (`full` or `delta`), the xxh3-64 of the
-rebuilt tensor, and its parts (where in the payload, how long, xxh3-64 of those bytes).
-A `full` tensor's bytes travel as `data` parts that each say where in the tensor they
-start (`at`), so a large tensor spans chunks of a few MiB: a receiver writes each
-straight into the tensor it will hand out (`VersionAssembler.begin` names the buffer
-for `recv_into`), one copy per byte. A `delta` part is one compressed ULP delta against
-the receiver's previous version (`delta.py`); a tensor goes whole when that is smaller.
-
-This module is the format and the sending side; version_decode.py checks the headers and
-assembles the versions received.
+Each tensor carries its role (`TensorRole`), which puts it in `weights` or `extra`, and goes
+whole or as a delta against the receiver's previous version (`delta.py`). This module is the
+format and the sending side; version_decode.py checks and assembles the versions received.
 """
 
 from __future__ import annotations
@@ -207,13 +189,10 @@ def encode_chunks(
     **options: Any,
 ) -> Iterator[list[bytes]]:
     """One `[header, payload]` message per chunk of about `chunk_bytes`, streamed from
-    `weights` then `extra`, each tensor with its role in `roles` (`tag_sections`);
-    `options` are `encode_tagged`'s. Tensors with an entry of the same dtype and shape in
-    `base` (the receiver's previous version) go as deltas when that is smaller. With
-    `update_base`, `base` holds this version afterwards: tensors it has are overwritten
-    in place, new ones are copied in, so a sender keeps one copy of the model. `stream`
-    names the sending process: a receiver never assembles one version from chunks of
-    two streams (a learner that died mid-publish and the one that resumed it)."""
+    `weights` then `extra`, each tensor with its role in `roles`; `options` are
+    `encode_tagged`'s. A tensor with an entry of its dtype and shape in `base` goes as a
+    delta when smaller; `update_base` leaves this version in `base` (a sender keeps one copy).
+    `stream` names the sender: one version never mixes chunks of two (a resumed learner)."""
     return encode_tagged(version, tag_sections(weights, extra, roles), **options)
 
 

@@ -1,21 +1,8 @@
-"""Copy and checksum in one pass: `copy_xxh3(source, target)` copies the bytes and
-returns their XXH3-64 (the same digest as `xxhash.xxh3_64_intdigest`).
+"""Copy and checksum in one pass: `copy_xxh3(source, target)` copies the bytes and returns
+their XXH3-64 (as `xxhash.xxh3_64_intdigest`), reading each byte once (docs/sync.md).
 
-Why: the shared-memory path copies every byte twice (the learner into the segment, the
-worker out of it) and checksums it on both sides. Copying in cache-sized blocks and
-hashing each block after it runs at ~6 GB/s here: block-sized copies use ordinary
-stores, which read every destination cache line before writing it; one large memcpy
-(non-temporal stores) runs at ~12 GB/s but then the hash reads everything back from
-memory. The kernel (`_xxh3_jit`, numba) hashes each 64-byte stripe from the registers it
-stores it from, with non-temporal stores when the destination is 64-byte aligned: one
-read and one write per byte.
-
-numba is imported on the first call, not with this module (see `delta.py`: llvmlite
-loaded before a vLLM-CPU engine starts breaks it; workers start their engine first).
-Inputs of 240 bytes or less (XXH3 hashes those differently) are copied and hashed with
-the xxhash package, and so is everything where numba is not installed (the GPU machine:
-../shared/gpu/README.md; llvmlite is too large to travel there): a copy, then a second
-read for the hash, the same digest.
+numba is imported on the first call, not with this module (see `delta.py`). Inputs of 240
+bytes or less, and all inputs where numba is missing, are copied then hashed with xxhash.
 """
 
 from __future__ import annotations

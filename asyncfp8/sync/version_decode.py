@@ -137,14 +137,11 @@ def _check_entry(entry: Any, payload_bytes: int, limits: Limits) -> None:
 
 
 class VersionAssembler:
-    """Collects the chunks of one version, verifies each, and rebuilds the tensors
-    against `base` (the receiver's current tensors) into buffers that `storage` hands
-    out (fresh ones by default; a subscriber passes its spare buffers, never the ones
-    of its current version). A chunk goes in two steps so that its payload can be
-    received in place: `begin(header)` says where the payload goes (a slice of a
-    tensor, or None: anywhere), `finish(payload)` checks and applies it and returns the
-    Version after the final chunk. `feed(frames)` does both. Nothing is returned
-    unverified, and a version is complete only when every tensor is."""
+    """Collects the chunks of one version, verifies each, and rebuilds the tensors against
+    `base` (the receiver's current tensors) into buffers from `storage` (fresh by default;
+    a subscriber passes its spare ones). `begin(header)` says where the payload goes (a
+    slice of a tensor, or None), `finish(payload)` checks and applies it, returning the
+    Version after the final chunk; `feed(frames)` does both. Nothing unverified comes out."""
 
     def __init__(
         self,

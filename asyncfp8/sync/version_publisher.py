@@ -1,18 +1,8 @@
 """Publishing policy versions (learner side; version_subscriber.py receives them).
 
-Why PUB plus a snapshot ROUTER: every worker needs every version, so the learner
-publishes each once on a PUB socket (fan-out without per-worker bookkeeping). PUB drops
-messages for a subscriber that is too slow or not yet connected; that is detected (a
-missing chunk, a delta whose base the worker lacks) and repaired by asking the ROUTER
-for the latest whole version, as does a worker that starts late or restarts. A worker
-applies a version only once all of it has arrived and every checksum holds.
-
-Two media, picked per worker from its address (`transport="auto"`): a worker on the
-learner's host subscribes to the shared-memory notices (topic `S`, `shm.py`), any
-other to the chunks (topic `V`: deltas against the previous version, compressed, in
-frames of a few MiB received in place). The PUB socket is an XPUB, so the learner sees
-which topics anyone subscribes to and does only the work someone will receive: no
-delta encoding when every worker is local, no segment writes when none is.
+One XPUB fans each version out (topic `V`: chunks; topic `S`: shared-memory notices), and a
+ROUTER answers snapshot requests from workers that missed something; the XPUB shows which
+topics anyone takes, so nothing is encoded for nobody (docs/sync.md, 'Weight versions').
 """
 
 from __future__ import annotations
@@ -105,6 +95,7 @@ class VersionPublisher:
         self.state: dict[str, torch.Tensor] = {}  # the latest version: the base of deltas
         self.roles: dict[str, TensorRole] = {}  # of the latest version's tensors, for snapshots
         self._state_in_shm = False  # state views the latest segment rather than own copies
+
         # Frames sent zero-copy from `state` (a full tensor's chunks): ZeroMQ reads them
         # until these say done, and `state` must not change under them (`_settle_state`).
         self._sending: list[zmq.MessageTracker] = []
@@ -157,12 +148,11 @@ class VersionPublisher:
         engine_config: Mapping[str, Any] | None = None,
         roles: Mapping[str, TensorRole] | None = None,
     ) -> PublishStats:
-        """Sends version `version`: `weights` (streamed: one tensor at a time is enough)
-        and `extra` (e.g. KV scales) as separate sections, each tensor with its role in
-        `roles` (its manifest: `codec.tag_sections`), with the policy name and the
-        engine config it was made for. The publisher keeps its own copy of the version
-        (the base of the next delta, and what snapshots send): the tensors it is given
-        may be reused by the caller as soon as this returns."""
+        """Sends version `version`: `weights` (streamed) and `extra` (e.g. KV scales) as
+        separate sections, each tensor with its role in `roles` (`codec.tag_sections`), with
+        the policy name and the engine config it was made for. The publisher keeps its own
+        copy (the next delta's base, what snapshots send): the caller may reuse its tensors
+        as soon as this returns."""
         started = time.perf_counter()
         engine_config = dict(engine_config or {})
         with self._lock:
@@ -231,11 +221,9 @@ class VersionPublisher:
 
     def _settle_state(self, latest: int | None) -> None:
         """Lets `state` change in place again (call with the lock held, before anything
-        writes into it). The chunks of full tensors go out zero-copy from `state`; ZeroMQ
-        is normally done with them long before the next version (the bench: always), but
-        a subscriber that stalls keeps them queued (up to the send high-water mark). Then
-        the state moves to fresh copies, and the queued frames keep the old memory alive
-        until ZeroMQ drops or sends them: a frame never changes after it was sent."""
+        writes into it). Full tensors' chunks go out zero-copy from `state`; while a stalled
+        subscriber keeps some queued, the state moves to fresh copies and the queued frames
+        keep the old memory alive: a frame never changes after it was sent."""
         busy = [tracker for tracker in self._sending if not tracker.done]
         self._sending = []
         if busy and not self._state_in_shm:

@@ -17,15 +17,8 @@ from .codec import VERSION_TOPIC, Version
 from .copyhash import copy_xxh3
 from .limits import Limits, RejectedMessage, RejectionLog
 from .security import Curve, HandshakeWatch, secure_client
-from .shm import (
-    SHM_TOPIC,
-    Lapped,
-    SegmentReader,
-    ShmAssembler,
-    ShmCorrupt,
-    ShmUnavailable,
-    parse_notice,
-)
+from .shm import SHM_TOPIC, ShmUnavailable
+from .shm_reader import Lapped, SegmentReader, ShmAssembler, ShmCorrupt, parse_notice
 from .transport import NONE_RETRY, SHM_SNAPSHOT_REQUEST, SNAPSHOT_REQUEST, check_transport, is_local
 from .version_decode import VersionAssembler, parse_header
 
@@ -319,7 +312,8 @@ class VersionSubscriber:
                 log.debug("joined version %d at notice %d", notice["version"], notice["chunk"])
                 self.request_snapshot()
                 return None
-            # A snapshot is written into fresh buffers: a live version may be half in the spare ones.
+            # A snapshot is written into fresh buffers: a live version may be half in the
+            # spare ones.
             storage = None if snapshot else self._storage
             assembler = ShmAssembler(self.reader, storage)
             if not snapshot:

@@ -1,11 +1,8 @@
 """Tasks: prompt sources with their reward functions, chosen by name or Hydra config.
 
-    from asyncfp8.tasks import get_task, build_task, register_task
-    task = get_task("addition", seed=1, digits=3)
-    task = build_task(cfg.task)   # Hydra: task=arithmetic, task.reward._target_=my.module.fn
-    task = build_task(cfg.task, model_dir=model_dir)   # task=dataset: renders chat templates
+    task = build_task(cfg.task, model_dir=model_dir)  # or get_task("addition", digits=3)
 
-A reward function is `reward(completion: str, answer: str) -> float`.
+A reward function is `reward(completion: str, answer: str) -> float` (docs/running.md, 'Tasks').
 """
 
 from __future__ import annotations
@@ -94,19 +91,19 @@ def _takes_model_dir(factory: Callable[..., Task]) -> bool:
 
 
 def build_task(cfg: Mapping[str, Any], model_dir: str | Path | None = None) -> Task:
-    """A task from its config group entry: `name`, an optional `reward` node with a
-    Hydra `_target_` (a function, extra keys become its keyword arguments), and the
-    task's own parameters. A task that takes a `model_dir` (the model's tokenizer renders
-    its prompts, as task=dataset's chat template does) is given the run's. The reward is
-    tried once on the task's first prompt here, so that a reward that fails does so at
-    start, not at the first scoring in a worker."""
+    """A task from its config group entry: `name`, an optional `reward` node with a Hydra
+    `_target_` (a function; extra keys become its keyword arguments), and the task's own
+    parameters. A task that takes a `model_dir` (task=dataset's chat template) is given the
+    run's. The reward is tried once on the first prompt, so that a reward that fails does so
+    at start, not at the first scoring in a worker."""
     from omegaconf import DictConfig, OmegaConf
 
     plain = isinstance(cfg, DictConfig)
     params = OmegaConf.to_container(cfg, resolve=True) if plain else dict(cfg)
     if "name" not in params:
         raise ValueError(
-            f"task config needs a 'name' (one of {', '.join(registered_tasks())}); got keys {sorted(params)}"
+            f"task config needs a 'name' (one of {', '.join(registered_tasks())}); "
+            f"got keys {sorted(params)}"
         )
     name = params.pop("name")
     reward_cfg = params.pop("reward", None)

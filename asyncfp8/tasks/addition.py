@@ -1,32 +1,8 @@
-"""Addition of two fixed-width numbers, from a space no run can memorize.
+"""Addition of two fixed-width numbers, from a space no run can memorize (10^(2·digits)).
+Why the worked answer form, and the held-out split: docs/running.md, 'Tasks'.
 
     Q: 0482+7396
-    A: 2+6+0=08 8+9+0=17 4+3+1=08 0+7+0=07 #07878        (answer_format: worked)
-    A: 87870                                              (answer_format: reversed)
-
-Both operands are drawn uniformly from [0, 10^digits) and written with exactly `digits`
-digits (zero-padded), so there are 10^(2·digits) problems: 10^6 at 3 digits, 10^8 at 4.
-A run of 300 steps × 8 prompts sees 2,400 of them, so what RL improves on the stream it
-improves on the held-out split, which is drawn from the same distribution.
-
-Why this form, measured on the `small` model (docs/results.md): with the answer's digits
-in the usual order the first digit written depends on every carry, and a 0.8 M-parameter
-model trained for minutes barely learns it (0.117 exact match on 2-digit sums after 8,000
-supervised steps). Digits least significant first alone (`reversed`) did not learn
-either here (no progress in 1,750 supervised steps); the worked form does, in about
-2,000:
-- `worked`: one step per digit, least significant first, `a+b+carry=two-digit sum`, then
-  `#` and the sum in the usual order, n+1 digits (10n + 3 tokens: 33 at n = 3, 43 at
-  n = 4). Each step copies two operand digits whose place follows from the step before
-  (the zero-padding keeps the offsets fixed) and adds the carry it just wrote, so an
-  error compounds down the answer: the long form for measuring rollout mismatch.
-- `reversed`: the n+1 digits of the sum, least significant first (n + 2 tokens), kept
-  for models that can learn it.
-The reward is 1 when the sum (the number after the last `#`; for `reversed` the first
-word read back to front) equals a + b.
-
-A `heldout_fraction` of the problems (by a hash of the expression, whatever the seed)
-never appears in the prompt stream; those are what held-out evaluation scores.
+    A: 2+6+0=08 8+9+0=17 4+3+1=08 0+7+0=07 #07878      (worked; reversed: 87870)
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Sums and products of small integers, generated on the fly from a seed.
 
-Prompt `Q: 7*8+3\nA:`, expected completion ` 59`; the reward is 1 when the number
-right after the answer marker equals the value (usual precedence: * before +).
-
-A `heldout_fraction` of the expressions (chosen by a hash of the expression, whatever
-the seed) never appears in the prompt stream: they are the held-out prompts evaluation
-scores the policy on (the tiny models are warm-started on the stream, so they have not
-seen them either).
+Prompt `Q: 7*8+3\\nA:`, expected completion ` 59`; the reward is 1 when the number right after
+the answer marker equals the value (* before +). A `heldout_fraction` of the expressions, by
+a hash whatever the seed, never appears in the prompt stream.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Users' own prompts: a local JSONL, JSON, parquet or CSV file, or a directory written by
-`datasets`' `save_to_disk`, read with the `datasets` library (never from the hub).
-
-A row is either a text prompt or a list of chat `messages` (`{"role", "content"}`), plus
-an answer that the reward compares with the completion; which column holds which is the
-`fields` map. When the model's tokenizer has a chat template (and `chat_template` is not
-false) every prompt is rendered through it, with the optional system prompt. The whole
-file is read, checked and rendered when the task is built, so a bad row stops the run at
-start with `file:row` (rows count from 1, as the lines of a JSONL file without blank
-lines do) and what was expected there.
-"""
+"""Users' own prompts: a local JSONL, JSON, parquet or CSV file, or a `save_to_disk` directory,
+read with the `datasets` library (never from the hub). A row is a text prompt or chat
+`messages` plus an answer (columns: the `fields` map), rendered through the model's chat
+template when it has one. The whole file is checked when the task is built: a bad row stops
+the run at start with `file:row` (docs/running.md, 'Tasks')."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Rewards checked by math-verify, the answer checker TRL, veRL and Open-R1 use.
 
-math-verify bounds its own work with SIGALRM, which Python allows only in the main
-thread: elsewhere its `parse` and `verify` raise, and with their timeouts turned off a
-completion such as `\\boxed{2^{2^{100}}}` makes sympy compute (and allocate) without
-end. So the main thread checks in-process under math-verify's timeouts, and any other
-thread hands the check to a helper process that is killed when it overruns.
+math-verify bounds its work with SIGALRM, which Python allows only in the main thread (and
+without a bound `\\boxed{2^{2^{100}}}` makes sympy compute without end): the main thread
+checks in-process, any other hands the check to a helper process killed when it overruns.
 """
 
 from __future__ import annotations
@@ -37,14 +35,10 @@ _GSM8K_MARKER = re.compile(r"####\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)")
 
 def math_verify_reward(completion: str, answer: str, timeout_s: int = DEFAULT_TIMEOUT_S) -> float:
     """1.0 if math-verify finds in `completion` an answer equal to `answer` (a number such
-    as "1,000", or LaTeX such as "\\frac{1}{2}"), else 0.0.
-
-    Time is bounded in every thread: in the main thread by math-verify's SIGALRM timeouts,
-    `timeout_s` (whole seconds) per parse and per comparison, 8 × `timeout_s` at most in
-    all; in another thread a helper process checks and is killed after 8 × `timeout_s`
-    (0.0 then; its first start may take up to a minute more). In the main thread
-    math-verify borrows SIGALRM for the call: a host alarm pending then is cancelled.
-    """
+    as "1,000", or LaTeX such as "\\frac{1}{2}"), else 0.0. In the main thread math-verify's
+    SIGALRM timeouts bound it (`timeout_s` whole seconds per parse and per comparison, 8 ×
+    `timeout_s` in all; a pending host alarm is cancelled); elsewhere a helper process is
+    killed after 8 × `timeout_s` (0.0 then; its first start may take a minute more)."""
     # math-verify hands the timeout to signal.alarm, which takes whole seconds; anything
     # else would fail inside its parse, caught there, and every reward would be 0.
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, int) or timeout_s < 1:

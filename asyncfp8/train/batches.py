@@ -1,12 +1,8 @@
 """How a step's samples become tensors: which rank trains which sample in which
-mini-batch, the micro-batches that bound memory, and the padded tensors of one.
-
-A step's samples are split, in order, into `optim.mini_batches` mini-batches (one
-optimizer step each). Every rank gets the same number of samples of each mini-batch
-(longest first, each to the rank with the fewest tokens so far), and splits its share
-into micro-batches of at most `optim.micro_batch_tokens` padded tokens (rows × longest
-row); every rank runs the same number of micro-batches, since each forward and backward
-of a sharded model is a collective."""
+mini-batch, the micro-batches that bound memory, and the padded tensors of one. Every rank
+gets as many samples of each mini-batch (longest first, to the rank with fewest tokens) and
+runs as many micro-batches of at most `optim.micro_batch_tokens` padded tokens, since each
+forward and backward of a sharded model is a collective (docs/running.md)."""
 
 from __future__ import annotations
 
@@ -114,6 +110,7 @@ class TrainBatch:
 
     input_ids: torch.Tensor  # [N, W]
     attention_mask: torch.Tensor  # [N, W]
+
     positions: torch.Tensor  # [N, T]
     rollout_logp: torch.Tensor  # [N, T] fp32
     versions: torch.Tensor  # [N, T]

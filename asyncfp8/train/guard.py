@@ -1,54 +1,8 @@
-"""The guard's rules (`guard.*`, docs/running.md#the-guard-undoing-a-fatal-step): does
-this batch show that the previous update broke the policy? Pure Python over one batch's
-evidence, summed over the learner's ranks, and the history of the batches that passed;
-the learner (train/step.py, train/rollback.py) acts on the verdict.
-
-A batch is judged with the weights the previous step left, before any update of this
-step, on three signals, each with its setting:
-- far tokens: at least `guard.far_tokens` tokens whose log ρ is below
-  −`guard.log_ratio_bound`, log ρ being learner − the token's own version where the
-  learner kept that version's weights (what the update did; `add_token_evidence`), else
-  learner − rollout, whose bound holds either way. Against a version, below only: a break
-  makes sampled tokens unlikely, and a token the update raised that far above its version
-  was sampled by an engine that disagreed with the version (rounding). Rounding moves a
-  log-prob by ~1e-2 and one version of staleness by less than 2; the fatal step of
-  docs/results.md gave −37. A few such tokens are no
-  verdict: the 12,000 batches of the stability study's 40 recommended runs had at most 9
-  (FP8 seed 3's 32 and 33, counted either side until session 33, were raised), so the
-  default count, 12, sits above them. It was 32 in session 31, when a rollback could
-  not yet hold a break: FP16 seed 3's (15-22 far tokens a batch) passed at 32, and at 12
-  it was caught at once but broke again and three rollbacks stopped the run. Since the
-  updates after a rollback are smaller (`guard.shrink`, train/rollback.py) the same run
-  at 12 rolls back once, at step 136, and ends at 0.914 held-out (its guard-off twin at
-  0.125; docs/results.md).
-- far share: more than `guard.far_fraction` of the tokens beyond 5 (FAR_LOG_RATIO; the
-  same sides as far tokens; the metrics' `mismatch/frac_abs_log_ratio_gt5` counts both).
-- dead reward: `guard.dead_batches` batches in a row that score nothing, or next to
-  nothing (a rewarded share below `guard.reward_low` times the median), while the median
-  share of rewarded samples of the last `guard.window` batches that passed is at least
-  `guard.reward_good` (a policy that scored, now scoring next to nothing). It waits for
-  MIN_HISTORY such batches, and counts only a batch large enough that scoring so little
-  is no accident: the binomial chance of at most its rewarded count, at the median's
-  rate, is at most DEAD_REWARD_CHANCE. Why "next to nothing" (session 32): FP16 seed 3's
-  broken policy still scored 6-19% on some batches (the median 0.72), which restarted a
-  streak of wholly dead ones, so the verdict came 13 steps late, after batches that
-  scored 6-9% had passed and been kept as good. In the 40 recommended runs of the
-  stability study a batch that scored at all scored at least 0.30 of the median (FP8
-  seed 7, right after its one dead batch; every other at least 0.36), and in all 113
-  runs three such low batches in a row came only after FP16 seed 3's break
-  (docs/running.md#the-guard-undoing-a-fatal-step). Small batches do score
-  nothing by chance (16 samples of the tiny model, which scores 0.31 of them, do so once
-  in ~400 batches: a false rollback of a clean run was seen in the test suite); the
-  default job's 64 at 0.5 never do. One dead batch is not enough: FP8 seed 7 of the
-  stability study had one (the FP8 rounding of one version), and its twin without the
-  guard scored 0.41 on the next batch and ended at 0.891 held-out, while the guard that
-  rolled back on it put back the same state 50 times and ended at 0.758. A dead batch
-  trains nothing (every GRPO advantage is 0), so waiting costs little; a collapse stays
-  dead. The batches of a streak neither pass (their weights are not kept as good) nor fail.
-The batch's mismatch k3 is measured too, but judges nothing: on the tiny model a clean
-step's k3 (28.9, one token at log ρ ≈ +8) exceeded a poisoned one's (9.1), so it cannot
-tell them apart (docs/running.md#the-guard-undoing-a-fatal-step).
-"""
+"""The guard's rules (`guard.*`): does this batch show that the previous update broke the
+policy? Pure Python over one batch's evidence, summed over the learner's ranks, and the
+batches that passed; train/step.py and train/rollback.py act on the verdict. The signals
+(far tokens, far share, dead reward) and why each default is what it is:
+docs/running.md#the-guard-undoing-a-fatal-step."""
 
 from __future__ import annotations
 

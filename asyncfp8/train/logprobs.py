@@ -1,16 +1,8 @@
-"""Completion-token log-probabilities without the batch's full-vocabulary logits.
-
-A causal LM's output layer turns every position's hidden state into V logits: for a
-64 × 512-token batch and a 151,936-token vocabulary that is ~20 GB in FP32. The learner
-needs only the log-probability (and the entropy) of each sampled token, so
-`LogprobHead` takes the place of the model's output layer (the same weight, under the
-same name: optimizer, checkpoints and versions see the same model) and, when
-`completion_logprobs` asks, picks the completion positions out of the hidden states and
-takes the log-softmax over chunks of `chunk_tokens` tokens. Each chunk is recomputed in
-the backward pass instead of being kept, so at most one chunk's logits exist at a time.
-The head runs inside the model's own forward: a sharded (FSDP) model gathers and
-reduces its weight as for any other layer.
-"""
+"""Completion-token log-probabilities without the batch's full-vocabulary logits (~20 GB in
+FP32 for 64 × 512 tokens and a 151,936-token vocabulary): `LogprobHead` takes the place of
+the output layer (same weight and name) and takes the log-softmax of the sampled positions
+only, over chunks recomputed in the backward, inside the model's forward (FSDP shards it
+as any layer). docs/running.md#memory-micro-batches-and-the-chunked-log-softmax"""
 
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
-"""Dynamic loss scaling, for a learner computing in FP16 (`run.compute_dtype=float16`).
-
-FP16 keeps gradients of magnitude 6e-8 to 65504 only: the loss (a mean over the
-mini-batch's tokens) is multiplied by a scale before the backward pass, so that small
-gradients do not flush to zero, and the FP32 gradients are divided by it before the
-optimizer sees them. When a backward overflows
-(a non-finite gradient) the update is skipped and the scale halved; after
-`growth_interval` updates without one it doubles. What `torch.amp.GradScaler` does, written
-here because the train step needs three things it does not give: the
-unscale folded into the step's one gradient division (by the mini-batch's global token
-count), the decision agreed by every rank of a sharded model, and, when the scale keeps
-overflowing, the first parameter whose gradient was not finite, in the stopping message.
-
-Settings (`optim.loss_scale.*`, conf/optim/adamw.yaml): `init`, `growth_interval`,
-`max_skipped` (that many overflowed updates in a row stop the run).
-"""
+"""Dynamic loss scaling, for a learner computing in FP16 (`run.compute_dtype=float16`,
+`optim.loss_scale.*`): the loss is scaled before the backward so small gradients do not
+flush to zero; an overflow skips the update and halves the scale. Not `torch.amp.GradScaler`:
+the step folds the unscale into its one gradient division, every rank must agree, and the
+stopping message names the first non-finite gradient (docs/precision.md)."""
 
 from __future__ import annotations
 

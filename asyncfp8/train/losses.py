@@ -1,18 +1,8 @@
-"""Policy-gradient losses: group advantages, PPO-clip (clip-higher, dual-clip) /
-REINFORCE per token, the KL-to-reference estimators, loss aggregation, and
-`policy_loss_terms` / `corrected_policy_loss`, the one place where behaviour, proximal
-and current policies meet the correction, under the settings of a `PolicyLoss`.
-
-Decoupled (three policies): behaviour = rollout logprobs, proximal = a learner
-recompute, θ = the policy being optimized. The PPO ratio is π_θ/π_prox; the correction
-sees (π_prox, π_behaviour) and its weight multiplies the clipped per-token loss.
-
-Bypass (proximal := behaviour, no recompute): the correction sees (π_θ detached,
-π_behaviour). With REINFORCE its weights multiply the loss (off-policy REINFORCE with
-truncated IS). With PPO-clip the ratio π_θ/π_behaviour already *is* the importance
-ratio, clipped, so only the correction's mask (its rejections) is applied: multiplying
-by its weights as well would count the ratio twice.
-"""
+"""Policy-gradient losses: group advantages, PPO-clip (clip-higher, dual-clip) / REINFORCE
+per token, the KL-to-reference estimators, loss aggregation, and `policy_loss_terms` /
+`corrected_policy_loss`, where behaviour, proximal and current policies meet the correction
+(decoupled or bypass mode: docs/correction.md#decoupled-or-bypass; with PPO-clip, bypass
+applies only the correction's mask, as the ratio already is the importance ratio)."""
 
 from __future__ import annotations
 
@@ -50,7 +40,8 @@ def group_advantages(
     the std division (it up-weights easy and hard prompts). A group of one gets 0."""
     if rewards.dim() != 1 or group_ids.shape != rewards.shape:
         raise ValueError(
-            f"rewards and group_ids must be [N]; got {tuple(rewards.shape)}, {tuple(group_ids.shape)}"
+            f"rewards and group_ids must be [N]; got {tuple(rewards.shape)}, "
+            f"{tuple(group_ids.shape)}"
         )
     scale = _member(AdvantageScale, scale, "advantage scale")
     _, index = torch.unique(group_ids, return_inverse=True)
@@ -120,11 +111,10 @@ def per_token_policy_loss(
     clip_high: float = 0.28,
     clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss [B, T], clipped [B, T] bool). PPO-clip with an asymmetric range
-    [1 − clip_low, 1 + clip_high] (clip-higher keeps low-probability tokens able to
-    grow) and, with `clip_ratio_c` = c > 1, dual-clip: for A < 0 the loss is capped at
-    −A·c (a ratio far above 1 on a bad token cannot blow the step up); `clipped` marks
-    the tokens either clip made constant. REINFORCE is −A·log π_θ."""
+    """(loss [B, T], clipped [B, T] bool). PPO-clip over [1 − clip_low, 1 + clip_high]
+    (clip-higher keeps rare tokens able to grow) and, with `clip_ratio_c` = c > 1, dual-clip
+    (for A < 0 the loss is capped at −A·c); `clipped` marks the tokens a clip made constant.
+    REINFORCE is −A·log π_θ."""
     advantages = advantages[:, None] if advantages.dim() == 1 else advantages
     if _member(Loss, kind, "policy loss") == Loss.reinforce:
         return -advantages * logp, torch.zeros_like(logp, dtype=torch.bool)

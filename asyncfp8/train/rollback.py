@@ -1,33 +1,8 @@
-"""Undoing a fatal step: the guard as a training step uses it (asyncfp8/train/guard.py has the
-rules).
-
-Before a step's first update, `StepGuard.check` judges the batch's evidence with the
-weights the previous step left. A batch that passes makes those weights the newest good
-state: a CPU copy of every parameter and of AdamW's state (`LastGood`); the newest
-`guard.keep_states` are kept, in buffers allocated once and reused. A batch that fails
-puts the newest good state back (undoing the step that broke the policy) and the step
-trains nothing; a second failure in a row drops that state as not good after all and
-goes one further back. A batch can pass with broken weights when it cannot see them: in
-sync mode the batch was sampled by the broken policy itself (no mismatch) and may still
-score by chance; its own failure comes a step later. After `guard.max_rollbacks` failures
-in a row `exhausted` is set and the learner stops. "In a row" lasts until the run has got
-past the state last put back: batches that pass in between do not end it while that state
-is still among those kept. Without that, a state whose next update fails every time was
-put back over and over (FP8 seed 7 of the stability study: 50 rollbacks to one state).
-
-The batches of a dead streak (train/guard.py: `guard.dead_batches`) neither pass nor fail: their
-weights are not kept as good, and the rollback that ends the streak goes back past the
-oldest version that sampled any of them.
-
-Versions published from the undone weights were sampled by a broken policy; asynchronous
-workers go on sending such samples for a step or two. Their tokens say nothing of the
-restored weights, so they are left out of the evidence (`ignored_versions`): without that,
-they failed the next batch too and cost a second rollback (a colocated async run of the
-tiny model, the poison at update 6).
-
-`HeldOutGuard` (`guard.heldout_below`) is the last line, for a fall no batch shows: the
-learner's held-out evaluations, judged against the run's best.
-"""
+"""Undoing a fatal step, as a training step uses the guard (train/guard.py has the rules):
+`StepGuard` keeps the last good states (`LastGood`), puts one back when a batch fails,
+shrinks the updates after and stops the run after `guard.max_rollbacks` in a row;
+`HeldOutGuard` is the last line, on the held-out evaluations. Why each rule is so:
+docs/running.md#the-guard-undoing-a-fatal-step."""
 
 from __future__ import annotations
 
@@ -182,10 +157,8 @@ class StepGuard:
     def update_scale(self, step: int) -> float:
         """The factor on the learning rate of the update after `step` steps:
         `guard.shrink` per rollback in the last `guard.shrink_steps` steps. A state put
-        back after a fatal step is often one update from breaking again (FP16 seed 3 of
-        the stability study broke again 3 steps after its first rollback at
-        guard.far_tokens=12, and three rollbacks stopped the run), so the steps after a
-        rollback are smaller, and grow back as the rollbacks age."""
+        back after a fatal step is often one update from breaking again, so the steps
+        after a rollback are smaller, and grow back as the rollbacks age."""
         while self.rolled_back_at and step - self.rolled_back_at[0] > self.settings.shrink_steps:
             self.rolled_back_at.popleft()
         return self.settings.shrink ** len(self.rolled_back_at)
@@ -264,11 +237,10 @@ class StepGuard:
 
     def _drop_sampled_states(self, sampled_from: int) -> None:
         """A dead batch speaks of the weights that sampled it, not of the learner's: in
-        overlapped async they are a version older than the learner's, and the newest
-        state kept is often those very weights (FP8 seed 1 of the stability study rolled
-        back to them, scored 0 again, and needed a second rollback). So the states from
-        version `sampled_from` on go, back to the newest older one; with none kept that
-        old, the oldest stays (guard.keep_states bounds how far back the guard can go)."""
+        overlapped async they are a version older, often the newest state kept, and
+        putting them back fails again. So the states from version `sampled_from` on go,
+        back to the newest older one; with none kept that old, the oldest stays
+        (guard.keep_states bounds how far back the guard can go)."""
         while len(self.states) > 1 and (self.states[-1].version or 0) >= sampled_from:
             self.spare.append(self.states.pop())
         if self.states and (self.states[-1].version or 0) >= sampled_from:
@@ -317,17 +289,11 @@ class StepGuard:
 
 
 class HeldOutGuard:
-    """The held-out evaluation as the guard's last line (`guard.heldout_below`): a slide
-    that no batch shows (FP8's late fall of docs/results.md: held-out greedy 0.906 at step
-    280, 0.457 at 300, while no token left its bound) still shows in held-out pass@1.
-    Each evaluation that passes keeps the weights and AdamW's state (one `LastGood`); one
-    whose greedy pass@1 is below `below` times the best so far puts them back. The run
-    goes on from there (its steps still count), and a run that ends on such an evaluation
-    ends, and exports, with the kept weights.
-
-    The held-out prompts then choose between two states of the run, so a restored run's
-    held-out score is a selected one; the line is far below any noise of 256 prompts
-    (half the best), so it selects only against a collapse."""
+    """The held-out evaluation as the guard's last line (`guard.heldout_below`), for a slide
+    no batch shows. An evaluation that passes keeps the weights and AdamW's state (a
+    `LastGood`); one whose greedy pass@1 is below `below` times the best so far puts them
+    back and the run goes on from there. The line, half the best, is far below the noise
+    of 256 prompts, so the choice it makes selects only against a collapse."""
 
     def __init__(self, below: float, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.below = below

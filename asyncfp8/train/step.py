@@ -1,22 +1,8 @@
-"""One training step, pure of sockets and processes: a model, an optimizer and the
-settings in; the step's sums out.
-
-`plan_shares` turns a batch of GRPO groups into every rank's share: group-relative
-advantages over the whole batch, then each rank's part of every mini-batch cut into
-micro-batches (`asyncfp8.train.batches`), plus the calibration rows of the next version.
-
-`TrainStep` trains one share: for each of `optim.ppo_epochs` × `optim.mini_batches`
-optimizer steps it recomputes the sampled tokens' log-probabilities micro-batch by
-micro-batch (gradients accumulated), lets the correction weigh them against the rollout
-engine's, takes the clipped policy loss (plus the KL-to-reference and entropy terms when
-set) and steps AdamW. With the guard (`guard.enabled`, train/rollback.py), the first
-mini-batch's forward also measures whether the previous step broke the policy; if so the
-step restores the last good weights and trains nothing. With FP16 compute
-(`run.compute_dtype=float16`) each backward runs on the loss times a dynamic scale and an
-update whose gradients overflowed is skipped (asyncfp8/train/loss_scale.py). The loss of a mini-batch is a mean over all of it, across
-micro-batches and ranks. Every rank calls it; with one process the collectives it
-uses are local (a HashStore process group, no sockets).
-"""
+"""One training step, pure of sockets and processes: a model, an optimizer and the settings
+in, the step's sums out. `plan_shares` turns GRPO groups into every rank's share (advantages,
+mini- and micro-batches, the next version's calibration rows); `TrainStep` trains one share:
+per update, log-probs micro-batch by micro-batch, the correction, the loss, AdamW, with the
+guard (train/rollback.py) and FP16 loss scaling (train/loss_scale.py) (docs/running.md)."""
 
 from __future__ import annotations
 

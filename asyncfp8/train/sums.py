@@ -21,6 +21,7 @@ class UpdateSums:
     total: float = 0.0  # the loss's numerator: policy, KL and entropy terms
     policy: float = 0.0  # the policy term's numerator alone
     denominator: float = 0.0  # real tokens, or sequences with one (optim.aggregation)
+
     entropy: float = 0.0  # summed over the kept tokens
     kl: float = 0.0  # KL to the reference, summed over the kept tokens
     kept: float = 0.0  # tokens the correction kept
@@ -48,10 +49,12 @@ class StepTotals:
     total_loss: float = 0.0
     grad_norm: float = 0.0  # of the updates applied, added up
     updates: int = 0  # applied
+
     loss_scale_skipped: int = 0  # an FP16 overflow skipped them
     starved_skipped: int = 0  # too little kept evidence skipped them
     starved: int = 0  # shrunk or skipped for too little kept evidence
     update_scale: float = 0.0  # the learning-rate factors of the updates, added up
+
     # correction.proximal=version: tokens scored under their own version's weights, and
     # those of a version no longer kept (left to the current weights); None otherwise
     proximal_version_tokens: int | None = None

@@ -1,19 +1,8 @@
-"""π_prox of the sample's own version (`correction.proximal=version`): the learner keeps
-its unquantized weights of the versions it published, as far back as the staleness bound
-reaches, and recomputes each stale token's log-probability under the weights of the
-version that sampled it. The default, `correction.proximal=auto`, does so wherever it can
-(`choose_proximal`).
-
-Then the correction sees π_prox(version v) against the engine's π_rollout(version v):
-the precision mismatch alone. The PPO ratio π_θ / π_prox bounds the staleness (the
-policy's move since version v) by its clip. With `correction.proximal=current` π_prox is
-the learner's current weights and the correction sees both at once.
-
-Cost: 4 bytes a parameter of host memory per kept version (FP32 weights of the last
-`run.max_staleness` + 1 published: with `sync.every` > 1 the newest is not the model's
-own weights), one more for the swap, and per step one forward (no gradient) of the
-micro-batches holding a stale token, per stale version.
-"""
+"""π_prox of the sample's own version (`correction.proximal=version`, or `auto` where it can):
+the learner keeps its unquantized weights of the versions it published, as far back as the
+staleness bound reaches, and scores each stale token under its version's weights, so the
+correction sees the precision mismatch alone. Cost: 4 bytes a parameter of host memory per
+kept version, plus one for the swap, and a no-grad forward per stale version a step."""
 
 from __future__ import annotations
 
@@ -52,9 +41,8 @@ def choose_proximal(
     """`correction.proximal` resolved to `current` or `version`, and why. `auto` (the
     default) is `version` where the learner can keep the versions: decoupled mode (bypass
     has no π_prox), one learner rank (each rank would swap in other versions), and copies
-    that take at most AUTO_MEMORY_SHARE of the available host memory. The stability study
-    chose it (docs/results.md): ten BF16 seeds of each, π_prox of the sample's version
-    held-out 0.970 ± 0.015 with none collapsed, the current weights 0.839 ± 0.107 with one."""
+    that take at most AUTO_MEMORY_SHARE of the available host memory. It learns better:
+    docs/correction.md#decoupled-or-bypass."""
     if asked != "auto":
         return asked, "correction.proximal=" + asked
     if mode == "bypass":
@@ -105,14 +93,11 @@ class VersionWeights:
 
     @contextmanager
     def swapped_in(self, version: int):
-        """The model with the weights of `version` for the duration, its own after.
-
-        Both swaps write FSDP2's sharded parameters, resharded first. A forward without
-        gradients leaves the root unit (embeddings, final norm, LM head) unsharded, and
-        the next forward uses that copy as it is: swapped back into the shards alone, the
-        root's copy of `version` stayed, and the step's training forward ran with the
-        previous version's root weights (up to 0.15 nats off on the tiny model) until
-        session 29; swapped into the copy alone, the swap is lost at the next reshard."""
+        """The model with the weights of `version` for the duration, its own after. Both
+        swaps write FSDP2's sharded parameters, resharded first: a no-grad forward leaves
+        the root unit (embeddings, final norm, LM head) unsharded and the next forward uses
+        that copy, so a swap of the shards alone leaves the root on the other version, and
+        a swap of the copy alone is lost at the next reshard."""
         params = self._params()
         if not self._scratch:
             self._scratch = [torch.empty_like(local_shard(p), device="cpu") for p in params]

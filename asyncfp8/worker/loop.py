@@ -1,16 +1,8 @@
-"""A rollout worker: one engine, fed versions by the learner, turning leased prompts
-into scored trajectories.
-
-    python -m asyncfp8.worker engine=vllm precision=fp8_kv sync.host=10.0.0.5
-
-The loop: apply the newest complete version (between generations, so every sample
-comes from one version; with `run.inflight_updates` also between two decode steps of a
-generation, each token tagged with the version that produced it), ask the learner for a
-lease, generate `n` samples for each leased prompt at the lease's sampling settings,
-score them with the task's reward and push them back. When the learner says wait (the staleness bound: this worker is far
-enough ahead), the worker waits for the next version instead of producing samples
-that would be dropped.
-"""
+"""A rollout worker (`python -m asyncfp8.worker engine=vllm sync.host=10.0.0.5`): one engine,
+fed versions by the learner. The loop applies the newest complete version (between
+generations, or between decode steps with `run.inflight_updates`), leases prompts, generates
+and scores `n` samples of each and pushes them back; when the learner says wait (the
+staleness bound), it waits for the next version rather than make samples to be dropped."""
 
 from __future__ import annotations
 
@@ -32,7 +24,7 @@ from asyncfp8.checks import check_config
 from asyncfp8.engines import EngineUnsupported, build_engine
 from asyncfp8.engines.base import InflightUpdates, KVCacheReset, SpeculativeDrafts
 from asyncfp8.models import run_model_dir
-from asyncfp8.precision.policy import plain
+from asyncfp8.precision.registry import plain
 from asyncfp8.refit.probe import Probe, RefitChecker
 from asyncfp8.run.failpoints import check_process
 from asyncfp8.run.process import StopFlag, set_threads, setup_logging, worker_count

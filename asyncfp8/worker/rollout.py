@@ -1,10 +1,8 @@
-"""A lease turned into scored trajectories: what a worker does with each lease it gets,
-and what a colocated learner does in its rollout turn (`learner/colocated.py`).
-
-A lease (the learner's `Inbox.lease` answer) names its prompts by index in the task's
-stream and the sampling settings, seed included; each of its prompts gets `n` samples,
-scored by the task's reward, each token tagged with the version that produced it.
-"""
+"""A lease turned into scored trajectories: what a worker does with each lease it gets, and
+what a colocated learner does in its rollout turn (`learner/colocated.py`). A lease (the
+learner's `Inbox.lease` answer) names its prompts by index in the task's stream and the
+sampling settings, seed included; each prompt gets `n` samples, scored by the task's
+reward, each token tagged with the version that produced it."""
 
 from __future__ import annotations
 
@@ -26,10 +24,12 @@ ROLLOUT_STATS = (
     "paused_s",
     "rejected_versions",  # bad weight messages this worker received
     "inflight_updates",  # versions applied between two decode steps
-    "refit/probe_s",  # scoring the refit probes (asyncfp8/refit/probe.py)
-    "refit/probes",  # versions whose probe was checked
-    "refit/failures",  # probes beyond tolerance (each followed by a snapshot)
-    "refit/recovered",  # failures the snapshot repaired
+    # the refit probes (asyncfp8/refit/probe.py): time scoring them, versions checked,
+    # probes beyond tolerance (each followed by a snapshot), failures the snapshot repaired
+    "refit/probe_s",
+    "refit/probes",
+    "refit/failures",
+    "refit/recovered",
 )
 
 

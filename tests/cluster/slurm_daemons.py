@@ -25,7 +25,10 @@ def unavailable() -> str | None:
     """Why Slurm cannot be started here (None when it can): what a test skips with."""
     missing = [name for name in DAEMONS if shutil.which(name) is None]
     if missing:
-        return f"{', '.join(missing)} not installed (apt-get install slurmctld slurmd slurm-client munge)"
+        return (
+            f"{', '.join(missing)} not installed "
+            "(apt-get install slurmctld slurmd slurm-client munge)"
+        )
     if os.geteuid() != 0:
         return "the Slurm daemons run as root here"
     return None

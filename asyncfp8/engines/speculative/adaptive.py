@@ -1,19 +1,8 @@
-"""When to speculate and how far: TLT's adaptive control.
-
-Speculation pays when the decode batch is small (the long tail: a few long responses,
-hardware mostly idle) and can lose at high concurrency (the verify forward of B × (k+1)
-tokens stops being free). So it is switched on only after the active batch has been at
-or below `threshold` for `patience` consecutive checks (fastrl: ≤ 32 for 10), and off as
-soon as a check sees it above.
-
-The draft length k is chosen per batch-size bucket by an epsilon-greedy bandit on
-measured tokens/s: each arm's value is the mean of its last `window` measurements (the
-target moves and the drafter improves, so old measurements go stale), untried arms are
-tried first, and epsilon decays per bucket with the pulls made there. Epsilon-greedy
-rather than UCB because tokens/s has a machine-dependent scale that UCB's exploration
-bonus would need to know. A k of 0 may be among the arms: a plain decode step, so that a
-bucket where speculation loses (a slow drafter, a busy accelerator) learns to skip it.
-"""
+"""When to speculate and how far, TLT's adaptive control: speculation pays at small batches
+(the long tail), so it turns on after `patience` checks at or below `threshold` and off at
+the first above. k is chosen per batch-size bucket by epsilon-greedy on recent tokens/s
+(UCB's bonus would need the machine's scale); k = 0, a plain step, may be an arm
+(docs/engines.md, "Speculative decoding (pieces)")."""
 
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
-"""A one-layer EAGLE-style drafter over a transformers Qwen2-family target.
-
-EAGLE (Li et al. 2024) drafts at the feature level: the drafter reads the target's last
-hidden state h_t (after the final norm: the LM head's input, so lm_head(h_t) are the
-target's logits for token t+1) together with the embedding of token t+1, and predicts
-h_{t+1}, whose logits under the target's LM head are the drafter's distribution for
-token t+2. Architecture as in fastrl's Qwen2 EAGLE: concat(embed(x_{t+1}), h_t) → linear
-2H → H → one Qwen2 decoder layer without its input norm → (no final norm) → the target's
-LM head. The embeddings and the LM head are the target's own modules, referenced, never
-copied or registered: they stay frozen (no gradient reaches them), they are not in this
-module's parameters or state dict, and a weight update to the target reaches the drafter
-at once.
-
-Drafting continues on the drafter's own predicted features: after the first step the
-input hidden state is the drafter's previous output. `DrafterCache` holds the drafter's
-keys and values per sequence (each row its own length), so rows that accepted different
-numbers of drafts roll back independently.
-"""
+"""A one-layer EAGLE-style drafter (Li et al. 2024) over a Qwen2-family target, as fastrl's:
+concat(embed(x_{t+1}), h_t) → linear 2H → H → one decoder layer without its input norm →
+the target's LM head, h_t being the target's last hidden state. Embeddings and LM head are
+the target's own modules, referenced: frozen, not in the state dict, updated with the
+target. `DrafterCache` rolls rows back one by one (docs/engines.md, "Speculative decoding")."""
 
 from __future__ import annotations
 
@@ -228,12 +215,11 @@ class Drafter(nn.Module):
         mask: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Appends (hidden[b, t], tokens[b, t]) pairs to each row of `cache` (or to cache
-        rows `rows[b]`, distinct, when given): the target's h_t and the token after it.
-        `mask` [B, T] picks the valid pairs (any pattern, e.g. left padding or the
-        positions a verify step accepted); they are appended in order and a row with none
-        stays as it was. Returns the drafter's features [B, T, H] with each row's valid
-        entries packed first, and sets `cache.last`."""
+        """Appends (hidden[b, t], tokens[b, t]) pairs, the target's h_t and the token after
+        it, to each row of `cache` (or to distinct cache rows `rows[b]`). `mask` [B, T] picks
+        the valid pairs (any pattern: left padding, accepted positions), appended in order.
+        Returns the drafter's features [B, T, H], each row's valid entries packed first, and
+        sets `cache.last`."""
         batch, length = tokens.shape
         expected = cache.batch if rows is None else rows.numel()
         if batch != expected or tuple(hidden.shape[:2]) != (batch, length):
@@ -292,13 +278,11 @@ class Drafter(nn.Module):
         generator: torch.Generator | None = None,
         uniforms: Callable[[int], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """k tokens per row, autoregressively, from each row's `cache.last`: tokens [B, k]
-        and the processed log-probs [B, k, V] they were drawn from (temperature, top-k,
-        top-p as `sampling`; greedy at temperature 0), which `accept` needs as q. Drawn
-        from `generator`, or with `uniforms(i)` [B] in [0, 1) picking draft i of each row
-        (the slot loop's per-request streams). The cache is left as it was (its lengths
-        and `last`): after verification the caller extends it with the target's features
-        of the accepted positions."""
+        """k tokens per row, autoregressively from each row's `cache.last`, on its own
+        predicted features: tokens [B, k] and the processed log-probs [B, k, V] they were
+        drawn from (`accept`'s q; greedy at temperature 0), by `generator` or `uniforms(i)`
+        [B] in [0, 1) for draft i. The cache is left as it was: after verification the caller
+        extends it with the target's features of the accepted positions."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         if not bool(cache.started.all()):

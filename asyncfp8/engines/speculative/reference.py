@@ -1,17 +1,8 @@
-"""A minimal reference decode loop, with or without speculation: plain transformers
-forwards over a DynamicCache, batched. It exists to check the speculative pieces end to
-end and to measure target forwards per generated token before the torch engine's own
-decode loop takes them over; it is not a rollout engine (no precision policy, no slots).
-
-Rows accept different numbers of drafts, but a DynamicCache grows by the same number of
-positions for every row: rejected drafts stay in the cache as holes, masked out of every
-later attention by the 2D attention mask, and each row's position ids count only its
-real tokens, so the target computes exactly what it would over the row's real sequence.
-
-The loop records, for every position fed to the target, the token, the target's last
-hidden state and whether the position is real (`Rollout.input_ids`, `.hidden`, `.mask`):
-what `DrafterTrainer.observe` takes.
-"""
+"""A minimal reference decode loop, with or without speculation: plain transformers forwards
+over a DynamicCache, batched, to check the speculative pieces end to end and count target
+forwards per token; not a rollout engine. Rejected drafts stay in the cache as holes that
+the 2D mask hides, and position ids count only real tokens, so the target computes what it
+would over each row's real sequence. `Rollout` records what `DrafterTrainer.observe` takes."""
 
 from __future__ import annotations
 
@@ -31,9 +22,11 @@ from asyncfp8.engines.speculative.drafter import Drafter
 class Rollout:
     token_ids: list[list[int]]  # generated tokens per sequence
     logprobs: list[list[float]]  # the target's processed log-probs of them
+
     input_ids: torch.Tensor  # [B, L]: every position fed to the target, cache layout
     hidden: torch.Tensor  # [B, L, H]: the target's last hidden state there
     mask: torch.Tensor  # [B, L]: real positions (not padding, not rejected drafts)
+
     target_forwards: int  # batched target forward calls, prefill included
     sequence_forwards: int  # per row, the target forwards it was still generating in
     verify_steps: int = 0  # per row, as sequence_forwards, of the speculative steps
@@ -118,83 +111,113 @@ def generate(
     tokens and verifying them in one target forward per step (`accept`)."""
     if drafter is not None and k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    batch = len(prompts)
-    greedy = sampling.temperature == 0
-    ids, mask = _left_padded(prompts, pad_token_id)
-    positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
-    cache = DynamicCache()
-    hidden, logits = target_forward(model, ids, mask.long(), positions, cache)
-    fed_ids, fed_hidden, fed_mask = [ids], [hidden], [mask]
-    next_position = mask.sum(-1)
+    decoding = _Decoding(model, sampling, drafter, k, eos_token_id, generator)
+    decoding.prefill(prompts, pad_token_id)
+    while not bool(decoding.finished.all()):
+        decoding.step()
+    return decoding.rollout()
 
-    def sample(logp):
-        if greedy:
+
+class _Decoding:
+    """One `generate` call: the target's cache and what was fed to it (ids, hidden states,
+    real positions), the tokens kept per row, and the drafter's cache when speculating."""
+
+    def __init__(self, model, sampling, drafter, k, eos_token_id, generator):
+        self.model, self.sampling, self.generator = model, sampling, generator
+        self.drafter, self.k, self.eos_token_id = drafter, k, eos_token_id
+        self.greedy = sampling.temperature == 0
+        self.cache = DynamicCache()
+
+    def sample(self, logp: torch.Tensor) -> torch.Tensor:
+        if self.greedy:
             return logp.argmax(-1)
-        return torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
+        return torch.multinomial(logp.exp(), 1, generator=self.generator)[:, 0]
 
-    logp = processed_logprobs(logits[:, -1], sampling)
-    last = sample(logp)
-    tokens = [[int(t)] for t in last]
-    logprobs = [[float(v)] for v in logp.gather(-1, last[:, None])[:, 0]]
-    stats = {"target_forwards": 1, "sequence_forwards": batch, "verify_steps": 0}
-    stats |= {"drafted": 0, "accepted": 0}
+    def done(self, row: int) -> bool:
+        tokens = self.tokens[row]
+        ended = not self.sampling.ignore_eos and tokens[-1] == self.eos_token_id
+        return ended or len(tokens) >= self.sampling.max_new_tokens
 
-    def done(row: int) -> bool:
-        ended = not sampling.ignore_eos and tokens[row][-1] == eos_token_id
-        return ended or len(tokens[row]) >= sampling.max_new_tokens
+    def prefill(self, prompts: Sequence[Sequence[int]], pad_token_id: int) -> None:
+        """The prompts' forward, each row's first token, and the drafter fed the prompts."""
+        self.batch = len(prompts)
+        ids, mask = _left_padded(prompts, pad_token_id)
+        positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        hidden, logits = target_forward(self.model, ids, mask.long(), positions, self.cache)
+        self.fed_ids, self.fed_hidden, self.fed_mask = [ids], [hidden], [mask]
+        self.next_position = mask.sum(-1)
+        logp = processed_logprobs(logits[:, -1], self.sampling)
+        self.last = self.sample(logp)
+        self.tokens = [[int(t)] for t in self.last]
+        self.logprobs = [[float(v)] for v in logp.gather(-1, self.last[:, None])[:, 0]]
+        self.stats = {"target_forwards": 1, "sequence_forwards": self.batch, "verify_steps": 0}
+        self.stats |= {"drafted": 0, "accepted": 0}
+        self.finished = torch.tensor([self.done(row) for row in range(self.batch)])
+        if self.drafter is not None:
+            self.drafter_cache = self.drafter.new_cache(self.batch)
+            following = torch.cat([ids[:, 1:], self.last[:, None]], 1)  # the token after each
+            self.drafter.extend(self.drafter_cache, hidden, following, mask)
 
-    finished = torch.tensor([done(row) for row in range(batch)])
-    if drafter is not None:
-        drafter_cache = drafter.new_cache(batch)
-        following = torch.cat([ids[:, 1:], last[:, None]], 1)  # the token after each position
-        drafter.extend(drafter_cache, hidden, following, mask)
-
-    while not bool(finished.all()):
-        active = ~finished
-        if drafter is None:
-            inputs = last[:, None]
+    def step(self) -> None:
+        """One target forward for every row: the last token, and the drafts when drafting."""
+        active = ~self.finished
+        if self.drafter is None:
+            inputs = self.last[:, None]
         else:
-            drafts, logq = drafter.draft(drafter_cache, k, sampling, generator)
-            inputs = torch.cat([last[:, None], drafts], 1)
+            drafts, logq = self.drafter.draft(
+                self.drafter_cache, self.k, self.sampling, self.generator
+            )
+            inputs = torch.cat([self.last[:, None], drafts], 1)
         width = inputs.shape[1]
-        step_positions = next_position[:, None] + torch.arange(width)
+        step_positions = self.next_position[:, None] + torch.arange(width)
         # Tentatively every new position of an active row is real (the drafts must see
         # each other); the rejected ones become holes below.
         tentative = active[:, None].expand(-1, width)
-        attention = torch.cat([*fed_mask, tentative], 1).long()
-        hidden, logits = target_forward(model, inputs, attention, step_positions, cache)
-        stats["target_forwards"] += 1
-        stats["sequence_forwards"] += int(active.sum())
-        logp = processed_logprobs(logits, sampling)
-        if drafter is None:
-            emitted = sample(logp[:, 0])[:, None]
+        attention = torch.cat([*self.fed_mask, tentative], 1).long()
+        hidden, logits = target_forward(self.model, inputs, attention, step_positions, self.cache)
+        self.stats["target_forwards"] += 1
+        self.stats["sequence_forwards"] += int(active.sum())
+        logp = processed_logprobs(logits, self.sampling)
+        if self.drafter is None:
+            emitted = self.sample(logp[:, 0])[:, None]
             emitted_logp = logp[:, 0].gather(-1, emitted)
-            counts = torch.ones(batch, dtype=torch.long)
+            counts = torch.ones(self.batch, dtype=torch.long)
         else:
-            result = accept(logp, logq, drafts, greedy=greedy, generator=generator)
-            emitted, emitted_logp, counts = result.tokens, result.logprobs, result.num_emitted
-            stats["verify_steps"] += int(active.sum())
-            stats["drafted"] += k * int(active.sum())
-            stats["accepted"] += int(result.num_accepted[active].sum())
-        counts = _keep_emitted(tokens, logprobs, emitted, emitted_logp, counts, active, done)
+            emitted, emitted_logp, counts = self.accept(logp, logq, drafts, active)
+        counts = _keep_emitted(
+            self.tokens, self.logprobs, emitted, emitted_logp, counts, active, self.done
+        )
+        self.record(inputs, hidden, emitted, counts, active)
+
+    def accept(self, logp, logq, drafts, active):
+        """The verify step's emitted tokens, their log-probs and counts (`accept`)."""
+        result = accept(logp, logq, drafts, greedy=self.greedy, generator=self.generator)
+        self.stats["verify_steps"] += int(active.sum())
+        self.stats["drafted"] += self.k * int(active.sum())
+        self.stats["accepted"] += int(result.num_accepted[active].sum())
+        return result.tokens, result.logprobs, result.num_emitted
+
+    def record(self, inputs, hidden, emitted, counts, active) -> None:
+        """Keeps what a step fed, marks its real positions and advances every row."""
         # Input j of a row is real when it is the last token (j = 0) or a draft that was
         # accepted and kept: j < the number of tokens kept.
-        real = torch.arange(width)[None, :] < counts[:, None]
-        fed_ids.append(inputs)
-        fed_hidden.append(hidden)
-        fed_mask.append(real)
-        if drafter is not None:
-            drafter.extend(drafter_cache, hidden, emitted.clamp_min(0), real)
-        next_position = next_position + counts
-        rows = torch.arange(batch)
-        last = torch.where(active, emitted[rows, (counts - 1).clamp_min(0)], last)
-        finished = torch.tensor([done(row) for row in range(batch)])
+        real = torch.arange(inputs.shape[1])[None, :] < counts[:, None]
+        self.fed_ids.append(inputs)
+        self.fed_hidden.append(hidden)
+        self.fed_mask.append(real)
+        if self.drafter is not None:
+            self.drafter.extend(self.drafter_cache, hidden, emitted.clamp_min(0), real)
+        self.next_position = self.next_position + counts
+        rows = torch.arange(self.batch)
+        self.last = torch.where(active, emitted[rows, (counts - 1).clamp_min(0)], self.last)
+        self.finished = torch.tensor([self.done(row) for row in range(self.batch)])
 
-    return Rollout(
-        token_ids=tokens,
-        logprobs=logprobs,
-        input_ids=torch.cat(fed_ids, 1),
-        hidden=torch.cat(fed_hidden, 1),
-        mask=torch.cat(fed_mask, 1),
-        **stats,
-    )
+    def rollout(self) -> Rollout:
+        return Rollout(
+            token_ids=self.tokens,
+            logprobs=self.logprobs,
+            input_ids=torch.cat(self.fed_ids, 1),
+            hidden=torch.cat(self.fed_hidden, 1),
+            mask=torch.cat(self.fed_mask, 1),
+            **self.stats,
+        )

@@ -85,7 +85,8 @@ class SpeculativeSettings:
             )
         if len(set(settings.ks)) != len(settings.ks) or max(settings.ks) < 1:
             raise ValueError(
-                f"engine.speculative.ks must be distinct with at least one k >= 1, got {list(settings.ks)}"
+                "engine.speculative.ks must be distinct with at least one k >= 1, "
+                f"got {list(settings.ks)}"
             )
         if (
             isinstance(settings.train_steps, bool)

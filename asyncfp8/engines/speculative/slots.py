@@ -1,29 +1,14 @@
-"""Speculative decoding inside the torch engine's slot loop: `SlotSpeculation` is the
-loop's step strategy (`asyncfp8.engines.stepping.StepStrategy`; the loop is
-`engines.slot_loop.SlotLoop`, which it sees only through `stepping.SlotSteps`).
-
-Per step it chooses how many tokens to draft (`choose`: a fixed k, or TLT's adaptive
-control: none while the active batch is large, a bandit's k per batch-size bucket when
-it is small); with k = 0 the loop makes a plain step, else the drafts (`draft`), drawn
-from the per-request streams so that a sample does not depend on its slot, are verified
-by one forward of the target and accepted losslessly (`acceptance.accept`). It keeps
-acceptance counts per version, and every finished sequence's hidden states and tokens
-(`finished`) for the online trainer, which trains between generations.
-
-The drafter's cache has one row per slot, fed from what the slot decoder records anyway
-(the target's last hidden state and the token at every position of every row): when a
-draft is asked for, each live row takes in its positions since the last draft, each
-paired with the token after it (the next real position's, or the token sampled last and
-not fed yet). Nothing is fed while no row drafts, and a sequence that ends before the
-next draft is never fed at all: plain steps (the adaptive mode at a large batch) cost no
-drafter work, and a row refilled meanwhile is only emptied. Rows that hold no live
-sequence draft tokens nobody reads.
-"""
+"""Speculative decoding in the torch engine's slot loop: `SlotSpeculation`, a step strategy
+that picks k (fixed, or TLT's adaptive control), drafts from per-request streams, verifies
+in one target forward and accepts losslessly. The drafter's cache, a row per slot, takes in
+a row's recorded positions only when it drafts; finished sequences go to the online trainer
+(docs/engines.md, "Speculation in the slots")."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -33,6 +18,7 @@ from asyncfp8.engines.request_sampling import COIN, DRAFT, FINAL
 from asyncfp8.engines.speculative.acceptance import accept
 from asyncfp8.engines.speculative.adaptive import SpeculationController
 from asyncfp8.engines.speculative.drafter import Drafter
+from asyncfp8.engines.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
 from asyncfp8.engines.speculative.training import DrafterTrainer
 from asyncfp8.engines.stepping import Kept, RecordingDecoder, SlotSteps
 
@@ -68,6 +54,61 @@ class SlotSpeculation:
         self.verify_rows = 0  # live rows over speculative steps
         self.drafted = 0
         self.accepted = 0
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: SpeculativeSettings,
+        target: torch.nn.Module,
+        device: torch.device,
+        slots: int,
+    ) -> SlotSpeculation:
+        """`engine.speculative`'s drafter for `target` (initialized from `settings.seed`),
+        its trainer and, in adaptive mode, its controller; then `settings.init`'s state."""
+        # Read once: checked for this model before anything is built, loaded at the end.
+        state = (
+            None
+            if settings.init is None
+            else check_drafter_checkpoint(settings.init, target.config)
+        )
+        with torch.random.fork_rng(devices=[]):  # its init: the seed's, not the global stream's
+            torch.manual_seed(settings.seed)
+            drafter = Drafter(target).to(device)
+        trainer = DrafterTrainer(
+            drafter, lr=settings.lr, batch_size=settings.batch_size, seed=settings.seed
+        )
+        controller = None
+        if settings.mode == "adaptive":
+            controller = SpeculationController(
+                threshold=settings.threshold,
+                patience=settings.patience,
+                ks=settings.ks,
+                seed=settings.seed,
+            )
+        speculation = cls(
+            drafter,
+            slots,
+            k=settings.draft_tokens if controller is None else None,
+            controller=controller,
+            trainer=trainer,
+        )
+        if state is not None:
+            speculation.load_state_dict(state)
+        return speculation
+
+    def state_dict(self) -> dict:
+        """For a worker checkpoint: the trainer's state (drafter, optimizer, counters,
+        acceptance per version) and the controller's."""
+        controller = self.controller
+        return {
+            "trainer": self.trainer.state_dict(),
+            "controller": None if controller is None else controller.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.trainer.load_state_dict(state["trainer"])
+        if self.controller is not None and state.get("controller") is not None:
+            self.controller.load_state_dict(state["controller"])
 
     # -- the step ---------------------------------------------------------------------------------
 

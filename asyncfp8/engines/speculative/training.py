@@ -1,19 +1,8 @@
-"""Online training of the drafter from the target's own rollouts (TLT / fastrl).
-
-The engine records, while it generates, the target's last hidden states (the LM head's
-input) and the tokens at the same positions, and hands them to `observe`; a bounded FIFO
-buffer keeps the most recent. `train(steps, deadline)` runs between generations or while
-the batch is small, within a time budget when given one (nothing is idle on a worker whose
-only device also generates: the budget bounds what online training costs its rollouts).
-The objective is fastrl's: 0.5 × smooth L1 between the drafter's feature and the
-target's next hidden state + 0.5 × cross-entropy of the drafter's distribution to the
-target's (both through the target's LM head at temperature 1; since lm_head(h) are the
-target's logits, recorded hidden states are all the target information training needs).
-
-The target moves (a new policy version every few steps): `on_new_version` records the
-version the engine now runs, training simply continues on whatever the buffer holds, and
-the acceptance metrics are kept per version so that one sees whether the drafter keeps up.
-"""
+"""Online training of the drafter from the target's own rollouts (TLT / fastrl): `observe`
+buffers the target's last hidden states and tokens (bounded FIFO); `train(steps, deadline)`
+runs fastrl's loss, 0.5 × smooth L1 to the next hidden state + 0.5 × cross-entropy through
+the target's LM head (hidden states are all it needs). Acceptance is kept per version, to
+see the drafter keep up (docs/engines.md, "Speculative decoding (pieces)")."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
 """FP8 W8A8, blockwise: the DeepSeek-V3 / vLLM / SGLang checkpoint format.
 
-The whole format is this folder (plus conf/precision/fp8.yaml): the policy (here), the
-quantizers for weights and activations (quant.py, Triton and torch), the block-scaled
-GEMM (gemm.py) and the built-in engine's runtime module (linear.py).
-
-Each 128×128 block of a linear weight gets its own scale s = max(|w|)/448 (floored
-at 1e-10), q = clamp(w / s, ±448) cast to e4m3 (round to nearest even), stored as
-`<name>` (float8_e4m3fn) and `<name>_scale_inv` (fp32 s, [⌈M/128⌉, ⌈N/128⌉]). Odd
-shapes are zero-padded to whole blocks, quantized, and `q` cropped back; the scale
-keeps its rounded-up shape. Activations are quantized on the fly by the engine, per
-token and per 128-column group. A block scale keeps a change local: an RL step that
-moves a few weights changes at most their blocks' scales.
-"""
+This folder (plus conf/precision/fp8.yaml) is the whole format: the policy (here), the
+quantizers (quant.py), the block-scaled GEMM (gemm.py) and the torch engine's module
+(linear.py). The tensors and their scales: docs/precision.md, "The formats' tensors"."""
 
 from __future__ import annotations
 
@@ -20,7 +11,8 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..policy import PrecisionPolicy, dtype_name, register_policy
+from ..policy import PrecisionPolicy, dtype_name
+from ..registry import register_policy
 from ..storage import ScaleLayout, Storage
 from .linear import FP8BlockLinear
 from .quant import (

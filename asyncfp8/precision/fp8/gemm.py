@@ -1,23 +1,7 @@
-"""The block-scaled FP8 GEMM in one call (W8A8, DESIGN.md §4).
+"""The block-scaled FP8 GEMM in one call (W8A8, DESIGN.md §4): Triton, torch's one-call
+blockwise `scaled_mm` on sm90, or the per-block `torch._scaled_mm` loop (the reference).
 
-What runs where (`impl="auto"`):
-
-| kernel | CUDA sm90 | other CUDA | CPU |
-|---|---|---|---|
-| `fp8_block_matmul` | Triton; without Triton, torch `scaled_mm` (BlockWise1x128 × BlockWise128x128) when the blocks are 128×128, K and N multiples of 128 and the output bf16/fp32 | Triton | the per-block `torch._scaled_mm` loop (`fp8_block_matmul_reference`) |
-
-Triton comes first on sm90 because it measured faster there: on an H100 (torch 2.11,
-CUDA 13.0) 9.0 us at one row, where cuBLASLt refused the blockwise `scaled_mm`
-(CUBLAS_STATUS_NOT_SUPPORTED), and 13.1 against 17.5 us at 64 rows, Qwen2.5-1.5B's
-down_proj (bench/results/kernels-h100.json). Without Triton on a GPU,
-`fp8_block_matmul` needs the sm90 path (else it raises `KernelUnavailable`, saying
-what would work). The Triton kernel also run on the
-CPU under `TRITON_INTERPRET=1`; the tests check them there against the references.
-
-Layouts (asyncfp8's, as exported): an FP8 weight is `w_q` float8_e4m3fn [N, K] row-major
-with `w_scale_inv` fp32 [ceil(N/bn), ceil(K/bk)], one scale per bn × bk block. Activations come from
-`quantize_activations_fp8` (quant.py; per token per bk columns).
-"""
+What runs where, why Triton comes first on sm90, and the layouts: docs/precision.md, "Kernels"."""
 
 from __future__ import annotations
 
@@ -194,12 +178,11 @@ def fp8_block_matmul_reference(
     block: tuple[int, int] = SCALED_MM_BLOCK,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """The CPU reference: today's `FP8BlockLinear` loop, one `torch._scaled_mm` per
-    K block (rowwise scales: the activation scales of that group × the weight scale of
-    each output row's block), accumulated in fp32 in K order, both operands zero-padded
-    to whole blocks first as the module pads them. Same numerics as that module, so CPU
-    results do not move. Runs on CUDA too where `_scaled_mm`'s rowwise fp32 output does
-    (sm90, cuBLAS ≥ 12.9): the old per-block loop the benchmark compares against."""
+    """The CPU reference: one `torch._scaled_mm` per K block (rowwise scales: the activation
+    scales of that group × the weight scale of each output row's block), accumulated in fp32
+    in K order, both operands zero-padded to whole blocks first, as `FP8BlockLinear` computes
+    on the CPU. Runs on CUDA too where `_scaled_mm`'s rowwise fp32 output does (sm90,
+    cuBLAS ≥ 12.9)."""
     bn, bk = _check_fp8_operands(x_q, x_scales, w_q, w_scale_inv, block, out_dtype)
     n = w_q.shape[0]
     grid_rows, grid_cols = w_scale_inv.shape
@@ -243,11 +226,10 @@ def fp8_block_matmul_triton(
     split_k: int | None = None,
 ) -> torch.Tensor:
     """The Triton block-scaled FP8 GEMM (CUDA, or the CPU under TRITON_INTERPRET=1): tl.dot
-    on e4m3 tiles (fp16 tiles, exactly converted, before sm89 or for 16-deep tiles), each tile's result scaled by its
-    activation and weight scales and accumulated in fp32. Weight blocks: bk a multiple of
-    16, any bn (`triton_fp8_block_k`). N and K need not be multiples of the block (masked
-    loads), M may be 1. `split_k` (default: by the machine's size) splits K across
-    programs whose fp32 partials are added in order."""
+    on e4m3 tiles (fp16 tiles, exactly converted, before sm89 or for 16-deep tiles), each
+    tile's result scaled by its activation and weight scales and accumulated in fp32. Any N and
+    K, bk a multiple of 16 (`triton_fp8_block_k`), M ≥ 1. `split_k` (default: by the machine's
+    size) splits K across programs whose fp32 partials are added in order."""
     bn, bk = _check_fp8_operands(x_q, x_scales, w_q, w_scale_inv, block, out_dtype)
     block_k = triton_fp8_block_k(bk)
     if not triton_runs_on(x_q):
@@ -309,11 +291,9 @@ def fp8_block_matmul_scaled_mm(
     w_scale_mm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One `torch.nn.functional.scaled_mm` call (sm90; BlockWise1x128 activations ×
-    BlockWise128x128 weights). Needs 128×128 blocks, K and N multiples of 128
-    (`pad_fp8_weight`), bf16 or fp32 output. Activation scales with strides (1, M) are
-    used as they are (`quantize_activations_fp8(..., column_major_scales=True)`), others
-    are copied into that layout; `w_scale_mm` is `scaled_mm_weight_scales(w_scale_inv)`,
-    computed here when not given."""
+    BlockWise128x128 weights): 128×128 blocks, K and N multiples of 128 (`pad_fp8_weight`),
+    bf16 or fp32 output. Activation scales not strided (1, M) already are copied into that
+    layout; `w_scale_mm` is `scaled_mm_weight_scales(w_scale_inv)`, computed when not given."""
     _check_fp8_operands(x_q, x_scales, w_q, w_scale_inv, SCALED_MM_BLOCK, out_dtype)
     if not scaled_mm_available(x_q):
         raise unavailable(
@@ -351,18 +331,10 @@ def fp8_block_matmul(
     impl: str = "auto",
     w_scale_mm: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out [M, N] = Σ_k (x_q · x_scale)[m, k] · (w_q · w_scale)[n, k], in one call.
-
-    x_q: float8_e4m3fn [M, K], row-major. x_scales: fp32 [M, ceil(K/bk)], one per token
-    per bk columns, any strides (`quantize_activations_fp8(x, group=bk)`). w_q:
-    float8_e4m3fn [N, K], row-major, possibly padded (`pad_fp8_weight`; then crop the
-    output). w_scale_inv: fp32 [ceil(N/bn), ceil(K/bk)]. block: (bn, bk). Returns
-    out_dtype (bf16, fp16 or fp32) [M, N]; M may be 1; add the bias afterwards.
-
-    impl: "auto" (the table in this module's docstring), "scaled_mm", "triton" or
-    "reference". An impl the device cannot run raises `KernelUnavailable` naming the
-    device, the kernel and what would work. `w_scale_mm`: see `fp8_block_matmul_scaled_mm`.
-    """
+    """out [M, N] = Σ_k (x_q · x_scale)[m, k] · (w_q · w_scale)[n, k] in out_dtype, M ≥ 1,
+    bias not added. The operands' layouts, and what impl="auto" picks where: docs/precision.md,
+    "Kernels"; impl "scaled_mm", "triton" or "reference" forces one, and one the device cannot
+    run raises `KernelUnavailable` naming what would work. `w_scale_mm`: see `..._scaled_mm`."""
     check_impl(impl, ("auto", "scaled_mm", "triton", "reference"))
     if impl == "auto":
         impl = _choose_fp8_impl(x_q, w_q, block, out_dtype)

@@ -19,23 +19,11 @@ _scaled_mm_failures: set[str] = set()
 
 
 class FP8BlockLinear(QuantizedLinear):
-    """W8A8 blockwise FP8 for the built-in engine: activations quantized per token per
-    `block[1]` columns, weights per `block` block, accumulated in FP32. `real=True` runs
-    real e4m3 GEMMs through `gemm.fp8_block_matmul`: one torch
-    `scaled_mm` call on sm90 GPUs, the Triton kernel on other GPUs, and on the CPU the
-    per-block `torch._scaled_mm` loop (the reference numerics); `real=False` is the
-    fake-quant twin (the same rounding, float matmul), for checking the real kernels
-    against.
-
-    The weight is held zero-padded to whole blocks (so that every path gets K and N in
-    whole blocks; the output is cropped), and on sm90 also its scales in the layout
-    `scaled_mm` takes. A new version is copied into these buffers in place: a captured
-    CUDA graph keeps reading the right memory.
-
-    If the one-call `scaled_mm` raises (cuBLASLt refuses a shape or the FP32 output on
-    some driver), the layer says so once and uses the Triton GEMM (or the reference
-    loop) from then on: the engine's probe at start, and the warm-up before a CUDA graph
-    is captured, meet such a failure before any graph does."""
+    """W8A8 blockwise FP8 for the built-in engine: activations per token per `block[1]`
+    columns, weights per `block` block, FP32 accumulation through `gemm.fp8_block_matmul`
+    (`real=False`: the fake-quant twin, float matmul). The weight is held zero-padded to whole
+    blocks and updated in place; a `scaled_mm` that raises is reported once and replaced by the
+    Triton GEMM or the reference loop (docs/precision.md, "Kernels")."""
 
     def __init__(
         self,

@@ -1,21 +1,8 @@
 """FP8 (e4m3) quantizers: weights per 128x128 block, activations per token per group.
 
-Weights: each block of a linear weight gets its own scale s = max(|w|)/448 (floored at
-1e-10), q = clamp(w / s, ±448) cast to e4m3 (round to nearest even), stored as `<name>`
-(float8_e4m3fn) and `<name>_scale_inv` (fp32 s, [⌈M/128⌉, ⌈N/128⌉]). Odd shapes are
-zero-padded to whole blocks, quantized, and `q` cropped back; the scale keeps its
-rounded-up shape.
-
-Activations (DESIGN.md §4): dynamic, per token and per `group` columns, the scales the
-block-scaled GEMM (gemm.py) multiplies back in. This is the one activation quantizer:
-the engine's runtime module, the learner's fake quantization and the kernels' tests all
-call it.
-
-Each has a Triton kernel (CUDA, and the CPU under `TRITON_INTERPRET=1`, which the tests
-use) and a torch reference; both give the same bytes: amax floored at 1e-10, scale =
-amax / 448 (IEEE division), q = clamp(x / scale, ±448) cast to e4m3 rounding to nearest
-even.
-"""
+Each has a Triton kernel and a torch reference giving the same bytes: amax floored at 1e-10,
+scale = amax / 448 (IEEE division), q = clamp(x / scale, ±448) cast to e4m3 (nearest even).
+Layouts and padding: docs/precision.md, "The formats' tensors"."""
 
 from __future__ import annotations
 
@@ -258,19 +245,11 @@ def quantize_activations_fp8_triton(
 def quantize_activations_fp8(
     x: torch.Tensor, group: int = GROUP, column_major_scales: bool = False, impl: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic FP8 quantization of activations, per token per `group` columns.
-
-    x: [M, K] fp32 / bf16 / fp16 / float64, last dimension contiguous (else copied). K need not
-    be a multiple of `group`: the last group is then partial, quantized as if padded
-    with zeros (so a caller that pads x to whole groups first gets the same bytes).
-    Returns (q float8_e4m3fn [M, K] row-major, scales fp32 [M, ceil(K / group)]) with
-    x ≈ q · scale per group; scales are row-major, or with `column_major_scales=True`
-    strides (1, M) as `fp8_block_matmul`'s sm90 `scaled_mm` path takes them (M = 1
-    included).
-
-    impl: "auto" (Triton on CUDA when it is installed, the torch reference on the
-    CPU or without Triton), "triton" or "reference". All give the same bytes.
-    """
+    """Dynamic FP8 quantization of activations x [M, K] (fp32 / bf16 / fp16 / float64), per
+    token per `group` columns: (q float8_e4m3fn [M, K], scales fp32 [M, ceil(K / group)]), the
+    last group quantized as if zero-padded; scales row-major, or strided (1, M) with
+    `column_major_scales` (docs/precision.md, "The formats' tensors"). impl: "auto" (Triton on
+    CUDA when installed, else the torch reference), "triton" or "reference": the same bytes."""
     check_impl(impl, ("auto", "triton", "reference"))
     if impl == "triton" or (impl == "auto" and x.is_cuda and triton_runs_on(x)):
         return quantize_activations_fp8_triton(x, group, column_major_scales)

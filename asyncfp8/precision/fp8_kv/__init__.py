@@ -1,15 +1,8 @@
 """FP8 KV cache with the q/k/v scales recalibrated for every version.
 
-Why every version: an FP8 KV cache stores k/scale and v/scale in e4m3, whose range
-ends at 448. RL moves the weights, and with them the magnitude of q, k and v. Scales
-computed once (vLLM's former `calculate_kv_scales`, on the first batch) go stale: if
-activations grow, values beyond 448·scale are clipped (wrong attention); if they shrink,
-the e4m3 grid is wasted on an unused range (coarser values). So after each weight
-update the learner reruns a calibration batch through the new weights, takes a high
-percentile of |q|, |k|, |v| after RoPE per layer (not the max: one outlier would waste
-the range for every other value), adds a margin and divides by 448, and ships the scales
-with the version under the names vLLM loads.
-"""
+RL moves the weights and with them the size of q, k and v, so scales computed once go stale
+(clipped values, or a wasted e4m3 range): each version's scales come from a high percentile
+of |q|, |k|, |v| after RoPE (docs/precision.md, "FP8 KV cache: why recalibrate every version")."""
 
 from __future__ import annotations
 
@@ -19,7 +12,8 @@ import torch
 
 from ..fp8.quant import FP8_MAX
 from ..manifest import Role, TensorRole
-from ..policy import PrecisionPolicy, dtype_name, register_policy
+from ..policy import PrecisionPolicy, dtype_name
+from ..registry import register_policy
 from ..storage import Storage
 
 CAPTURE_IMPLEMENTATION = "asyncfp8_kv_capture"

@@ -1,19 +1,8 @@
 """Decode attention over an FP8 (e4m3) KV cache, reading the cache as e4m3.
 
-`fp8_kv_decode_attention` computes one new query token per sequence against a static,
-preallocated e4m3 cache. On CUDA (and on the CPU under `TRITON_INTERPRET=1`, as the tests
-run it) it is a Triton kernel: one program per (sequence, KV head, split of the cache),
-which loads each e4m3 byte of its part of the cache once for all the query heads that
-share that KV head (GQA), takes the dots on tensor cores in TF32 (exact for e4m3 and
-bf16/fp16 inputs), keeps an online softmax in fp32 and applies the k/v scales inside the
-kernel; when the cache is split (few sequences, long context: flash-decoding)
-a second small kernel merges the splits' partial softmaxes. Elsewhere the torch reference
-runs: it dequantizes the cache and takes a masked softmax in fp32. Prefill does not come
-here (it may dequantize and use SDPA).
-
-The scales are fp32 0-dim tensors read by the kernel, and `kv_valid` / `kv_len` are
-tensors too, so a captured CUDA graph stays valid when a new version changes the scales
-or the sequences grow.
+One new query token per sequence against a static e4m3 cache: a Triton kernel (CUDA, or the
+CPU under `TRITON_INTERPRET=1`) keeping an online softmax in fp32, or the torch reference.
+How the kernel works, and why scales and lengths are tensors: docs/precision.md, "Kernels".
 """
 
 from __future__ import annotations
@@ -41,6 +30,42 @@ LOG2E = 1.4426950408889634
 
 if triton is not None:
     import triton.language as tl
+
+    @triton.jit
+    def _load_query_group(q_row, heads, d, g_in, d_in, stride_qh):
+        """The query heads of one KV head's group, in fp32, padded to a tl.dot tile (>= 16
+        rows)."""
+        return tl.load(
+            q_row + heads[:, None] * stride_qh + d[None, :],
+            mask=g_in[:, None] & d_in[None, :],
+            other=0.0,
+        ).to(tl.float32)
+
+    @triton.jit
+    def _online_softmax_step(
+        q, k, v, valid, qk_scale, running_max, running_sum, acc, PRECISION: tl.constexpr
+    ):
+        """One tile of e4m3 keys and values folded into the online softmax (scores in log2
+        units, invalid positions -inf): the new running max, running sum and accumulator."""
+        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        # Until a row has seen a valid position its max is -inf; subtract 0 then,
+        # so that exp2(-inf - (-inf)) never makes a NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        correction = tl.exp2(running_max - shift)
+        p = tl.exp2(scores - shift[:, None])
+        running_sum = running_sum * correction + tl.sum(p, 1)
+        pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        acc = acc * correction[:, None] + pv
+        return new_max, running_sum, acc
+
+    @triton.jit
+    def _normalised(acc, running_sum, v_scale_ptr):
+        """The accumulator over the softmax's sum, times the v scale. A sequence with no
+        valid position attends to nothing: its output is 0."""
+        denominator = tl.where(running_sum > 0.0, running_sum, 1.0)
+        return acc / denominator[:, None] * tl.load(v_scale_ptr)
 
     @triton.jit
     def _fp8_kv_decode_kernel(
@@ -89,12 +114,7 @@ if triton is not None:
         heads = kv_head * GROUP + g
         g_in = g < GROUP
         d_in = d < HEAD_DIM
-        # The query heads of this KV head's group, padded to a tl.dot tile (>= 16 rows).
-        q = tl.load(
-            q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-            mask=g_in[:, None] & d_in[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        q = _load_query_group(q_ptr + b * stride_qb, heads, d, g_in, d_in, stride_qh)
         # Scores in log2 units: exp2 is the cheap exponential.
         qk_scale = sm_scale * tl.load(k_scale_ptr) * 1.4426950408889634
         limit = t_max
@@ -113,19 +133,10 @@ if triton is not None:
             valid = tl.load(valid_ptr + b * stride_valid_b + t, mask=t_in, other=0) != 0
             kv_mask = t_in[:, None] & d_in[None, :]
             k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
-            scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, 1))
-            # Until a row has seen a valid position its max is -inf; subtract 0 then,
-            # so that exp2(-inf - (-inf)) never makes a NaN.
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            correction = tl.exp2(running_max - shift)
-            p = tl.exp2(scores - shift[:, None])
-            running_sum = running_sum * correction + tl.sum(p, 1)
             v = tl.load(v_base + t[:, None] * stride_vt + d[None, :], mask=kv_mask, other=0.0)
-            pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
-            acc = acc * correction[:, None] + pv
-            running_max = new_max
+            running_max, running_sum, acc = _online_softmax_step(
+                q, k, v, valid, qk_scale, running_max, running_sum, acc, PRECISION
+            )
         out_mask = g_in[:, None] & d_in[None, :]
         if SPLIT:  # unnormalised partials; _merge_splits_kernel finishes them
             out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
@@ -134,9 +145,7 @@ if triton is not None:
             tl.store(max_ptr + stats, running_max, mask=g_in)
             tl.store(sum_ptr + stats, running_sum, mask=g_in)
         else:
-            # A sequence with no valid position attends to nothing: its output is 0.
-            denominator = tl.where(running_sum > 0.0, running_sum, 1.0)
-            result = acc / denominator[:, None] * tl.load(v_scale_ptr)
+            result = _normalised(acc, running_sum, v_scale_ptr)
             out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
             tl.store(out, result.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -217,7 +226,8 @@ def _check(q, k_cache, v_cache, kv_valid, kv_len, dtypes=QUERY_DTYPES):
         )
     if kv_valid.dtype != torch.bool or tuple(kv_valid.shape) != (batch, t_max):
         raise ValueError(
-            f"kv_valid must be bool [{batch}, {t_max}], got {kv_valid.dtype} {tuple(kv_valid.shape)}"
+            f"kv_valid must be bool [{batch}, {t_max}], "
+            f"got {kv_valid.dtype} {tuple(kv_valid.shape)}"
         )
     if kv_len is not None and (
         kv_len.dtype not in (torch.int32, torch.int64) or kv_len.numel() not in (1, batch)
@@ -301,30 +311,11 @@ def fp8_kv_decode_attention_triton(
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     k_scale = _scale_tensor("k_scale", k_scale, q.device)
     v_scale = _scale_tensor("v_scale", v_scale, q.device)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
-    v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
-    # Triton reads bytes (bool is one byte) with the mask's own row stride: the decoder's
-    # mask is a slice of its [B, Tmax] buffer, and copying it would cost a kernel per layer
-    # per step.
-    valid = (kv_valid if kv_valid.stride(-1) == 1 else kv_valid.contiguous()).view(torch.uint8)
+    q, k_cache, v_cache, valid = _rows_contiguous(q, k_cache, v_cache, kv_valid)
     block_t, splits, tiles_per_split = _tiling(q, kv_heads, t_max, num_splits, block_t)
     out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device)
-    if kv_len is None:
-        lengths, stride_len = valid, 0  # never read (HAS_LEN is off)
-    else:
-        lengths = kv_len.to(device=q.device, dtype=torch.int32).reshape(-1)
-        stride_len = 0 if lengths.numel() == 1 else 1
-    if splits > 1:
-        partial = torch.empty(
-            (batch, q_heads, splits, head_dim), dtype=torch.float32, device=q.device
-        )
-        maxes = torch.empty((batch, q_heads, splits), dtype=torch.float32, device=q.device)
-        sums = torch.empty_like(maxes)
-        target, stride_ob, stride_oh, stride_os = partial, *partial.stride()[:3]
-    else:
-        maxes = sums = out  # never written (SPLIT is off)
-        target, stride_ob, stride_oh, stride_os = out, out.stride(0), out.stride(1), 0
+    lengths, stride_len = _lengths(kv_len, valid, q.device)
+    target, maxes, sums, out_strides = _kernel_outputs(out, splits)
     block_d = max(16, next_power_of_2(head_dim))
     _fp8_kv_decode_kernel[(batch, kv_heads, splits)](
         q,
@@ -350,11 +341,7 @@ def fp8_kv_decode_attention_triton(
         v_cache.stride(2),
         valid.stride(0),
         stride_len,
-        stride_ob,
-        stride_oh,
-        stride_os,
-        maxes.stride(0) if splits > 1 else 0,
-        maxes.stride(1) if splits > 1 else 0,
+        *out_strides,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_G=max(16, next_power_of_2(group)),
@@ -365,8 +352,43 @@ def fp8_kv_decode_attention_triton(
         PRECISION=_dot_precision(q.dtype),
     )
     if splits > 1:
-        _merge_splits(partial, maxes, sums, v_scale, out, block_d)
+        _merge_splits(target, maxes, sums, v_scale, out, block_d)
     return out
+
+
+def _rows_contiguous(q, k_cache, v_cache, kv_valid):
+    """The operands with their last dimension contiguous (copied only where it is not), the
+    mask as bytes: Triton reads it with its own row stride, since the decoder's mask is a
+    slice of its [B, Tmax] buffer and a copy would cost a kernel per layer per step."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
+    v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
+    valid = (kv_valid if kv_valid.stride(-1) == 1 else kv_valid.contiguous()).view(torch.uint8)
+    return q, k_cache, v_cache, valid
+
+
+def _lengths(kv_len, valid, device) -> tuple[torch.Tensor, int]:
+    """(the kernel's `len_ptr`, its stride): `kv_len` as int32 [B] or one element."""
+    if kv_len is None:
+        return valid, 0  # never read (HAS_LEN is off)
+    lengths = kv_len.to(device=device, dtype=torch.int32).reshape(-1)
+    return lengths, 0 if lengths.numel() == 1 else 1
+
+
+def _kernel_outputs(out: torch.Tensor, splits: int):
+    """(target, maxes, sums, strides) the decode kernel writes: `out` itself, or with splits
+    fp32 partials [B, H, S, D] and their softmax maxima and sums, for `_merge_splits`.
+    The strides: the target's (b, head, split), then the statistics' (b, head)."""
+    batch, q_heads, head_dim = out.shape
+    if splits > 1:
+        partial = torch.empty(
+            (batch, q_heads, splits, head_dim), dtype=torch.float32, device=out.device
+        )
+        maxes = torch.empty((batch, q_heads, splits), dtype=torch.float32, device=out.device)
+        sums = torch.empty_like(maxes)
+        return partial, maxes, sums, (*partial.stride()[:3], maxes.stride(0), maxes.stride(1))
+    # maxes and sums are never written (SPLIT is off)
+    return out, out, out, (out.stride(0), out.stride(1), 0, 0, 0)
 
 
 def _tiling(
@@ -426,25 +448,11 @@ def fp8_kv_decode_attention(
     kv_len: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
-    """Attention of ONE new query token per sequence over an e4m3 KV cache.
-
-    q: [B, Hq, D] fp32 / bf16 / fp16, or float64 for the reference (last dim contiguous,
-    else copied).
-    k_cache, v_cache: float8_e4m3fn [B, Hkv, Tmax, D], a preallocated static cache, the
-    value at a position being round(x / scale); Hq a multiple of Hkv, query head h
-    reading KV head h // (Hq / Hkv) (transformers' `repeat_kv` order).
-    k_scale, v_scale: fp32 0-dim tensors (one-element tensors too). A Python float is
-    taken outside CUDA-graph capture only: it is copied to the device at every call.
-    kv_valid: bool [B, Tmax], the positions each sequence attends to (left padding,
-    unwritten slots and the new token's own slot as the caller sets them).
-    sm_scale: the score scale, 1/sqrt(D) when None.
-    kv_len: optional int32/int64 [B] (or one element) tensor: positions ≥ kv_len[b] are
-    neither read nor attended, so a long static cache costs only its filled part.
-    Returns [B, Hq, D] in q's dtype; a sequence with no valid position gets zeros.
-
-    impl: "auto" (Triton on CUDA when installed and q is not float64, the torch
-    reference otherwise), "triton" or "reference".
-    """
+    """Attention of ONE new query token per sequence over an e4m3 KV cache: q [B, Hq, D],
+    k_cache / v_cache float8_e4m3fn [B, Hkv, Tmax, D], k_scale / v_scale fp32 0-dim tensors,
+    kv_valid bool [B, Tmax], kv_len None or int [B]; [B, Hq, D] in q's dtype, zeros where no
+    position is valid (the full contract: docs/precision.md, "Kernels"). impl: "auto" (Triton
+    on CUDA for non-float64 q, else the torch reference), "triton" or "reference"."""
     check_impl(impl, ("auto", "triton", "reference"))
     triton_takes = q.is_cuda and q.dtype != torch.float64 and triton_runs_on(q)
     if impl == "triton" or (impl == "auto" and triton_takes):

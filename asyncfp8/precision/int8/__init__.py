@@ -1,19 +1,8 @@
 """INT8 W8A8: per-output-channel symmetric weights, dynamic per-token activations.
 
-s = max_row(|w|)/127 (floored at 1e-10/127), q = round(w / s) clamped to [−128, 127]
-(round half to even), stored in the compressed-tensors `int-quantized` layout that
-vLLM loads: `<prefix>.weight` (int8 [M, N]) and `<prefix>.weight_scale` (fp32 [M, 1]).
-
-An optional SmoothQuant-style profile (per-channel factors, computed once by
-`python -m asyncfp8.precision.profile`) divides each linear layer's input channels by
-a factor and the preceding norm's weight (or the preceding linear layer's output
-channels: down_proj through up_proj, o_proj through v_proj) by it: the product is
-unchanged, activation outliers shrink, and INT8 per-token activations lose less.
-
-This folder is the whole format (plus conf/precision/int8.yaml): the policy (here), the
-quantizers (quant.py, Triton and torch), the INT8 GEMM (gemm.py) and the built-in
-engine's runtime module (linear.py, `Int8Linear`).
-"""
+This folder (plus conf/precision/int8.yaml) is the whole format: the policy (here) with its
+optional SmoothQuant profile, the quantizers (quant.py), the INT8 GEMM (gemm.py) and the torch
+engine's `Int8Linear` (linear.py). The tensors: docs/precision.md, "The formats' tensors"."""
 
 from __future__ import annotations
 
@@ -22,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from ..policy import PrecisionPolicy, dtype_name, register_policy
+from ..policy import PrecisionPolicy, dtype_name
 from ..profile_file import ROWS, load_profile
+from ..registry import register_policy
 from ..storage import ScaleLayout, Storage
 from .linear import Int8Linear
 from .quant import (

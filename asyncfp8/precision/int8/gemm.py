@@ -1,13 +1,7 @@
-"""The INT8 W8A8 GEMM in one call, at any batch.
-
-What runs where (`impl="auto"`): Triton on CUDA, `torch._int_mm` on the CPU. Without
-Triton on a GPU, the batch is padded to 32 rows for `torch._int_mm`, which needs more
-than 16 on CUDA. The Triton kernel also runs on the CPU under `TRITON_INTERPRET=1`; the
-tests check it there against the reference.
-
-Layouts (asyncfp8's, as exported): a weight is int8 [N, K] with fp32 per-row scales
-[N, 1]; activations come from `quantize_activations_int8` (quant.py; per token).
-"""
+"""The INT8 W8A8 GEMM in one call, at any batch: Triton on CUDA, `torch._int_mm` on the CPU
+(and on a GPU without Triton, the batch padded to 32 rows, as `torch._int_mm` needs more than
+16 there). Weights int8 [N, K] with fp32 per-row scales [N, 1]; activations from
+`quantize_activations_int8` (quant.py). docs/precision.md, "Kernels"."""
 
 from __future__ import annotations
 
@@ -115,7 +109,7 @@ def int8_matmul_reference(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """`torch._int_mm` (exact int32 sums), then float(sum) · x scale · w scale in fp32:
-    today's `Int8Linear`. Any M on the CPU; on CUDA the batch is zero-padded to 32 rows
+    as `Int8Linear` computes. Any M on the CPU; on CUDA the batch is zero-padded to 32 rows
     when it has 16 or fewer (cuBLAS's int8 GEMM needs more than 16), K and N must then
     be multiples of 8."""
     x_scale, w_scale = _check_int8_operands(x_q, x_scale, w_q, w_scale, out_dtype)
@@ -192,16 +186,11 @@ def int8_matmul(
     out_dtype: torch.dtype = torch.bfloat16,
     impl: str = "auto",
 ) -> torch.Tensor:
-    """out [M, N] = (x_q · x_scale) (w_q · w_scale)ᵀ at any batch M ≥ 1.
-
-    x_q: int8 [M, K] row-major; x_scale: fp32 [M, 1] (or [M]), per token; w_q: int8
-    [N, K] row-major; w_scale: fp32 [N, 1] (or [N]), per output channel. Returns
-    out_dtype [M, N]; add the bias afterwards.
-
-    impl: "auto" (Triton on CUDA when installed, else `torch._int_mm` with the batch
-    padded to 32 rows on CUDA, unpadded on the CPU), "triton" or "reference". Both give
-    the same bits (exact int32 sums, the same fp32 epilogue).
-    """
+    """out [M, N] = (x_q · x_scale) (w_q · w_scale)ᵀ at any batch M ≥ 1: x_q int8 [M, K] and
+    w_q int8 [N, K] row-major, x_scale fp32 [M, 1] (or [M]) per token, w_scale fp32 [N, 1] (or
+    [N]) per output channel; out_dtype [M, N], bias not added. impl: "auto" (Triton on CUDA when
+    installed, else `torch._int_mm`, the batch padded to 32 rows on CUDA), "triton" or
+    "reference": the same bits (exact int32 sums, the same fp32 epilogue)."""
     check_impl(impl, ("auto", "triton", "reference"))
     if impl == "triton" or (impl == "auto" and x_q.is_cuda and triton_runs_on(x_q)):
         return int8_matmul_triton(x_q, x_scale, w_q, w_scale, out_dtype)

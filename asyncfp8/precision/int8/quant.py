@@ -84,7 +84,8 @@ def dequantize_per_channel(
 ) -> torch.Tensor:
     if scale.shape != (q.shape[0], 1):
         raise ValueError(
-            f"scale has shape {tuple(scale.shape)}; a {tuple(q.shape)} weight needs ({q.shape[0]}, 1)"
+            f"scale has shape {tuple(scale.shape)}; "
+            f"a {tuple(q.shape)} weight needs ({q.shape[0]}, 1)"
         )
     return (q.float() * scale.float()).to(dtype)
 
