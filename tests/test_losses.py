@@ -65,7 +65,9 @@ def test_ppo_clip_is_pessimistic_and_asymmetric():
     torch.testing.assert_close(loss, torch.tensor([[-1.28, -0.5, 0.8, -1.1]]))
     assert clipped.tolist() == [[True, False, True, False]]
     reinforce, _ = per_token_policy_loss(logp, proximal, advantages, kind="reinforce")
-    torch.testing.assert_close(reinforce, -advantages * logp)
+    # −A·r·log π with r = π/π_prox held constant: its gradient is −A·r·∇log π
+    ratio = torch.exp(logp - proximal).detach()
+    torch.testing.assert_close(reinforce, -advantages * ratio * logp)
 
 
 def test_dual_clip_caps_the_loss_of_negative_advantages():
@@ -95,7 +97,8 @@ def test_kl_estimators_by_hand():
         got = kl_penalty(logp, reference, estimator)
         for value, p, q in zip(got.tolist(), [0.5, 0.2, 1e-9], [0.25, 0.2, 0.5], strict=True):
             k1 = math.log(p) - math.log(q)
-            k3 = q / p - 1 - math.log(q / p)
+            clamped = max(-20.0, min(20.0, k1))  # before the exp, as veRL clamps it
+            k3 = math.exp(-clamped) - 1 + clamped
             expected = {"k1": k1, "k3": k3, "low_var_kl": min(k3, 10.0)}[estimator]
             assert value == pytest.approx(expected, rel=1e-4)
     with pytest.raises(ValueError, match="unknown KL estimator"):

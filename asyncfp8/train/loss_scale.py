@@ -83,7 +83,8 @@ class LossScaler:
         self.skipped_total = 0
 
     def stepped(self) -> None:
-        """An update whose gradients were all finite."""
+        """An update whose gradients were all finite, applied or skipped for another reason
+        (a starved update): it ends the overflow streak and counts toward growth."""
         self.skipped_in_row = 0
         self.good_in_row += 1
         if self.good_in_row >= self.settings.growth_interval:

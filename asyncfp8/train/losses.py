@@ -13,7 +13,7 @@ from typing import TypeVar
 import torch
 
 from asyncfp8.conf.schemas import AdvantageScale, Aggregation, KLEstimator, Loss
-from asyncfp8.correction import Correction
+from asyncfp8.correction import LOG_RATIO_CLAMP, Correction
 from asyncfp8.correction.schema import Mode
 from asyncfp8.train.batches import TrainBatch
 
@@ -92,12 +92,14 @@ def kl_penalty(
     estimator: KLEstimator = KLEstimator.low_var_kl,
 ) -> torch.Tensor:
     """Per-token estimate of KL(π_θ ‖ π_ref) from tokens sampled by the rollout, as veRL
-    computes it: k1 = log π_θ − log π_ref; k3 = e^(−k1) − 1 + k1 (unbiased, never
-    negative); low_var_kl = k3 clamped to [−10, 10]."""
+    computes it: k1 = log π_θ − log π_ref; k3 = e^(−k1) − 1 + k1 (unbiased, never negative),
+    k1 clamped to ±20 before the exp so one far token cannot make the gradient inf or NaN;
+    low_var_kl = k3 clamped to [−10, 10]."""
     estimator = _member(KLEstimator, estimator, "KL estimator")
     k1 = logp - reference_logp
     if estimator == KLEstimator.k1:
         return k1
+    k1 = k1.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     k3 = torch.expm1(-k1) + k1
     return k3.clamp(-10, 10) if estimator == KLEstimator.low_var_kl else k3
 
@@ -114,10 +116,12 @@ def per_token_policy_loss(
     """(loss [B, T], clipped [B, T] bool). PPO-clip over [1 − clip_low, 1 + clip_high]
     (clip-higher keeps rare tokens able to grow) and, with `clip_ratio_c` = c > 1, dual-clip
     (for A < 0 the loss is capped at −A·c); `clipped` marks the tokens a clip made constant.
-    REINFORCE is −A·log π_θ."""
+    REINFORCE is −A·r·log π_θ with r = π_θ/π_prox held constant: its gradient −A·r·∇log π_θ
+    carries the staleness ratio (r = 1 where π_prox is π_θ itself; docs/running.md)."""
     advantages = advantages[:, None] if advantages.dim() == 1 else advantages
     if _member(Loss, kind, "policy loss") == Loss.reinforce:
-        return -advantages * logp, torch.zeros_like(logp, dtype=torch.bool)
+        log_ratio = (logp.detach() - proximal_logp.detach()).clamp(-20, 20)
+        return -advantages * torch.exp(log_ratio) * logp, torch.zeros_like(logp, dtype=torch.bool)
     if not (0 <= clip_low < 1 and clip_high >= 0):
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0; got {clip_low}, {clip_high}")
     if clip_ratio_c is not None and not clip_ratio_c > 1:
@@ -218,10 +222,12 @@ def policy_loss_terms(
             )
         result = correction(proximal_logp, rollout_logp, mask, versions, current_version)
         weights = result.weights
-    else:  # bypass
-        proximal_logp = rollout_logp
+    else:  # bypass: REINFORCE's ratio is the correction's weight, so π_prox is π_θ itself
         result = correction(logp.detach(), rollout_logp, mask, versions, current_version)
-        weights = result.weights if loss.kind == Loss.reinforce else result.mask.to(logp.dtype)
+        if loss.kind == Loss.reinforce:
+            proximal_logp, weights = logp.detach(), result.weights
+        else:
+            proximal_logp, weights = rollout_logp, result.mask.to(logp.dtype)
     per_token, clipped = loss.per_token(logp, proximal_logp, batch.advantages)
     return PolicyLossTerms(per_token * weights, result.mask, clipped & result.mask, result.metrics)
 

@@ -91,6 +91,10 @@ class StepGuard:
         # (after, up to]: versions published from weights a rollback undid
         self.ignored_versions: tuple[int, int] | None = None
         self.metrics: dict[str, float] = {}  # of the latest check
+        # the model holds the newest state as put back, untrained since (a rollback, or a
+        # held-out restart): a batch that passes on it must not keep a second copy, which
+        # would push out the state a further rollback goes back to
+        self.on_restored = False
 
     @property
     def good_step(self) -> int | None:
@@ -113,6 +117,7 @@ class StepGuard:
         oldest version that sampled its judged samples; keeps them, or restores the last
         good ones."""
         started = time.perf_counter()
+        on_restored, self.on_restored = self.on_restored, False
         median = self.rules.reward_median()
         verdict = self.rules.judge(evidence)
         if sampled_from is not None and (verdict is not None or self.rules.pending):
@@ -129,7 +134,8 @@ class StepGuard:
                 self.ignored_versions = (good, version)
         # a batch of left-out samples only verifies nothing; a dead streak's waits
         elif evidence.samples > 0 and not self.rules.pending:
-            self._keep(step, version)
+            if not on_restored:  # the restored weights are kept already: no second copy
+                self._keep(step, version)
             if self.restored_step is None or self.states[0].step > self.restored_step:
                 self.in_row = 0  # past the state last put back
         if not self.rules.pending:
@@ -181,7 +187,7 @@ class StepGuard:
         while self.states:
             self.spare.append(self.states.pop())
         self._keep(step, version)
-        self.in_row, self.restored_step = 0, None
+        self.in_row, self.restored_step, self.on_restored = 0, None, True
         if version is not None and newest is not None and newest > version:
             self.ignored_versions = (version, newest)
 
@@ -274,7 +280,7 @@ class StepGuard:
             )
             return
         self.states[-1].restore()
-        self.restored_step = good
+        self.restored_step, self.on_restored = good, True
         log.warning(
             "guard: the batch of step %d fails (%s: %s): rolled back to the weights and "
             "optimizer state after step %d and skipped the step (%d in a row of at most "

@@ -249,6 +249,8 @@ class TrainStep:
             self.optimizer.zero_grad(set_to_none=True)
             totals.loss_scale_skipped += 1
             return
+        if self.loss_scaler is not None:  # finite: the overflow streak ends, growth counts
+            self.loss_scaler.stepped()
         # Too little kept evidence: the update shrunk or skipped (correction/calibration.py)
         lr_scale = starved_scale(sums.kept, sums.real_tokens, self.min_kept, str(self.starved))
         totals.update_scale += lr_scale
@@ -260,8 +262,6 @@ class TrainStep:
             totals.starved_skipped += 1
             return
         torch.nn.utils.clip_grads_with_norm_(parameters, self.optim.grad_clip, total_norm)
-        if self.loss_scaler is not None:
-            self.loss_scaler.stepped()
         if self.guard is not None:  # after a rollback, smaller steps for a while
             lr_scale *= self.guard.update_scale(step)
         self._optimizer_step(lr_scale)
