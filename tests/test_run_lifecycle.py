@@ -358,3 +358,24 @@ def test_the_runs_config_is_replaced_whole_never_left_half_written(tmp_path, mon
         save_config(OmegaConf.create({"precision": {"name": "fp8"}}), tmp_path)
     monkeypatch.setattr(OmegaConf, "save", real_save)
     assert saved_config(tmp_path) == old  # the previous config, whole
+
+
+def test_a_rank_ends_with_its_exit_handlers_run_and_no_finalization():
+    """`distributed.exit_process`, how a learner rank ends: its exit handlers run (logs
+    flushed, W&B finished), its code is the process's, and nothing of the interpreter's
+    teardown runs after (a __del__ left to finalization never runs), so gloo's worker
+    threads cannot outlive it (docs/testing.md)."""
+    script = (
+        "import atexit\n"
+        "from asyncfp8.run import distributed\n"
+        "atexit.register(lambda: print('handler ran', flush=True))\n"
+        "class Late:\n"
+        "    def __del__(self): print('finalized', flush=True)\n"
+        "late = Late()\n"
+        "print('partial line', end='')\n"
+        "distributed.exit_process(3)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 3, done.stderr
+    assert "partial line" in done.stdout and "handler ran" in done.stdout
+    assert "finalized" not in done.stdout

@@ -30,3 +30,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    distributed.exit_process(0)  # as the learner ends: no finalization racing gloo

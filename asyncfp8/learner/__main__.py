@@ -11,6 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
+from asyncfp8.run import distributed
 from asyncfp8.run.process import setup_logging
 from asyncfp8.run.resume import log_resume, restore_on_resume
 from asyncfp8.train.loss_scale import LossScaleOverflow
@@ -32,10 +33,11 @@ def main(cfg: DictConfig) -> None:
         log.error("%s", err)
         sys.exit(2)
     try:
-        sys.exit(learner.run())
+        code = learner.run()
     except (MemoryError, LossScaleOverflow) as err:
         log.error("%s", err)
-        sys.exit(1)
+        code = 1
+    distributed.exit_process(code)  # no finalization racing gloo's threads
 
 
 if __name__ == "__main__":

@@ -7,12 +7,14 @@ FSDP2, rank 0 owning the sockets (docs/running.md, 'The learner on several GPUs'
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -350,3 +352,16 @@ def close() -> None:
         if dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """Ends a process that joined a process group: its exit handlers run with the interpreter
+    whole, then it exits without Python's finalization. Gloo's worker threads outlive
+    `destroy_process_group` (FSDP's meshes hold the group), and one releasing a finished
+    collective's tensors while the interpreter is torn down aborts the process (SIGABRT,
+    "terminate called without an active exception"; docs/testing.md)."""
+    atexit._run_exitfuncs()  # logging's shutdown, W&B, the tasks' helpers: as sys.exit would
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
