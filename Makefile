@@ -1,11 +1,11 @@
-# The commands of the README (run, test, test-fast). Each sets up .venv itself (scripts/setup.sh) first.
+# The commands of the README (run, test, test-fast, docs). Each sets up .venv itself (scripts/setup.sh) first.
 PY := .venv/bin/python
 # The suite runs on JOBS pytest processes (pytest-xdist; JOBS=0 runs it in this one), each
 # test in the group that keeps what it shares on one process (tests/parallel.py).
 JOBS ?= 2
 PARALLEL := -n $(JOBS)
 
-.PHONY: run demo test test-fast lint setup clean
+.PHONY: run demo test test-fast lint docs setup clean
 
 run:
 	bash scripts/setup.sh dev
@@ -16,7 +16,7 @@ demo:
 	$(PY) -m asyncfp8.demo $(ARGS)
 
 test:
-	bash scripts/setup.sh dev vllm wandb ray
+	bash scripts/setup.sh dev vllm wandb ray docs
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest $(PARALLEL) -m "not cluster" $(ARGS)
@@ -28,10 +28,16 @@ test-fast:
 	$(PY) -m ruff check .
 	$(PY) -m pytest $(PARALLEL) -m "not slow" $(ARGS)
 
+# The documentation site, from docs/ (mkdocs.yml): a broken link or a page left out of the
+# navigation fails the build; open site/index.html.
+docs:
+	bash scripts/setup.sh dev docs
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
+
 lint:
 	bash scripts/setup.sh dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
 clean:
-	rm -rf .venv runs outputs .pytest_cache .ruff_cache
+	rm -rf .venv runs outputs site .pytest_cache .ruff_cache

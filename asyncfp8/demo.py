@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
+from asyncfp8 import exit_on_version_flag
 from asyncfp8.correction import build_correction
 from asyncfp8.engines import SamplingParams, build_engine
 from asyncfp8.models import load_model, load_tokenizer, read_metadata, run_model_dir
@@ -107,4 +108,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_version_flag()
     main()

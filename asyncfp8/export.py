@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from asyncfp8 import __version__
 from asyncfp8.precision.export import COPIED_FILES
 from asyncfp8.run.files import CHECKPOINT_DIR, LEARNER_STATE
 
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m asyncfp8.export", description=__doc__.split("\n\n")[0]
     )
+    parser.add_argument("--version", action="version", version=f"asyncfp8 {__version__}")
     parser.add_argument("run_dir", type=Path, help="a run directory (run.dir)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--out", type=Path, default=None, help="default: RUN_DIR/model")

@@ -193,6 +193,7 @@ def test_a_train_step_needs_no_sockets_and_trains_as_the_learner(
     with no learner, process group, ports or processes: the learner's parameters after
     two steps."""
     from asyncfp8.correction import build_correction
+    from asyncfp8.learner.build import optimizer_and_schedule
     from asyncfp8.models import load_tokenizer
     from asyncfp8.train.step import TrainStep, plan_shares
 
@@ -201,14 +202,7 @@ def test_a_train_step_needs_no_sockets_and_trains_as_the_learner(
     optim = cfg.optim
     model = load_model(tiny_model_dir, dtype=torch.float32)
     install_logprob_head(model)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=optim.lr,
-        betas=tuple(optim.betas),
-        eps=optim.eps,
-        weight_decay=optim.weight_decay,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, cfg.run.steps))
+    optimizer, scheduler = optimizer_and_schedule(model, optim, cfg.run.steps)
     step = TrainStep(
         model,
         optimizer,

@@ -1,7 +1,7 @@
 """The cluster side of a run on Ray: the connection, what each actor asks of the cluster
 (refused before anything starts where it cannot be given), the CURVE keys each actor
 receives, and `RayProcess`, the actor that holds one learner rank's or worker's process on
-its node (docs/running.md#on-a-ray-cluster)."""
+its node (docs/clusters.md#on-a-ray-cluster)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 running (`RAY_ADDRESS` or `run.ray_address`; neither: the cluster of this node). The
 learner's ranks and the workers are Ray actors, each holding one process of the usual kind,
 so Ray places, watches and restarts them while ZeroMQ stays the data plane; `run.dir` must
-be on storage every node sees (docs/running.md#on-a-ray-cluster)."""
+be on storage every node sees (docs/clusters.md#on-a-ray-cluster)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A run under Slurm (`srun python -m asyncfp8.launch`): which process this task is, read
 from Slurm's variables. Tasks 0 .. L-1 (L = `run.learner_procs`) are the learner's ranks,
 the rest workers; the ranks rendezvous as torchrun would (variables set here), placed as
-Slurm's block distribution places them (docs/running.md#under-slurm). Pure functions of
+Slurm's block distribution places them (docs/clusters.md#under-slurm). Pure functions of
 an environment mapping, so the tests set the variables themselves."""
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import asyncfp8.conf  # noqa: F401  (stores the config schemas before Hydra composes)
+from asyncfp8 import exit_on_version_flag
 from asyncfp8.run import distributed
 from asyncfp8.run.process import setup_logging
 from asyncfp8.run.resume import log_resume, restore_on_resume
@@ -41,4 +42,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_version_flag()
     main()

@@ -13,6 +13,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from asyncfp8 import exit_on_version_flag
+
 from .errors import PlanInputError
 from .planner import make_plan
 from .report import plot, table, write_json
@@ -42,4 +44,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    exit_on_version_flag()
     main()

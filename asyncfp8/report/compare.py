@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from asyncfp8 import __version__
 from asyncfp8.report.plots import plot_heldout, plot_runs
 from asyncfp8.report.stats import binomial_se, mean_ci, wilson_interval
 from asyncfp8.report.summary import MIN_FRESH_STEPS, evaluations, setting, setting_label, summarize
@@ -327,6 +328,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Groups, their keys and the plots: docs/running.md, 'Comparing runs'.",
     )
+    parser.add_argument("--version", action="version", version=f"asyncfp8 {__version__}")
     parser.add_argument(
         "runs", nargs="+", help="run directories (each with config.yaml, metrics.jsonl)"
     )
