@@ -304,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         spec = json.loads(args.child)
         (full_logits_child if spec.get("full_logits") else child)(spec)
-        return 0
+        from asyncfp8.run import distributed
+
+        distributed.exit_process(0)  # a rank: no finalization racing gloo's threads
     if args.dry_run:
         args.device = "cpu"
     elif args.device == "cuda" and not torch.cuda.is_available():

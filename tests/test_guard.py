@@ -316,6 +316,7 @@ def test_a_run_stopped_by_the_guard_falls_back_to_the_oldest_good_state():
         kept.append(model.weight.detach().clone())
         with torch.no_grad():
             model.weight.add_(1.0)
+        guard.updated()  # an update applied, as the training step says
     # in sync mode the last may have passed only because it could not see the break
     assert guard.check(replace(clean, far_tokens=FAR_COUNT), 3, 3).signal == "far_tokens"
     assert guard.exhausted and torch.equal(model.weight, kept[2])
@@ -337,6 +338,7 @@ def guarded_steps(keep_states: int, steps: int, **settings):
         held[step] = model.weight.detach().clone()
         with torch.no_grad():
             model.weight.add_(1.0)
+        guard.updated()  # an update applied, as the training step says
     return guard, model, held
 
 
@@ -379,6 +381,7 @@ def test_a_dead_streak_keeps_no_state_and_its_rollback_goes_past_its_oldest_samp
         assert guard.good_step == newest and guard.metrics["guard/dead_streak"] > 0
         with torch.no_grad():
             model.weight.add_(1.0)  # a dead batch's update (momentum)
+        guard.updated()  # an update applied, as the training step says
     verdict = guard.check(DEAD, newest + 3, newest + 3, sampled_from=newest + 3)
     assert verdict.signal == "dead_reward" and guard.metrics["guard/dead_streak"] == 0
     assert torch.equal(model.weight, held[newest - 1]) and guard.good_step == newest - 1
@@ -398,6 +401,7 @@ def test_rollbacks_to_one_state_count_in_a_row_though_batches_pass_between():
         assert guard.check(CLEAN, step + 1, step + 1) is None  # the state put back passes
         with torch.no_grad():
             model.weight.add_(1.0)
+        guard.updated()  # an update applied, as the training step says
         step += 2
     assert guard.exhausted
     guard, _, _ = guarded_steps(keep_states=2, steps=MIN_HISTORY + 1, max_rollbacks=3)
@@ -408,6 +412,7 @@ def test_rollbacks_to_one_state_count_in_a_row_though_batches_pass_between():
     for step in (failed + 1, failed + 2, failed + 3):
         assert guard.check(CLEAN, step, step) is None
         assert guard.in_row == (0 if step == failed + 3 else 1)
+        guard.updated()  # the step's update
 
 
 # --- on the tiny model ------------------------------------------------------------------

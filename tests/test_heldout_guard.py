@@ -63,12 +63,14 @@ def test_after_a_held_out_rollback_the_step_guard_keeps_only_the_restored_weight
         guard.check(clean, step, step)
         with torch.no_grad():
             model.weight.add_(1.0)
+        guard.updated()  # an update applied, as the training step says
     restored = model.weight.detach().clone()
     guard.restart_from(1, 1, newest=4)
     assert [s.step for s in guard.states] == [1] and guard.in_row == 0
     assert guard.ignored_versions == (1, 4)  # versions 2-4 came from undone weights
     with torch.no_grad():
         model.weight.add_(1.0)
+    guard.updated()  # an update applied, as the training step says
     # a far token now rolls back to the restored weights, not to a state of the undone ones
     assert (
         guard.check(replace(clean, far_tokens=float(GuardSettings().far_tokens)), 5, 5).signal

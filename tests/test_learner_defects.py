@@ -51,10 +51,10 @@ def test_a_token_far_below_the_reference_gives_a_finite_kl_and_gradient(estimato
 def test_reinforce_weighs_each_token_by_pi_theta_over_its_versions_pi():
     """correction.proximal=version gives π_prox = the learner's weights of the version that
     sampled each token; the correction sees π_prox against the rollout (precision alone),
-    so the loss must carry π_θ/π_prox (staleness), as PPO's ratio does."""
+    so the loss must carry π_θ/π_prox (staleness), truncated at 2 as token TIS does."""
     logp = torch.log(torch.tensor([[0.075, 0.59, 0.13, 0.67]])).requires_grad_()
     proximal = torch.log(torch.tensor([[0.5, 0.06, 0.25, 0.25]]))  # π_θ/π_prox: 0.15 .. 9.83
-    ratio = torch.exp(logp.detach() - proximal)
+    ratio = torch.exp(logp.detach() - proximal).clamp(max=2.0)  # truncated, as token TIS
     batch = batch_of(proximal.clone(), torch.tensor([1.0]))
     loss = PolicyLoss(kind="reinforce", mode="decoupled")
     terms = policy_loss_terms(loss, get_correction("none"), logp, batch, proximal)
@@ -120,9 +120,10 @@ def test_a_second_rollback_goes_one_state_further_back_when_a_batch_passed_betwe
     clean = Evidence(tokens=10.0, samples=4.0, rewarded=2.0)
     far = Evidence(tokens=10.0, far_tokens=50.0, samples=4.0, rewarded=2.0)
 
-    def weights(value: float) -> None:
+    def weights(value: float) -> None:  # an update, as the training step applies it
         with torch.no_grad():
             model.weight.fill_(value)
+        guard.updated()
 
     weights(0.0)
     assert guard.check(clean, 0, 0) is None  # W0 kept
@@ -135,3 +136,52 @@ def test_a_second_rollback_goes_one_state_further_back_when_a_batch_passed_betwe
     weights(3.0)
     assert guard.check(far, 4, 4) is not None
     assert model.weight[0, 0].item() == 0.0  # one state further back: W0
+
+
+def test_a_state_kept_after_a_rollback_is_the_one_the_next_rollback_puts_back():
+    """keep_states=2: W1 put back, a batch passes on it, W3 passes and is kept, W4 fails:
+    W3 comes back (the newest good state), not W1 again."""
+    model = torch.nn.Linear(2, 2, bias=False)
+    guard = StepGuard(
+        GuardSettings(keep_states=2, max_rollbacks=5), model, torch.optim.AdamW(model.parameters())
+    )
+    clean = Evidence(tokens=10.0, samples=4.0, rewarded=2.0)
+    far = Evidence(tokens=10.0, far_tokens=50.0, samples=4.0, rewarded=2.0)
+
+    def weights(value: float) -> None:
+        with torch.no_grad():
+            model.weight.fill_(value)
+        guard.updated()
+
+    weights(0.0)
+    assert guard.check(clean, 0, 0) is None
+    weights(1.0)
+    assert guard.check(clean, 1, 1) is None
+    weights(2.0)
+    assert guard.check(far, 2, 2) is not None and model.weight[0, 0].item() == 1.0
+    assert guard.check(clean, 3, 3) is None  # on W1 itself
+    weights(3.0)
+    assert guard.check(clean, 4, 4) is None  # W3 kept
+    weights(4.0)
+    assert guard.check(far, 5, 5) is not None
+    assert model.weight[0, 0].item() == 3.0
+
+
+def test_a_step_whose_updates_were_all_skipped_keeps_no_second_copy():
+    """After a rollback the next step trains nothing (every update skipped): its weights
+    are still the state put back, and the batch after passes on them without a copy."""
+    model = torch.nn.Linear(2, 2, bias=False)
+    guard = StepGuard(
+        GuardSettings(keep_states=2, max_rollbacks=5), model, torch.optim.AdamW(model.parameters())
+    )
+    clean = Evidence(tokens=10.0, samples=4.0, rewarded=2.0)
+    far = Evidence(tokens=10.0, far_tokens=50.0, samples=4.0, rewarded=2.0)
+    for step in range(2):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        guard.updated()
+        assert guard.check(clean, step, step) is None
+    assert guard.check(far, 2, 2) is not None  # W1 back
+    assert guard.check(clean, 3, 3) is None  # no update applied after it
+    assert guard.check(clean, 4, 4) is None  # still none: still W1
+    assert [state.step for state in guard.states] == [0, 1]

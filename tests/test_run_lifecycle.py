@@ -379,3 +379,28 @@ def test_a_rank_ends_with_its_exit_handlers_run_and_no_finalization():
     assert done.returncode == 3, done.stderr
     assert "partial line" in done.stdout and "handler ran" in done.stdout
     assert "finalized" not in done.stdout
+
+
+def test_a_resumed_run_saved_before_a_key_existed_takes_its_default_and_says_so(tmp_path):
+    """Keys a newer asyncfp8 added, in groups of one option (run) and of several (engine,
+    correction, precision), are filled from the schemas at resume and listed as changes,
+    so the log says what the resumed run runs with that the first part did not."""
+    from omegaconf import OmegaConf
+
+    from asyncfp8.run.resume import CONFIG_FILE, restore_on_resume
+
+    saved = OmegaConf.to_container(compose(f"run.dir={tmp_path}"), resolve=False)
+    for group, key in (
+        ("run", "export_every"),
+        ("engine", "cache_block"),
+        ("correction", "min_kept"),
+        ("precision", "quantize_from"),
+    ):
+        del saved[group][key]
+    OmegaConf.save(OmegaConf.create(saved), tmp_path / CONFIG_FILE)
+    resumed, changes = restore_on_resume(compose("run.resume=true", f"run.dir={tmp_path}"), [])
+    assert resumed.run.export_every == 0 and resumed.engine.cache_block == 256
+    assert resumed.correction.min_kept == 0.5 and resumed.precision.quantize_from == "master"
+    said = "; ".join(changes)
+    for key in ("run.export_every", "engine.cache_block", "correction.min_kept"):
+        assert f"{key}: absent from the saved run" in said, said

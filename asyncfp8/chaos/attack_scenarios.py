@@ -238,7 +238,11 @@ def _rogue_publisher(intruder: Path) -> VersionPublisher:
     rogue = VersionPublisher(
         "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", curve=Curve(True, str(intruder))
     )
-    rogue.publish(0, [("model.embed_tokens.weight", torch.zeros(8))])
+    try:
+        rogue.publish(0, [("model.embed_tokens.weight", torch.zeros(8))])
+    except BaseException:
+        rogue.close()
+        raise
     return rogue
 
 

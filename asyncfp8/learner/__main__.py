@@ -4,7 +4,6 @@ stopped by signal N (checkpointed: resume with run.resume=true)."""
 
 import logging
 import os
-import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -32,7 +31,7 @@ def main(cfg: DictConfig) -> None:
         learner = Learner(cfg)
     except (ValueError, FileNotFoundError, MemoryError) as err:
         log.error("%s", err)
-        sys.exit(2)
+        distributed.exit_process(2)  # the process group may have started: as below
     try:
         code = learner.run()
     except (MemoryError, LossScaleOverflow) as err:

@@ -360,7 +360,9 @@ def exit_process(code: int) -> NoReturn:
     `destroy_process_group` (FSDP's meshes hold the group), and one releasing a finished
     collective's tensors while the interpreter is torn down aborts the process (SIGABRT,
     "terminate called without an active exception"; docs/testing.md)."""
-    atexit._run_exitfuncs()  # logging's shutdown, W&B, the tasks' helpers: as sys.exit would
+    # logging's shutdown, W&B, the tasks' helpers, as sys.exit would run them; threads are
+    # not joined (the learner's are daemons)
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -113,11 +113,12 @@ def restore_on_resume(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig
     saved = saved_config(Path(cfg.run.dir))
     restored = OmegaConf.to_container(saved, resolve=False)
     composed = OmegaConf.to_container(cfg, resolve=False)
-    for group in SINGLE_OPTION_GROUPS:  # keys a newer asyncfp8 added take their defaults
+    filled: list[str] = []  # keys a newer asyncfp8 added take today's defaults, said
+    for group in SINGLE_OPTION_GROUPS:
         if group in composed:
-            restored[group] = _filled(restored.get(group, {}), composed[group])
+            restored[group] = _filled(restored.get(group, {}), composed[group], group, filled)
     for group, defaults in _schema_defaults(restored).items():
-        restored[group] = _filled(restored[group], defaults)
+        restored[group] = _filled(restored[group], defaults, group, filled)
     for key, value in composed.items():
         restored.setdefault(key, value)
     result = OmegaConf.create(restored)
@@ -131,7 +132,7 @@ def restore_on_resume(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig
             + ", ".join(f"{k}={_select(saved, k)}" for k in refused)
             + "). Drop those overrides, start a new run.dir, or add run.force_resume=true."
         )
-    changes = []
+    changes = [f"{key}: absent from the saved run, now {value}" for key, value in filled]
     for key in given:
         before, after = _select(saved, key), _select(cfg, key)
         if before != after:
@@ -143,14 +144,16 @@ def restore_on_resume(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig
     return result, changes
 
 
-def _filled(saved: dict, defaults: dict) -> dict:
-    """`saved` with every key of `defaults` it lacks, at every depth."""
+def _filled(saved: dict, defaults: dict, prefix: str, filled: list) -> dict:
+    """`saved` with every key of `defaults` it lacks, at every depth; (dotted key, value)
+    of each added to `filled`."""
     out = dict(saved)
     for key, value in defaults.items():
         if key not in out:
             out[key] = value
+            filled.append((f"{prefix}.{key}", value))
         elif isinstance(value, dict) and isinstance(out[key], dict):
-            out[key] = _filled(out[key], value)
+            out[key] = _filled(out[key], value, f"{prefix}.{key}", filled)
     return out
 
 

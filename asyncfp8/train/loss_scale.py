@@ -29,8 +29,8 @@ class LossScaleSettings:
 
     @classmethod
     def from_config(cls, node: Mapping[str, Any] | None) -> LossScaleSettings:
-        """From `optim.loss_scale` (None: a run saved before the setting existed, the
-        defaults); ValueError naming the key for a value out of range."""
+        """From `optim.loss_scale` (None: the defaults); ValueError naming the key for a
+        value out of range."""
         values = dict(node or {})
         unknown = sorted(set(values) - set(cls.__dataclass_fields__))
         if unknown:

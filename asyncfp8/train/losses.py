@@ -18,6 +18,9 @@ from asyncfp8.correction.schema import Mode
 from asyncfp8.train.batches import TrainBatch
 
 E = TypeVar("E", bound=StrEnum)
+# REINFORCE's staleness ratio is truncated here, as token TIS truncates by default: a token
+# the update raised far above its version's probability cannot carry the whole update.
+REINFORCE_RATIO_CAP = 2.0
 
 
 def _member(kind: type[E], value: str, what: str) -> E:
@@ -116,12 +119,13 @@ def per_token_policy_loss(
     """(loss [B, T], clipped [B, T] bool). PPO-clip over [1 − clip_low, 1 + clip_high]
     (clip-higher keeps rare tokens able to grow) and, with `clip_ratio_c` = c > 1, dual-clip
     (for A < 0 the loss is capped at −A·c); `clipped` marks the tokens a clip made constant.
-    REINFORCE is −A·r·log π_θ with r = π_θ/π_prox held constant: its gradient −A·r·∇log π_θ
-    carries the staleness ratio (r = 1 where π_prox is π_θ itself; docs/running.md)."""
+    REINFORCE is −A·r·log π_θ, r = min(π_θ/π_prox, 2) held constant: its gradient carries
+    the staleness ratio, truncated (r = 1 where π_prox is π_θ itself; docs/running.md)."""
     advantages = advantages[:, None] if advantages.dim() == 1 else advantages
     if _member(Loss, kind, "policy loss") == Loss.reinforce:
-        log_ratio = (logp.detach() - proximal_logp.detach()).clamp(-20, 20)
-        return -advantages * torch.exp(log_ratio) * logp, torch.zeros_like(logp, dtype=torch.bool)
+        log_ratio = torch.nan_to_num(logp.detach() - proximal_logp.detach(), nan=0.0)
+        ratio = torch.exp(log_ratio.clamp(-20, 20)).clamp(max=REINFORCE_RATIO_CAP)
+        return -advantages * ratio * logp, torch.zeros_like(logp, dtype=torch.bool)
     if not (0 <= clip_low < 1 and clip_high >= 0):
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0; got {clip_low}, {clip_high}")
     if clip_ratio_c is not None and not clip_ratio_c > 1:

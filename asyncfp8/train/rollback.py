@@ -91,9 +91,9 @@ class StepGuard:
         # (after, up to]: versions published from weights a rollback undid
         self.ignored_versions: tuple[int, int] | None = None
         self.metrics: dict[str, float] = {}  # of the latest check
-        # the model holds the newest state as put back, untrained since (a rollback, or a
-        # held-out restart): a batch that passes on it must not keep a second copy, which
-        # would push out the state a further rollback goes back to
+        # the model holds the newest state as put back, no update applied since (a rollback
+        # or a held-out restart): a batch that passes on it keeps no second copy, which would
+        # push out the state a further rollback goes back to
         self.on_restored = False
 
     @property
@@ -117,7 +117,6 @@ class StepGuard:
         oldest version that sampled its judged samples; keeps them, or restores the last
         good ones."""
         started = time.perf_counter()
-        on_restored, self.on_restored = self.on_restored, False
         median = self.rules.reward_median()
         verdict = self.rules.judge(evidence)
         if sampled_from is not None and (verdict is not None or self.rules.pending):
@@ -134,7 +133,7 @@ class StepGuard:
                 self.ignored_versions = (good, version)
         # a batch of left-out samples only verifies nothing; a dead streak's waits
         elif evidence.samples > 0 and not self.rules.pending:
-            if not on_restored:  # the restored weights are kept already: no second copy
+            if not self.on_restored:  # the restored weights are kept already: no second copy
                 self._keep(step, version)
             if self.restored_step is None or self.states[0].step > self.restored_step:
                 self.in_row = 0  # past the state last put back
@@ -159,6 +158,10 @@ class StepGuard:
             "guard/raised_tokens": evidence.raised_tokens,
         }
         return verdict
+
+    def updated(self) -> None:
+        """An update was applied: the weights are no longer the state last put back."""
+        self.on_restored = False
 
     def update_scale(self, step: int) -> float:
         """The factor on the learning rate of the update after `step` steps:
@@ -264,7 +267,9 @@ class StepGuard:
         self.states.append(slot)
 
     def _roll_back(self, verdict: Verdict, step: int, sampled_from: int | None) -> None:
-        if self.in_row > 1 and len(self.states) > 1:  # restored and failed again
+        # the state put back failed again (no newer state kept since): one further back
+        newest_restored = self.states and self.states[-1].step == self.restored_step
+        if self.in_row > 1 and len(self.states) > 1 and newest_restored:
             self.spare.append(self.states.pop())
         if verdict.signal == "dead_reward" and sampled_from is not None:
             self._drop_sampled_states(sampled_from)

@@ -264,6 +264,7 @@ class TrainStep:
         torch.nn.utils.clip_grads_with_norm_(parameters, self.optim.grad_clip, total_norm)
         if self.guard is not None:  # after a rollback, smaller steps for a while
             lr_scale *= self.guard.update_scale(step)
+            self.guard.updated()
         self._optimizer_step(lr_scale)
         totals.grad_norm += grad_norm.item()
         totals.updates += 1

@@ -65,11 +65,13 @@ class StepMetrics:
             # what the correction kept of the real tokens, and the learning-rate factor of
             # the updates (below 1: starved, asyncfp8/correction/calibration.py)
             "correction/kept_frac": totals.kept / max(totals.real_tokens, 1.0),
-            # 1 where no update reached the starved rule (every one overflowed in FP16)
+            # the mean over the updates the starved rule judged (an FP16 overflow skips an
+            # update before it); 1 where it judged none
             "correction/update_scale": (
-                totals.update_scale if totals.updates + totals.starved_skipped else 1.0
-            )
-            / passes,
+                totals.update_scale / (totals.updates + totals.starved_skipped)
+                if totals.updates + totals.starved_skipped
+                else 1.0
+            ),
             "correction/starved": totals.starved,
             "optim/lr": lr,
             "time/train_s": sums.seconds,

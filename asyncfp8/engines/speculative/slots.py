@@ -61,7 +61,7 @@ class SlotSpeculation:
         settings: SpeculativeSettings,
         target: torch.nn.Module,
         device: torch.device,
-        slots: int,
+        slots: int | None,
     ) -> SlotSpeculation:
         """`engine.speculative`'s drafter for `target` (initialized from `settings.seed`),
         its trainer and, in adaptive mode, its controller; then `settings.init`'s state."""
