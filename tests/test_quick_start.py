@@ -6,6 +6,7 @@ more than 7 minutes for `model=tiny` with the default task, and then failed); an
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -29,12 +30,14 @@ def composed(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
-def test_the_readme_documents_exactly_the_model_and_task_values():
-    readme = (CONF.parents[1] / "README.md").read_text()
-    groups = readme.split("Groups: ", 1)[1].split("`correction=`", 1)[0]
-    for group in ("model", "task"):
-        listed = groups.split(f"`{group}=` (", 1)[1].split(")", 1)[0]
-        assert sorted(v.strip(" `") for v in listed.split(",")) == values_of(group), group
+def test_the_docs_document_exactly_the_model_and_task_values():
+    """docs/your-model-and-data.md: its table of tasks, and `model=` for each made model."""
+    page = (CONF.parents[1] / "docs" / "your-model-and-data.md").read_text()
+    table = page.split("## Tasks", 1)[1].split("\n## ", 1)[0]
+    tasks = re.findall(r"^\| `([a-z0-9_]+)`", table, re.M)
+    assert sorted(tasks) == values_of("task")
+    models = set(re.findall(r"`model=([a-z0-9_]+)`", page))
+    assert sorted(models) == values_of("model")
 
 
 @pytest.mark.parametrize(

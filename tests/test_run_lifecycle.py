@@ -1,6 +1,6 @@
 """A run a user can trust, tried as a user would through the launcher: a resumed run keeps
 its settings, bad settings and failing processes are reported within seconds with their
-reason, the README's reward example runs as written, and metrics hold each step once."""
+reason, the docs' reward example runs as written, and metrics hold each step once."""
 
 import os
 import signal
@@ -297,11 +297,11 @@ def test_a_learner_that_fails_at_start_is_reported_within_seconds(tmp_path, tiny
     assert "did not exit" not in out and "continue with" not in out
 
 
-# --- the README's reward example, as written ------------------------------------------------------
+# --- the docs' reward example (your-model-and-data.md), as written -----------------------------
 
 
 @pytest.mark.slow
-def test_the_readmes_custom_reward_runs_as_written(tmp_path, tiny_model_dir):
+def test_the_docs_custom_reward_runs_as_written(tmp_path, tiny_model_dir):
     package = tmp_path / "my_pkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
