@@ -145,3 +145,15 @@ def test_the_configuration_reference_is_the_one_the_schemas_make():
     )
     for key in ("`run.steps`", "`optim.lr`", "`guard.far_tokens`", "`correction.min_kept`"):
         assert key in page.read_text()
+
+
+def test_every_setting_of_the_planner_says_what_it_does():
+    """The planner's config keeps its defaults and their help in plan.yaml (the reference
+    reads both): a key added without a comment would show with no help."""
+    from asyncfp8.conf.reference import plan_rows
+
+    rows = plan_rows()
+    assert {"model.path", "gpu", "engine.kind", "sync.mode", "plan.precisions"} <= {
+        key for key, _, _ in rows
+    }
+    assert [key for key, _, text in rows if not text] == []

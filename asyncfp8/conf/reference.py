@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import typing
+from pathlib import Path
 from typing import Any
 
 from asyncfp8.conf.schemas import ENGINE_SCHEMAS, SCHEMAS
@@ -79,6 +80,45 @@ def rows(settings: Any, prefix: str) -> list[tuple[str, str, str, str]]:
     return out
 
 
+PLAN_INTRO = """## `python -m asyncfp8.plan`
+
+The planner's own config (`asyncfp8/conf/plan.yaml`, where these defaults and their
+comments live; [the planner](plan.md)).
+"""
+
+
+def plan_rows() -> list[tuple[str, str, str]]:
+    """(key, default, help) of every setting of plan.yaml: the help is the comment on the
+    key's line, or the block of comment lines right above it."""
+    path = Path(__file__).parent / "plan.yaml"
+    rows, stack, above = [], [], []
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("# "))
+            continue
+        body, _, comment = line.partition(" #")
+        key, colon, value = body.strip().partition(":")
+        if not colon or not key or key.startswith("-") or key in ("defaults", "hydra"):
+            above = [] if not stripped else above
+            if key in ("defaults", "hydra"):
+                stack = [(len(line) - len(line.lstrip()), "skip")]
+            continue
+        depth = len(line) - len(line.lstrip())
+        stack = [(d, k) for d, k in stack if d < depth]
+        if any(k == "skip" for _, k in stack):
+            above = []
+            continue
+        dotted = ".".join([k for _, k in stack] + [key])
+        if value.strip():
+            help_text = comment.strip() or " ".join(above)
+            rows.append((dotted, value.strip(), help_text))
+        else:
+            stack.append((depth, key))
+        above = []
+    return rows
+
+
 def reference() -> str:
     parts = [INTRO]
     for group, schema in GROUPS:
@@ -90,6 +130,11 @@ def reference() -> str:
             cells = [f"`{key}`", kind, f"`{default}`", text.replace("|", "\\|")]
             parts.append("| " + " | ".join(cells) + " |")
         parts.append("")
+    parts.append(PLAN_INTRO)
+    parts.append("| key | default | what it does |\n|---|---|---|")
+    for key, default, text in plan_rows():
+        parts.append(f"| `{key}` | `{default}` | {text.replace('|', chr(92) + '|')} |")
+    parts.append("")
     return "\n".join(parts)
 
 
