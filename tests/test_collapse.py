@@ -144,6 +144,11 @@ def test_the_report_counts_collapses_per_group_with_a_wilson_interval(tmp_path, 
     assert "1 more fell below half their best held-out and recovered" in printed
     summaries = {s["run"]: s for s in json.loads(table.read_text())["runs"]}
     assert summaries[runs[1]]["collapsed"] and not summaries[runs[0]]["collapsed"]
+    # late slides beside the collapses: seed 1 (0.9 -> 0.0); seed 3's 0.8 -> 0.7 is not > 0.1
+    assert group["late_slides"] == 1
+    assert group["late_slide_runs"] == [{"seed": 1, "drop": pytest.approx(0.9)}]
+    assert f"slid late         1 of 4 (rate 95% CI {low:.2f}-{high:.2f}, Wilson): seed 1" in printed
+    assert summaries[runs[1]]["late_slide"] and not summaries[runs[3]]["late_slide"]
 
 
 def test_the_report_counts_the_runs_the_guard_stopped(tmp_path, capsys):
@@ -166,3 +171,20 @@ def test_the_report_counts_the_runs_the_guard_stopped(tmp_path, capsys):
     summaries = {s["run"]: s for s in json.loads(table.read_text())["runs"]}
     assert summaries[stopped]["guard_stopped"]["good_step"] == 27
     assert summaries[runs[0]]["guard_stopped"] is None
+
+
+def test_an_end_more_than_a_tenth_below_the_last_50_steps_best_is_a_late_slide():
+    from asyncfp8.report.collapse import late_slide
+
+    # fp8 + fp8 KV seed 6 of the stability study: 0.977 at step 250, 0.781 at 300
+    found = late_slide([(0, 0.309), (250, 0.977), (300, 0.781)])
+    assert found.slid and found.drop == pytest.approx(0.196) and found.best_step == 250
+    # the default job of 2026-12-07: 0.941 at 250, 0.988 at 300; and a small waver
+    assert not late_slide([(0, 0.309), (250, 0.941), (300, 0.988)]).slid
+    assert not late_slide([(0, 0.3), (250, 0.95), (300, 0.86)]).slid  # 0.09 is not > 0.1
+    # a best outside the last 50 steps does not count: the rule is about the end
+    assert not late_slide([(0, 0.3), (200, 0.99), (250, 0.85), (300, 0.86)]).slid
+    assert not late_slide([]).slid and not late_slide([(0, 0.3)]).slid
+    # the held-out guard undid the last evaluation (0.430, restored to 0.980): it slid
+    undone = late_slide([(0, 0.309), (250, 0.980), (300, 0.430), (300, 0.980)])
+    assert undone.slid and undone.drop == pytest.approx(0.55)

@@ -1,8 +1,8 @@
-"""Whether a run collapsed, from its per-step stream reward and its held-out curve (the
-definition and why: docs/correction.md, "Collapse"): its last held-out greedy pass@1 below
-HELDOUT_FRACTION of its best (the best at least HELDOUT_FLOOR), or the stream reward dead
-after it had learned. Pure: lists of (step, value) in, a `Collapse` out; `asyncfp8.report`
-counts them per group with a Wilson interval."""
+"""Whether a run collapsed, or slid late, from its stream reward and its held-out curve (the
+definitions and why: docs/correction.md, "Collapse" and "Late slide"). Collapsed: the last
+held-out greedy pass@1 below HELDOUT_FRACTION of the best, or the stream reward dead after
+it had learned. Slid late: the end more than SLIDE_DROP below the best of the last
+SLIDE_STEPS steps. Pure; `asyncfp8.report` counts both per group with a Wilson interval."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ REWARD_DEAD = 0.05
 REWARD_WINDOW = 20  # steps: long enough that a bad batch or two is not a collapse
 # The stream must first have learned: a task too hard from the start is not a collapse.
 REWARD_LEARNED = 0.2
+# A late slide: the end below the best of the run's last SLIDE_STEPS steps by more than
+# SLIDE_DROP, ten times the end's own binomial noise on 256 prompts near 0.95 (~0.014).
+SLIDE_DROP = 0.1
+SLIDE_STEPS = 50
 
 
 @dataclass(frozen=True)
@@ -91,16 +95,44 @@ def collapse_of(
     return Collapse(True, first.signal, first.step, first.reason, recovered)
 
 
-def run_collapse(records: Sequence[dict], evaluated: Sequence[dict]) -> Collapse:
-    """`collapse_of` over a run's per-step records and held-out evaluations, as
-    `asyncfp8.report.summary.per_step` and `evaluations` read them from metrics.jsonl."""
-    rewards = [(r["step"], r["reward/mean"]) for r in records if r.get("reward/mean") is not None]
+@dataclass(frozen=True)
+class Slide:
+    """`slid`: the end more than SLIDE_DROP below the best of the last SLIDE_STEPS steps;
+    `drop`: best minus end (0 without two evaluations in that window); `best_step`."""
+
+    slid: bool
+    drop: float = 0.0
+    best_step: int | None = None
+
+
+def late_slide(heldout: Sequence[tuple[int, float]]) -> Slide:
+    """The late-slide rule over (step, greedy pass@1) in step order. Where the held-out
+    guard undid the last evaluation, the end is the value it undid: the run slid, and
+    what put it back is counted apart."""
+    if not heldout:
+        return Slide(False)
+    end_step = heldout[-1][0]
+    window = [(step, value) for step, value in heldout if step >= end_step - SLIDE_STEPS]
+    end = min(value for step, value in window if step == end_step)
+    best_step, best = max(window, key=lambda point: point[1])
+    drop = max(0.0, best - end)
+    return Slide(drop > SLIDE_DROP + 1e-9, drop, best_step)  # 0.8 - 0.7 is 0.1 plus rounding
+
+
+def heldout_curve(evaluated: Sequence[dict]) -> list[tuple[int, float]]:
+    """(step, greedy pass@1) of a run's evaluations; one the held-out guard undid is a
+    point too, before the restored weights' own at the same step (the run fell)."""
     heldout = []
     for r in evaluated:
-        # an evaluation the held-out guard undid (guard.heldout_below) is a point of the
-        # curve too, before the restored weights' own: the run fell, and recovered
         if r.get("guard/heldout_undone_greedy") is not None:
             heldout.append((r["step"], r["guard/heldout_undone_greedy"]))
         if r.get("eval/pass1_greedy") is not None:
             heldout.append((r["step"], r["eval/pass1_greedy"]))
-    return collapse_of(rewards, heldout)
+    return heldout
+
+
+def run_collapse(records: Sequence[dict], evaluated: Sequence[dict]) -> Collapse:
+    """`collapse_of` over a run's per-step records and held-out evaluations, as
+    `asyncfp8.report.summary.per_step` and `evaluations` read them from metrics.jsonl."""
+    rewards = [(r["step"], r["reward/mean"]) for r in records if r.get("reward/mean") is not None]
+    return collapse_of(rewards, heldout_curve(evaluated))

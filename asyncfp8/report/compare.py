@@ -219,6 +219,8 @@ def _collapses(rows: list[dict], seeds: list[int]) -> dict[str, Any]:
             for seed, s in collapsed
         ],
         "fell_and_recovered": sum(bool(s["fell_and_recovered"]) for s in rows),
+        # late slides (summaries written before the rule have no such key: not counted)
+        **_slides(rows, seeds),
         # runs the held-out guard put back at least once (guard.heldout_below; older
         # summaries have no such key)
         "heldout_recovered": sum(bool(s.get("guard_heldout_rollbacks")) for s in rows),
@@ -234,6 +236,16 @@ def _collapses(rows: list[dict], seeds: list[int]) -> dict[str, Any]:
             for seed, s in zip(seeds, rows, strict=True)
             if s["guard_stopped"]
         ],
+    }
+
+
+def _slides(rows: list[dict], seeds: list[int]) -> dict[str, Any]:
+    """How many of a group's runs slid late, the Wilson interval of the rate, and which."""
+    slid = [(seed, s) for seed, s in zip(seeds, rows, strict=True) if s.get("late_slide")]
+    return {
+        "late_slides": len(slid),
+        "late_slide_rate_ci95": list(wilson_interval(len(slid), len(rows))),
+        "late_slide_runs": [{"seed": seed, "drop": s["late_slide_drop"]} for seed, s in slid],
     }
 
 
@@ -257,6 +269,16 @@ def _collapse_line(g: dict[str, Any]) -> str:
             else ""
         )
         + (f"\n  {'guard stopped':<17} {g['guard_stops']} of {g['n']}: {stops}" if stops else "")
+        + _slide_line(g)
+    )
+
+
+def _slide_line(g: dict[str, Any]) -> str:
+    low, high = g["late_slide_rate_ci95"]
+    which = ", ".join(f"seed {r['seed']} (-{r['drop']:.3f})" for r in g["late_slide_runs"])
+    return (
+        f"\n  {'slid late':<17} {g['late_slides']} of {g['n']} (rate 95% CI {low:.2f}-{high:.2f}, "
+        f"Wilson)" + (f": {which}" if which else "")
     )
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from asyncfp8.report.collapse import run_collapse
+from asyncfp8.report.collapse import heldout_curve, late_slide, run_collapse
 from asyncfp8.report.stats import binomial_se
 from asyncfp8.run.files import GUARD_STOP_FILE
 from asyncfp8.run.records import read_metrics
@@ -66,6 +66,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     zero_spread = _mean(records, "groups/frac_zero_advantage")
     warnings = _warnings(zero_spread, len(fresh))
     collapse = run_collapse(records, evaluated)
+    slide = late_slide(heldout_curve(evaluated))
     return {
         "run": str(run_dir),
         "label": label(run_dir),
@@ -108,6 +109,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         "collapse_step": collapse.step,
         "collapse_reason": collapse.reason,
         "fell_and_recovered": collapse.fell_and_recovered,
+        # the end more than SLIDE_DROP below the best of the last SLIDE_STEPS steps
+        "late_slide": slide.slid,
+        "late_slide_drop": slide.drop,
         # the guard's stop ({step, signal, detail, setting, good_step, checkpoint}), or None
         "guard_stopped": _guard_stop(run_dir),
         "warnings": warnings,
