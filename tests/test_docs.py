@@ -102,6 +102,7 @@ def test_the_readme_is_a_page_long():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("module", "how"),
     [

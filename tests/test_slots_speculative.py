@@ -127,6 +127,7 @@ def test_sampled_logprobs_are_the_targets_and_tokens_do_not_depend_on_slots(
         )
 
 
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_targets_distribution(tiny_model_dir, trained):
     """The joint distribution of the first two tokens of 3000 samples of one prompt (the
     second from a verify step: an accepted draft or a resampled token) against the

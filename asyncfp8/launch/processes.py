@@ -7,6 +7,7 @@ bind. The local launcher (asyncfp8.launch), the one under Slurm and the Ray driv
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -24,16 +25,42 @@ STOP_GRACE = 60.0  # s the learner gets to checkpoint after SIGTERM before SIGKI
 
 def free_ports(count: int) -> list[int]:
     """Ports free on every address of this host now (the learner binds them a moment
-    later). Bound on all addresses, not the loopback alone: on Ray the learner binds
-    0.0.0.0, and a port free on 127.0.0.1 may be one a raylet listens on at the node's IP
-    (the learner's bind then fails)."""
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
+    later), drawn below the kernel's ephemeral range: a port from that range, once its
+    process dies, can become the source port of any outgoing connection and block the
+    resumed learner's bind. Bound on all addresses: on Ray the learner binds 0.0.0.0."""
+    low = ephemeral_range()[0]
+    chosen: list[socket.socket] = []
+    candidates = random.sample(range(EPHEMERAL_FLOOR, low), low - EPHEMERAL_FLOOR)
+    for port in candidates if low - EPHEMERAL_FLOOR >= 4 * count else []:
+        s = socket.socket()
+        try:
+            s.bind(("", port))
+        except OSError:  # a service listens there
+            s.close()
+            continue
+        chosen.append(s)
+        if len(chosen) == count:
+            break
+    while len(chosen) < count:  # no room below the range: the kernel's pick
+        s = socket.socket()
         s.bind(("", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
+        chosen.append(s)
+    ports = [s.getsockname()[1] for s in chosen]
+    for s in chosen:
         s.close()
     return ports
+
+
+EPHEMERAL_FLOOR = 12000  # below: the well-known and registered services' ports
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The range the kernel draws outgoing connections' source ports from."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 class Process:
