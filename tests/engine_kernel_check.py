@@ -3,7 +3,7 @@ variable must be set before triton is imported): the Triton kernels of the forma
 (asyncfp8/precision/<format>/) against their torch references on random shapes, odd ones
 and batch 1 included.
 
-    TRITON_INTERPRET=1 python tests/engine_kernel_check.py quant|fp8_gemm|int8_gemm|attention
+    TRITON_INTERPRET=1 python tests/engine_kernel_check.py quant|fused|fp8_gemm|int8_gemm|attention
 
 Prints one line per mismatch and a summary line `<n> cases checked, <m> mismatches,
 worst <ratio>` (the largest error seen as a fraction of what the tolerance allows); exits
@@ -16,9 +16,15 @@ import sys
 
 import torch
 
-from asyncfp8.precision.fp8 import quantize_blockwise_reference
+from asyncfp8.precision.fp8 import (
+    FP8BlockLinear,
+    dequantize_blockwise,
+    quantize_blockwise_reference,
+)
+from asyncfp8.precision.fp8.fused import fp8_linear_fused
 from asyncfp8.precision.fp8.gemm import fp8_block_matmul_reference, fp8_block_matmul_triton
 from asyncfp8.precision.fp8.quant import (
+    fake_quantize_activations_fp8,
     quantize_activations_fp8,
     quantize_activations_fp8_reference,
     to_column_major,
@@ -27,7 +33,10 @@ from asyncfp8.precision.fp8_kv.attention import (
     fp8_kv_decode_attention_reference,
     fp8_kv_decode_attention_triton,
 )
+from asyncfp8.precision.int8 import Int8Linear, quantize_per_channel_reference
+from asyncfp8.precision.int8.fused import int8_linear_fused
 from asyncfp8.precision.int8.gemm import int8_matmul_reference, int8_matmul_triton
+from asyncfp8.precision.int8.quant import quantize_activations_int8
 
 FP8 = torch.float8_e4m3fn
 
@@ -264,8 +273,103 @@ def check_attention(report: Report, generator: torch.Generator) -> None:
     )
 
 
+# --- the fused linears: one kernel, the unfused path's bits --------------------------------
+FUSED_CASES = [  # (M, N, K, (bn, bk))
+    (1, 64, 128, (128, 128)),
+    (1, 200, 300, (128, 128)),  # K not a multiple of the group: masked, as if zero-padded
+    (5, 130, 256, (128, 128)),
+    (17, 40, 129, (128, 128)),
+    (40, 33, 96, (64, 32)),
+    (3, 48, 64, (1, 64)),  # per-row weight scales
+]
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def check_fused(report: Report, generator: torch.Generator) -> None:
+    # Exactness is possible and required in fp32: the fused kernels run the quantizer's
+    # operations, the GEMM's tiles and the epilogue in the unfused path's order (FP8: the
+    # Triton GEMM with one K split; INT8: exact int32 sums either way). A 16-bit output is
+    # that fp32 result cast: one step of its format (the interpreter truncates to bf16).
+    for m, n, k, block in FUSED_CASES:
+        x = activations(m, k, generator).clamp(-1e3, 1e3)
+        w = torch.randn(n, k, generator=generator) * torch.logspace(-3, 0, n)[:, None]
+        bias = torch.randn(n, generator=generator)
+        w_q, w_scale = quantize_blockwise_reference(w, block)
+        w8, w8_scale = quantize_per_channel_reference(w)
+        for b in (None, bias):
+            label = f"{m}x{n}x{k} {block} bias={b is not None}"
+            x_q, x_scale = quantize_activations_fp8(x, block[1], impl="triton")
+            unfused = fp8_block_matmul_triton(
+                x_q, x_scale, w_q, w_scale, block, torch.float32, split_k=1
+            )
+            unfused = unfused if b is None else unfused + b
+            got = fp8_linear_fused(x, w_q, w_scale, b, block, n, torch.float32)
+            report.exact(f"fused fp8 {label}", same(got, unfused))
+            x8_q, x8_scale = quantize_activations_int8(x)
+            unfused8 = int8_matmul_triton(x8_q, x8_scale, w8, w8_scale, torch.float32, split_k=1)
+            unfused8 = unfused8 if b is None else unfused8 + b
+            got8 = int8_linear_fused(x, w8, w8_scale, b, torch.float32)
+            report.exact(f"fused int8 {label}", same(got8, unfused8))
+            # bf16 in, bf16 out: the fp32 result of the same bf16 values, cast
+            x16 = x.bfloat16()
+            pairs = (
+                (
+                    "fp8",
+                    fp8_linear_fused(x16, w_q, w_scale, b, block, n),
+                    fp8_linear_fused(x16.float(), w_q, w_scale, b, block, n),
+                ),
+                (
+                    "int8",
+                    int8_linear_fused(x16, w8, w8_scale, b),
+                    int8_linear_fused(x16.float(), w8, w8_scale, b),
+                ),
+            )
+            for kind, half, want in pairs:
+                report.exact(f"fused {kind} writes bf16", half.dtype == torch.bfloat16)
+                report.within(
+                    f"fused {kind} {label} bf16",
+                    (half.float() - want).abs(),
+                    want.abs() * 2**-7 + 1e-30,
+                )
+    check_fused_modules(report, generator)
+
+
+def check_fused_modules(report: Report, generator: torch.Generator) -> None:
+    # The engine's layers with `fused` on give what they give with it off (the CPU's
+    # reference GEMMs): INT8 the same bits; FP8 within the FP8 GEMM check's tolerance
+    # (the reference adds per K block inside torch._scaled_mm).
+    n, k = 72, 200
+    w = torch.randn(n, k, generator=generator) * 0.05
+    bias = torch.randn(n, generator=generator)
+    w_q, w_scale = quantize_blockwise_reference(w)
+    w8, w8_scale = quantize_per_channel_reference(w)
+    for b in (None, bias):
+        fp8_layer = FP8BlockLinear("w", w_q, w_scale, b)
+        int8_layer = Int8Linear("w", w8, w8_scale, b)
+        x = activations(6, k, generator).clamp(-10, 10).view(2, 3, k)
+        for layer in (fp8_layer, int8_layer):
+            assert not layer.fused  # CPU tensors: the unfused path unless asked
+            unfused = layer(x)
+            layer.fused = True
+            fused = layer(x)
+            layer.fused = False
+            label = f"{type(layer).__name__} fused bias={b is not None}"
+            if layer is int8_layer:
+                report.exact(label, torch.equal(fused, unfused))
+            else:
+                x_deq = fake_quantize_activations_fp8(x.view(6, k), 128).double()
+                magnitude = x_deq.abs() @ dequantize_blockwise(w_q, w_scale).double().abs().t()
+                report.within(
+                    label, (fused - unfused).abs().view(6, n), 4e-6 * magnitude.float() + 1e-30
+                )
+
+
 CHECKS = {
     "quant": check_quant,
+    "fused": check_fused,
     "fp8_gemm": check_fp8_gemm,
     "int8_gemm": check_int8_gemm,
     "attention": check_attention,

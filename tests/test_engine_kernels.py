@@ -18,6 +18,7 @@ import torch
 
 from asyncfp8.precision import kernel_support
 from asyncfp8.precision.fp8 import FP8BlockLinear, quantize_blockwise_reference
+from asyncfp8.precision.fp8.fused import fp8_linear_fused
 from asyncfp8.precision.fp8.gemm import (
     fp8_block_matmul,
     fp8_block_matmul_reference,
@@ -36,7 +37,10 @@ from asyncfp8.precision.fp8_kv.attention import (
     fp8_kv_decode_attention,
     fp8_kv_decode_attention_reference,
 )
+from asyncfp8.precision.int8 import quantize_per_channel_reference
+from asyncfp8.precision.int8.fused import int8_linear_fused
 from asyncfp8.precision.int8.gemm import int8_matmul
+from asyncfp8.precision.int8.quant import quantize_activations_int8
 from asyncfp8.precision.kernel_support import KernelUnavailable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,7 +70,7 @@ def fp8_operands(m, n, k, block, seed=0):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("check", ["quant", "fp8_gemm", "int8_gemm", "attention"])
+@pytest.mark.parametrize("check", ["quant", "fused", "fp8_gemm", "int8_gemm", "attention"])
 def test_triton_kernels_match_the_torch_references_under_the_interpreter(check):
     pytest.importorskip("triton")
     env = {
@@ -428,6 +432,34 @@ def test_gpu_int8_gemm_is_bit_exact_at_any_batch(m):
     got = int8_matmul(x_q, x_scale, w_q, w_scale, torch.bfloat16)
     padded = int8_matmul(x_q, x_scale, w_q, w_scale, torch.bfloat16, impl="reference")
     assert torch.equal(got, padded)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("m", [1, 64])
+@pytest.mark.parametrize(("n", "k"), QWEN_LINEARS)
+def test_gpu_fused_linears_match_the_unfused_path(m, n, k):
+    # INT8: exact int32 sums and the same epilogue, so the same bits. FP8: the GEMM's
+    # tolerance against float64 (its tiles may differ from the unfused kernel's).
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(m, k, device="cuda", generator=generator).to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=generator) * 0.02
+    bias = torch.randn(n, device="cuda", generator=generator).to(torch.bfloat16)
+    w8, w8_scale = quantize_per_channel_reference(w)
+    x8, x8_scale = quantize_activations_int8(x)
+    unfused = int8_matmul(x8, x8_scale, w8, w8_scale, torch.float32) + bias.float()
+    assert torch.equal(int8_linear_fused(x, w8, w8_scale, bias, torch.float32), unfused)
+    w_q, w_scale = quantize_blockwise_reference(w)
+    x_q, x_scale = quantize_activations_fp8(x, 128)
+    exact, magnitude = float64_matmul(
+        x_q.cpu(), x_scale.cpu(), w_q.cpu(), w_scale.cpu(), (128, 128)
+    )
+    exact = exact + bias.double().cpu()
+    got = fp8_linear_fused(x, w_q, w_scale, bias, (128, 128), n)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    error = (got.double().cpu() - exact).abs()
+    assert (error <= 1e-3 * magnitude + exact.abs() * 2**-7 + 1e-30).all()
 
 
 def gpu_cache(batch, t_max, seed=0):

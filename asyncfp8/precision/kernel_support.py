@@ -143,6 +143,18 @@ def gemm_tiles(m: int, n: int, k_tiles: int, tensor: torch.Tensor, split_k: int 
     return block_m, block_n, ceil_div(k_tiles, per_split), per_split
 
 
+def fused_tiles(m: int, n: int, tensor: torch.Tensor) -> tuple[int, int]:
+    """(block_m, block_n): the widest N tile that still gives every multiprocessor a
+    program (decode has one M tile; without K splits, narrow N tiles fill the GPU)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    if not tensor.is_cuda:
+        return block_m, 32  # the interpreter runs tiles element by element
+    for block_n in (128, 64, 32):
+        if ceil_div(m, block_m) * ceil_div(n, block_n) >= multiprocessors(tensor):
+            return block_m, block_n
+    return block_m, 16
+
+
 if triton is not None:
 
     @triton.jit

@@ -8,22 +8,25 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from ..kernel_support import KernelUnavailable, triton_runs_on
+from ..kernel_support import KernelUnavailable, triton_enabled, triton_runs_on
 from ..modules import QuantizedLinear
+from .fused import fp8_linear_fused, fused_fp8_takes
 from .gemm import fp8_block_matmul, scaled_mm_available, scaled_mm_weight_scales
 from .quant import BLOCK, SCALE_SUFFIX, dequantize_blockwise, quantize_activations_fp8
 
 log = logging.getLogger(__name__)
 # The scaled_mm failures already reported (one warning per kind, not one per layer).
 _scaled_mm_failures: set[str] = set()
+# The reasons a layer on CUDA could not take the fused kernel, each logged once.
+_unfused_reasons: set[str] = set()
 
 
 class FP8BlockLinear(QuantizedLinear):
     """W8A8 blockwise FP8 for the built-in engine: activations per token per `block[1]`
     columns, weights per `block` block, FP32 accumulation through `gemm.fp8_block_matmul`
-    (`real=False`: the fake-quant twin, float matmul). The weight is held zero-padded to whole
-    blocks and updated in place; a `scaled_mm` that raises is reported once and replaced by the
-    Triton GEMM or the reference loop (docs/precision.md, "Kernels")."""
+    (`real=False`: the fake-quant twin). On CUDA with Triton, one fused kernel per call
+    (fused.py); else the quantizer and `gemm.fp8_block_matmul`, where a `scaled_mm` that
+    raises is reported once and replaced. The weight is held zero-padded to whole blocks."""
 
     def __init__(
         self,
@@ -70,6 +73,8 @@ class FP8BlockLinear(QuantizedLinear):
         #: the GEMM path `fp8_block_matmul` takes ("scaled_mm" on sm90 without Triton,
         #: until it fails)
         self.impl = "scaled_mm" if one_call else "auto"
+        #: one Triton kernel per call (fused.py): quantizer, GEMM and bias together
+        self.fused = real and triton_enabled(self.q) and not self._unfused_because()
         self.load({name: q, name + SCALE_SUFFIX: scale_inv})
 
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -80,10 +85,27 @@ class FP8BlockLinear(QuantizedLinear):
         if self.scale_mm is not None:
             self.scale_mm.copy_(scaled_mm_weight_scales(self.scale_inv))
 
+    def _unfused_because(self) -> str | None:
+        why = fused_fp8_takes(self.block)
+        if why and why not in _unfused_reasons:
+            _unfused_reasons.add(why)
+            log.warning(
+                "FP8 linear: the fused kernel cannot take %s: %s; the unfused path "
+                "runs (a quantizer, the GEMM and a cast per layer)",
+                self.weight_name,
+                why,
+            )
+        return why
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         group = self.block[1]
         x = x.reshape(-1, self.in_features)
+        if self.fused:
+            out = fp8_linear_fused(
+                x, self.q, self.scale_inv, self.bias, self.block, self.out_features
+            )
+            return out.reshape(*shape[:-1], self.out_features)
         padding = self.q.shape[1] - self.in_features
         if padding:  # zero columns up to the padded K: no group's amax changes, they quantize to 0
             x = F.pad(x, (0, padding))

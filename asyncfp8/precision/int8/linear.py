@@ -6,15 +6,17 @@ from collections.abc import Mapping
 
 import torch
 
+from ..kernel_support import triton_enabled
 from ..modules import QuantizedLinear
+from .fused import int8_linear_fused
 from .gemm import int8_matmul
 from .quant import SCALE_SUFFIX, quantize_activations_int8
 
 
 class Int8Linear(QuantizedLinear):
     """W8A8 INT8 for the built-in engine: activations quantized per token, an int8 × int8
-    → int32 GEMM through `gemm.int8_matmul` (Triton on CUDA, at any
-    batch; `torch._int_mm` on the CPU), scaled by the per-token and per-channel scales.
+    → int32 GEMM scaled by the per-token and per-channel scales: one fused Triton kernel on
+    CUDA (fused.py), `gemm.int8_matmul` (`torch._int_mm`) on the CPU.
     `real=False` is the fake-quant twin (exact integer sums in float64)."""
 
     def __init__(
@@ -33,6 +35,8 @@ class Int8Linear(QuantizedLinear):
             "scale", torch.empty_like(scale, dtype=torch.float32), persistent=False
         )
         self.load({name: q, name + SCALE_SUFFIX: scale})
+        #: one Triton kernel per call (fused.py): quantizer, GEMM and bias together
+        self.fused = real and triton_enabled(self.q)
 
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
         self.q.copy_(tensors[self.weight_name])
@@ -40,6 +44,9 @@ class Int8Linear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.fused:
+            out = int8_linear_fused(x.reshape(-1, self.in_features), self.q, self.scale, self.bias)
+            return out.reshape(*shape[:-1], self.out_features)
         xq, x_scale = quantize_activations_int8(x.reshape(-1, self.in_features))
         if self.real:
             # float(int32 sum) · x scale · w scale in fp32, as the float64 twin below.
