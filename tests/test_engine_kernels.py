@@ -511,3 +511,19 @@ def test_gpu_fp8_kv_attention_in_a_cuda_graph_follows_new_scales_and_lengths():
     ref = fp8_kv_decode_attention_reference(*args, kv_len=kv_len)
     v_max = v_cache.float().abs().max() * 0.01
     assert ((out.float() - ref.float()).abs() <= 2e-3 * v_max + ref.float().abs() * 2**-7).all()
+
+
+def test_a_layer_the_fused_kernel_cannot_take_is_unfused_and_said_once(monkeypatch, caplog):
+    from asyncfp8.precision.fp8 import linear as fp8_linear
+
+    monkeypatch.setattr(fp8_linear, "triton_enabled", lambda tensor: True)  # as on CUDA
+    monkeypatch.setattr(fp8_linear, "_unfused_reasons", set())
+    w = torch.randn(64, 192) * 0.05
+    w_q, w_scale = quantize_blockwise_reference(w, (64, 96))
+    with caplog.at_level("WARNING", logger=fp8_linear.__name__):
+        layers = [FP8BlockLinear(f"l{i}.weight", w_q, w_scale, None, (64, 96)) for i in range(3)]
+    assert not any(layer.fused for layer in layers)
+    said = [r.getMessage() for r in caplog.records if "fused kernel cannot take" in r.getMessage()]
+    assert len(said) == 1 and "96 columns" in said[0] and "l0.weight" in said[0]
+    w_q, w_scale = quantize_blockwise_reference(w)
+    assert FP8BlockLinear("ok.weight", w_q, w_scale, None).fused  # 128-column groups
