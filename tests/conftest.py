@@ -20,6 +20,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(1)
+    # Each pytest process draws its runs' ports from a range of its own: two processes
+    # could otherwise pick one port in the seconds between a check and a learner's bind.
+    worker = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw") or 0)
+    share = (32768 - 12000) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    low = 12000 + worker * share
+    os.environ.setdefault("ASYNCFP8_PORT_RANGE", f"{low}-{low + share - 1}")
 
 
 @pytest.fixture(scope="session")

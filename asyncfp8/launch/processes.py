@@ -25,33 +25,52 @@ STOP_GRACE = 60.0  # s the learner gets to checkpoint after SIGTERM before SIGKI
 
 def free_ports(count: int) -> list[int]:
     """Ports free on every address of this host now (the learner binds them a moment
-    later), drawn below the kernel's ephemeral range: a port from that range, once its
-    process dies, can become the source port of any outgoing connection and block the
-    resumed learner's bind. Bound on all addresses: on Ray the learner binds 0.0.0.0."""
-    low = ephemeral_range()[0]
+    later; on Ray it binds 0.0.0.0), from `port_range()`, taken in turn from a random start
+    so that one process does not hand out a port twice in a row."""
+    global _cursor
+    low, high = port_range()
+    if _cursor is None or not low <= _cursor < high:
+        _cursor = random.randrange(low, high)
     chosen: list[socket.socket] = []
-    candidates = random.sample(range(EPHEMERAL_FLOOR, low), low - EPHEMERAL_FLOOR)
-    for port in candidates if low - EPHEMERAL_FLOOR >= 4 * count else []:
+    for _ in range(high - low):
+        port, _cursor = _cursor, low + (_cursor + 1 - low) % (high - low)
         s = socket.socket()
         try:
             s.bind(("", port))
-        except OSError:  # a service listens there
+        except OSError:  # something holds it (on any address, or a connection in TIME_WAIT)
             s.close()
             continue
         chosen.append(s)
         if len(chosen) == count:
             break
-    while len(chosen) < count:  # no room below the range: the kernel's pick
-        s = socket.socket()
-        s.bind(("", 0))
-        chosen.append(s)
     ports = [s.getsockname()[1] for s in chosen]
     for s in chosen:
         s.close()
+    if len(ports) < count:
+        raise RuntimeError(f"only {len(ports)} of {count} ports free in {low}-{high - 1}")
     return ports
 
 
+_cursor: int | None = None
 EPHEMERAL_FLOOR = 12000  # below: the well-known and registered services' ports
+PORT_RANGE = "ASYNCFP8_PORT_RANGE"
+
+
+def port_range() -> tuple[int, int]:
+    """[low, high) the launcher draws ports from: $ASYNCFP8_PORT_RANGE ("low-high",
+    inclusive), else from 12000 up to the kernel's ephemeral range. A port in that range,
+    once its process dies, can become any outgoing connection's source port and block the
+    resumed learner's bind; concurrent launchers on one host can be given disjoint ranges."""
+    spec = os.environ.get(PORT_RANGE)
+    if not spec:
+        return EPHEMERAL_FLOOR, max(ephemeral_range()[0], EPHEMERAL_FLOOR + 1024)
+    try:
+        low, high = (int(part) for part in spec.split("-"))
+    except ValueError:
+        low = high = 0
+    if not 1024 <= low <= high <= 65535:
+        raise ValueError(f"{PORT_RANGE} must be low-high within 1024-65535, got {spec!r}")
+    return low, high + 1
 
 
 def ephemeral_range() -> tuple[int, int]:
