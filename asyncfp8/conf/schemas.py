@@ -362,6 +362,11 @@ class TorchEngineConfig:
         256, "KV caches are sized in multiples of this: similar lengths share one cache"
     )
     cuda_graph: bool = setting(True, "on CUDA, replay the decode step as a captured graph")
+    compile: bool | None = setting(
+        None,
+        "the decode step through torch.compile (whole, fused small ops; inside the graph on "
+        "CUDA); null: on CUDA only",
+    )
     slots: int | None = setting(
         None,
         "N >= 1: decode through N slots of one static KV cache, refilled as sequences end "

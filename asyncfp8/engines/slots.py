@@ -6,6 +6,7 @@ shapes and addresses let CUDA replay the decode step as a graph; verify steps ru
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -15,13 +16,16 @@ from .decode import LAYER_KINDS, Prefill, forward_static
 from .kv_cache import StaticKVCache
 from .stepping import RecordedSpan
 
+log = logging.getLogger(__name__)
+
 
 class SlotDecoder:
     """`slots` sequences of at most `max_tokens` positions of `model` (attention
     `decode.ATTENTION`). `kv_scales`: per layer (k, v) 0-dim fp32 scales of an e4m3 cache, or
     None. `record_hidden`: keep each forward's last hidden states and fed tokens (what a
-    drafter reads). `graph`: capture the step on CUDA; `fixed_length` (default `graph`):
-    attend over all positions, the one shape a graph replays. `dtype`: the forward's dtype."""
+    drafter reads). `graph`: capture the step on CUDA; `compiled`: the step through
+    torch.compile (whole, no graph break; inside the graph on CUDA); `fixed_length` (default:
+    either): attend over all positions, the one shape both need. `dtype`: the forward's."""
 
     def __init__(
         self,
@@ -33,6 +37,7 @@ class SlotDecoder:
         graph: bool = False,
         fixed_length: bool | None = None,
         dtype: torch.dtype | None = None,
+        compiled: bool = False,
     ):
         if slots < 1 or max_tokens < 1:
             raise ValueError(f"need slots >= 1 and max_tokens >= 1, got {slots}, {max_tokens}")
@@ -68,9 +73,12 @@ class SlotDecoder:
         if graph and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.device}")
         self.use_graph = graph
-        self.fixed_length = graph if fixed_length is None else fixed_length
-        if graph and not self.fixed_length:
-            raise ValueError("a captured decode step needs fixed_length=True")
+        self.fixed_length = graph or compiled if fixed_length is None else fixed_length
+        if (graph or compiled) and not self.fixed_length:
+            raise ValueError("a captured or compiled decode step needs fixed_length=True")
+        #: the step through torch.compile until a compile fails (then eager, said once)
+        self.compiled = compiled
+        self._compiled_step = None
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_logits: torch.Tensor | None = None
 
@@ -187,10 +195,30 @@ class SlotDecoder:
             self._graph.replay()
             logits = self._graph_logits
         else:
-            logits = self._step(None if self.fixed_length else max(self.lengths) + 1)
+            logits = self._run_step(None if self.fixed_length else max(self.lengths) + 1)
         for slot in range(self.slots):
             self.lengths[slot] += self.advancing[slot]
         return logits
+
+    def _run_step(self, visible: int | None = None) -> torch.Tensor:
+        """`_step`, compiled where asked; a compile that fails leaves the eager step."""
+        if not self.compiled:
+            return self._step(visible)
+        if self._compiled_step is None:
+            self._compiled_step = torch.compile(self._step, fullgraph=True, dynamic=False)
+        try:
+            return self._compiled_step(visible)
+        except Exception as err:  # dynamo, inductor or a compiler: every kind may raise
+            # Tracing runs on fake tensors: a compile that fails has changed no state.
+            self.compiled = False
+            cause = str(err).strip().splitlines()
+            log.warning(
+                "the compiled decode step failed to compile (%s: %s); the eager step runs "
+                "(engine.compile=false says so without trying)",
+                type(err).__name__,
+                cause[0][:300] if cause else "",
+            )
+            return self._step(visible)
 
     def _step(self, visible: int | None = None) -> torch.Tensor:
         """The decode step on the device, over all positions or (eager) the first
@@ -220,7 +248,7 @@ class SlotDecoder:
             # writes the cache positions the real step is about to write (and records
             # there, with record_hidden); the state it advances is restored.
             for _ in range(2):
-                self._step()
+                self._run_step()
                 for tensor, value in zip(state, saved, strict=True):
                     tensor.copy_(value)
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -229,7 +257,7 @@ class SlotDecoder:
         # thread trains on the same device, whose allocations and syncs are legal there
         # (the default, global, mode would fail them mid-capture).
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            logits = self._step()
+            logits = self._run_step()
         self._graph, self._graph_logits = graph, logits
 
     @torch.no_grad()

@@ -30,7 +30,14 @@ from .decode import ATTENTION, Prefill, forward_static, processed_logprobs
 from .kv_cache import quantize_kv
 from .slot_loop import SlotLoop, SlotStats, seeded_requests
 from .slots import SlotDecoder
-from .torch_support import check_counts, check_layer_kinds, probe, resolve_device, supports
+from .torch_support import (
+    check_counts,
+    check_layer_kinds,
+    probe,
+    resolve_compile,
+    resolve_device,
+    supports,
+)
 from .torch_weights import ModelTensors
 
 __all__ = ["TorchEngine", "processed_logprobs", "resolve_device", "supports"]
@@ -38,10 +45,10 @@ __all__ = ["TorchEngine", "processed_logprobs", "resolve_device", "supports"]
 
 class TorchEngine:
     """The built-in engine. Its options (`device`, `max_batch`, `finish_check_every`,
-    `cache_block`, `cuda_graph`, `slots`, `speculative`) and `dtype`: docs/engines.md, "torch
-    (built in)". `model`, `tokenizer`: an already built model (moved to `device`, quantized in
-    place, `dtype` its own) and its tokenizer instead of loading `model_dir` (benchmarks build
-    random-init models on the GPU)."""
+    `cache_block`, `cuda_graph`, `slots`, `speculative`, `compile`) and `dtype`:
+    docs/engines.md, "torch (built in)". `model`, `tokenizer`: a built model (moved to
+    `device`, quantized in place, `dtype` its own) and its tokenizer instead of loading
+    `model_dir` (benchmarks build random-init models on the GPU)."""
 
     name = "torch"
 
@@ -57,6 +64,7 @@ class TorchEngine:
         cuda_graph: bool = True,
         slots: int | None = None,
         speculative: Mapping[str, Any] | None = None,
+        compile: bool | None = None,
         *,
         model: torch.nn.Module | None = None,
         tokenizer=None,
@@ -94,6 +102,8 @@ class TorchEngine:
         self.max_batch, self.finish_check_every = max_batch, finish_check_every
         self.cache_block = cache_block
         self.cuda_graph = cuda_graph and self.device.type == "cuda"
+        #: the decode step through torch.compile (SlotDecoder); engine.compile resolved
+        self.compile = resolve_compile(compile, self.device)
         self.slots = slots
         self._slot_decoder: SlotDecoder | None = None
         self._generating = False  # a generation is running (updates land mid-way)
@@ -307,6 +317,7 @@ class TorchEngine:
                 kv_scales,
                 record_hidden=self.speculation is not None,
                 graph=self.cuda_graph,
+                compiled=self.compile,
             )
         return current
 

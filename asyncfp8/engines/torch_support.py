@@ -5,7 +5,9 @@ the device cannot run for the precision."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 
 import torch
 
@@ -84,3 +86,30 @@ def probe(model: torch.nn.Module, precision: str, device: torch.device, token_id
             f"{describe_device(token.to(device))}: {err}. engine.device=cpu runs "
             "every precision (reference kernels)"
         ) from None
+
+
+def resolve_compile(compile: bool | None, device: torch.device) -> bool:
+    """engine.compile: true, false, or null (on CUDA, where the compiled step inside the
+    captured graph pays; docs/engines.md says what it measured on a CPU). True where it
+    cannot run is refused, naming the key and what it lacks."""
+    if compile is not None and not isinstance(compile, bool):
+        raise ValueError(f"engine.compile must be true, false or null; got {compile!r}")
+    if compile is None:
+        return device.type == "cuda" and compile_unavailable(device) is None
+    if compile and (why := compile_unavailable(device)):
+        raise EngineUnsupported(f"engine.compile=true cannot run here: {why}")
+    return compile
+
+
+def compile_unavailable(device: torch.device) -> str | None:
+    """Why torch.compile's inductor cannot build a decode step for `device`, or None."""
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "inductor's CUDA kernels are Triton's, and Triton is not installed"
+        return None
+    compiler = os.environ.get("CXX") or "g++"
+    if shutil.which(compiler) is None and shutil.which("clang++") is None:
+        return f"inductor's CPU kernels need a C++ compiler ({compiler} or clang++), none found"
+    return None
