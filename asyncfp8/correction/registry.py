@@ -218,6 +218,7 @@ def build_correction(cfg: Mapping[str, Any]) -> Correction:
     max_staleness = params.pop("max_staleness", None)
     params.pop("mode", None)  # decoupled / bypass: how the loss uses it (asyncfp8.train.losses)
     params.pop("proximal", None)  # which weights π_prox is (asyncfp8/train/versions.py)
+    params.pop("proximal_thread", None)  # where it is scored (train/proximal_thread.py)
     # bounds calibration and the starved-step rule: the learner's (correction/calibration.py);
     # a key left out of a hand-made entry takes the schema's default
     base = CorrectionConfig()

@@ -54,6 +54,11 @@ class CorrectionConfig:
         "π_prox with decoupled: current (the learner's weights now), version (its weights of "
         "the version that sampled each token), auto (version where it can keep the versions)",
     )
+    proximal_thread: bool | None = help_field(
+        None,
+        "with version: score stale tokens' π_prox on a thread of its own as their groups "
+        "arrive, off the step's path; null: on a CPU learner (measured to pay there)",
+    )
     max_staleness: int | None = help_field(
         None, "mask sequences with a token older than this many versions; null: off"
     )

@@ -20,12 +20,11 @@ log = logging.getLogger(__name__)
 
 
 class SlotDecoder:
-    """`slots` sequences of at most `max_tokens` positions of `model` (attention
-    `decode.ATTENTION`). `kv_scales`: per layer (k, v) 0-dim fp32 scales of an e4m3 cache, or
-    None. `record_hidden`: keep each forward's last hidden states and fed tokens (what a
-    drafter reads). `graph`: capture the step on CUDA; `compiled`: the step through
-    torch.compile (whole, no graph break; inside the graph on CUDA); `fixed_length` (default:
-    either): attend over all positions, the one shape both need. `dtype`: the forward's."""
+    """`slots` sequences of at most `max_tokens` positions of `model`. `kv_scales`: per layer
+    (k, v) 0-dim fp32 scales of an e4m3 cache, or None. `record_hidden`: keep each forward's
+    last hidden states and fed tokens (a drafter's). `graph`: capture the step on CUDA;
+    `compiled`: the step through torch.compile, whole; `fixed_length` (default: either):
+    attend over all positions, the one shape both need. `dtype`: the forward's."""
 
     def __init__(
         self,

@@ -26,6 +26,7 @@ from asyncfp8.run import distributed, failpoints
 from asyncfp8.train.guard import GuardSettings
 from asyncfp8.train.logprobs import install_logprob_head
 from asyncfp8.train.loss_scale import LossScaler, LossScaleSettings
+from asyncfp8.train.proximal_thread import ProximalThread
 from asyncfp8.train.rollback import HeldOutGuard, StepGuard
 from asyncfp8.train.step import TrainStep, lr_lambda
 from asyncfp8.train.versions import VersionWeights, available_memory, choose_proximal
@@ -90,6 +91,42 @@ def proximal_weights(
     return proximal, VersionWeights(model, keep) if proximal == "version" else None
 
 
+def proximal_thread(
+    cfg: DictConfig,
+    policy: PrecisionPolicy,
+    model_dir: Path,
+    versions: VersionWeights | None,
+    ranks: distributed.Ranks,
+    dtype: torch.dtype,
+    pad_token_id: int,
+) -> ProximalThread | None:
+    """correction.proximal_thread: stale tokens' π_prox scored as their groups arrive, on a
+    model copy of its own (null: on a CPU learner, where it was measured to pay)."""
+    asked = cfg.correction.get("proximal_thread")
+    if asked is not None and not isinstance(asked, bool):
+        raise ValueError(f"correction.proximal_thread must be true, false or null; got {asked!r}")
+    on = asked if asked is not None else ranks.device.type == "cpu"
+    if ranks.world > 1:  # each rank holds shards: the scorer would need the whole model
+        on = False
+    if on and policy.learner_forward != "master":
+        if asked:
+            raise ValueError(
+                "correction.proximal_thread=true scores with the learner's plain forward; "
+                f"precision.learner_forward={policy.learner_forward} needs the step's own "
+                "(set correction.proximal_thread=false)"
+            )
+        on = False
+    if not on or versions is None:  # without kept versions there is nothing to score ahead
+        return None
+    scorer = policy.prepare_learner(load_model(model_dir, dtype=torch.float32))
+    install_logprob_head(scorer)
+    scorer = scorer.to(device=ranks.device, dtype=dtype)
+    log.info("π_prox of stale tokens: scored ahead on a thread of its own")
+    return ProximalThread(
+        scorer, versions, cfg.run.temperature, cfg.optim.logprob_chunk_tokens, pad_token_id
+    )
+
+
 def train_step(
     cfg: DictConfig,
     model: torch.nn.Module,
@@ -102,6 +139,7 @@ def train_step(
     reference: torch.nn.Module | None,
     proximal: str,
     versions: VersionWeights | None,
+    scored_ahead: ProximalThread | None = None,
 ) -> TrainStep:
     """The training step with its optional parts: the guard, the FP16 loss scale, and the
     bounds calibrated on the first step."""
@@ -129,6 +167,7 @@ def train_step(
         calibration=bound_calibration(cfg.correction, correction, proximal),
         min_kept=cfg.correction.min_kept,
         starved=str(cfg.correction.starved),
+        proximal_thread=scored_ahead,
     )
 
 

@@ -71,6 +71,8 @@ class Inbox:
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="asyncfp8-inbox", daemon=True)
+        #: told of each group as it becomes ready (the proximal thread scores it ahead)
+        self.on_group: Callable[[Group], None] | None = None
 
     def start(self) -> None:
         if self.receiver is not None:
@@ -167,7 +169,10 @@ class Inbox:
             return
         del self.partial[key]
         self.book.returned(lease, trajectory.prompt_index)
-        self.ready.append(Group(lease, trajectory.prompt_index, part))
+        group = Group(lease, trajectory.prompt_index, part)
+        self.ready.append(group)
+        if self.on_group is not None:
+            self.on_group(group)
         self.counts["samples"] += len(part)
         self.counts["tokens"] += sum(len(t.token_ids) for t in part)
         self.lock.notify_all()

@@ -62,6 +62,15 @@ class Learner:
         self.proximal, self.version_weights = build.proximal_weights(
             cfg, self.model, max_staleness_of(run)
         )
+        self.proximal_thread = build.proximal_thread(
+            cfg,
+            self.policy,
+            model_dir,
+            self.version_weights,
+            ranks,
+            self.dtype,
+            tokenizer.pad_token_id,
+        )
         self.train_step = build.train_step(
             cfg,
             self.model,
@@ -74,6 +83,7 @@ class Learner:
             self.reference,
             self.proximal,
             self.version_weights,
+            self.proximal_thread,
         )
         self.rolled_back = False  # the latest step undid the one before it
         self.checkpointed_step: int | None = None
@@ -81,6 +91,8 @@ class Learner:
         if self.colocated_placement:
             self.colocated = build.colocated_engine(cfg, model_dir, self.task, self.policy, ranks)
         self.hub = self._hub()
+        if self.proximal_thread is not None:  # one rank: the hub has the inbox
+            self.hub.inbox.on_group = self.proximal_thread.submit
         self.publisher = self._publisher()
         self.checkpointer = self._checkpointer()
         self.heldout = build.heldout(
@@ -354,6 +366,8 @@ class Learner:
 
     def close(self) -> None:
         self.hub.close()
+        if self.proximal_thread is not None:
+            self.proximal_thread.close()
         distributed.close()
 
     # -- start -------------------------------------------------------------------------------

@@ -46,6 +46,9 @@ class Trajectory:
     seq: int = -1
     meta: dict[str, Any] = field(default_factory=dict)
     sender: str = ""  # the sending process, "<worker_id>/<incarnation>" (set on receipt)
+    #: the learner's log-prob of each token under its version's weights, scored ahead
+    #: (train/proximal_thread.py; never sent)
+    proximal_logprobs: Sequence[float] | None = None
 
     def encode(self, sender: str) -> bytes:
         n = len(self.token_ids)

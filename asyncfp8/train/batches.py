@@ -117,6 +117,8 @@ class TrainBatch:
     mask: torch.Tensor  # [N, T] bool
     advantages: torch.Tensor | None = None  # [N]
     index: list[int] = field(default_factory=list)
+    #: [N, T] fp32 π_prox scored ahead under each token's version (NaN: not scored)
+    proximal_logp: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> TrainBatch:
         tensors = {
@@ -143,6 +145,8 @@ def batch_tensors(trajectories: list[Trajectory], pad: int) -> TrainBatch:
     rollout = torch.zeros(n, steps)
     versions = torch.zeros(n, steps, dtype=torch.long)
     mask = torch.zeros(n, steps, dtype=torch.bool)
+    scored = any(t.proximal_logprobs is not None for t in trajectories)
+    proximal = torch.full((n, steps), float("nan")) if scored else None
     for row, t in enumerate(trajectories):
         ids = list(t.prompt_ids) + list(t.token_ids)
         k = len(t.token_ids)
@@ -152,4 +156,8 @@ def batch_tensors(trajectories: list[Trajectory], pad: int) -> TrainBatch:
         rollout[row, :k] = torch.tensor(t.logprobs)
         versions[row, :k] = torch.tensor(t.versions)
         mask[row, :k] = True
-    return TrainBatch(input_ids, attention, positions, rollout, versions, mask)
+        if proximal is not None and t.proximal_logprobs is not None:
+            proximal[row, :k] = torch.tensor(t.proximal_logprobs)
+    batch = TrainBatch(input_ids, attention, positions, rollout, versions, mask)
+    batch.proximal_logp = proximal
+    return batch

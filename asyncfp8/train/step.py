@@ -36,6 +36,7 @@ from asyncfp8.train.losses import (
     kl_penalty,
     policy_loss_terms,
 )
+from asyncfp8.train.proximal_thread import ProximalThread
 from asyncfp8.train.rollback import StepGuard
 from asyncfp8.train.sums import StepSums, StepTotals, UpdateSums
 from asyncfp8.train.versions import VersionWeights
@@ -131,6 +132,7 @@ class TrainStep:
         calibration: BoundCalibration | None = None,
         min_kept: float = 0.0,
         starved: str = Starved.scale,
+        proximal_thread: ProximalThread | None = None,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.correction, self.optim = correction, optim
@@ -138,6 +140,7 @@ class TrainStep:
         self.temperature, self.pad_token_id, self.device = temperature, pad_token_id, device
         self.reference, self.world, self.guard = reference, world, guard
         self.versions = versions  # correction.proximal=version: π_prox of each token's own
+        self.proximal_thread = proximal_thread  # ... scored ahead, as the groups arrived
         self.loss_scaler = loss_scaler  # run.compute_dtype=float16: FP16 gradients, scaled
         # correction.target_rejected: the bounds set on the first step (correction/calibration.py)
         self.calibration = calibration
@@ -187,6 +190,9 @@ class TrainStep:
         with one update it is; with several, the policy before the first update is
         recomputed here."""
         optim = self.optim
+        if self.proximal_thread is not None:  # π_prox scored ahead lands on the trajectories
+            rows = [t for mini in share.mini_batches for micro in mini for _, t, _ in micro]
+            self.proximal_thread.wait(rows)
         batches = [[self._tensors(rows) for rows in mini] for mini in share.mini_batches]
         proximal = None
         if self.loss.mode == "decoupled" and optim.mini_batches * optim.ppo_epochs > 1:
@@ -394,22 +400,28 @@ class TrainStep:
             [None] * len(mini) for mini in batches
         ]
         totals.proximal_version_tokens = totals.proximal_fallback_tokens = 0
+        totals.proximal_ahead_tokens = 0
         micros = [(m, j, b) for m, mini in enumerate(batches) for j, b in enumerate(mini)]
         present = {int(v) for _, _, b in micros for v in b.versions[b.mask].unique()}
         for v in sorted(present - {self.versions.live}):
             tokens = sum(int((b.mask & (b.versions == v)).sum()) for _, _, b in micros)
+            scored = [(m, j, b, b.mask & (b.versions == v)) for m, j, b in micros]
+            scored = [(m, j, b, where) for m, j, b, where in scored if where.any()]
+            ahead = [x for x in scored if ahead_scored(x[2], x[3])]
+            for m, j, b, where in ahead:  # scored ahead (proximal_thread): no forward here
+                out[m][j] = merged(out[m][j], b.proximal_logp.to(where.device), where)
+                totals.proximal_ahead_tokens += int(where.sum())
+            if len(ahead) == len(scored):
+                totals.proximal_version_tokens += tokens
+                continue
             if not self.versions.has(v):
                 totals.proximal_fallback_tokens += tokens
                 continue
             totals.proximal_version_tokens += tokens
             with self.versions.swapped_in(v):
-                for m, j, b in micros:
-                    where = b.mask & (b.versions == v)
-                    if not where.any():
-                        continue
-                    logp = self.logprobs(self.model, b)[0]
-                    values, known = out[m][j] or (torch.zeros_like(logp), torch.zeros_like(where))
-                    out[m][j] = (torch.where(where, logp, values), known | where)
+                for m, j, b, where in scored:
+                    if not ahead_scored(b, where):
+                        out[m][j] = merged(out[m][j], self.logprobs(self.model, b)[0], where)
         return out
 
     def _tensors(self, rows: list[Row]) -> TrainBatch:
@@ -433,6 +445,20 @@ class TrainStep:
             "optim.logprob_chunk_tokens": optim.logprob_chunk_tokens,
             "ranks": self.world,
         }
+
+
+def ahead_scored(batch: TrainBatch, where: torch.Tensor) -> bool:
+    """Every token at `where` has its π_prox scored ahead (train/proximal_thread.py)."""
+    scored = batch.proximal_logp
+    return scored is not None and bool(scored.to(where.device)[where].isfinite().all())
+
+
+def merged(
+    previous: tuple[torch.Tensor, torch.Tensor] | None, logp: torch.Tensor, where: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(π_prox values, where known) of a micro-batch with `logp` taken at `where`."""
+    values, known = previous or (torch.zeros_like(logp), torch.zeros_like(where))
+    return torch.where(where, logp, values), known | where
 
 
 def all_rewards_equal(group: Group) -> bool:

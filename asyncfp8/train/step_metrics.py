@@ -81,6 +81,7 @@ class StepMetrics:
         if totals.proximal_version_tokens is not None:  # correction.proximal=version
             metrics["proximal/version_tokens"] = totals.proximal_version_tokens
             metrics["proximal/fallback_tokens"] = totals.proximal_fallback_tokens
+            metrics["proximal/ahead_tokens"] = totals.proximal_ahead_tokens
         self._warn_without_reward_spread(metrics["groups/frac_zero_advantage"])
         fresh = fresh_mismatch(learner_logp, batch, version)
         return metrics | fresh | sums.guard | sums.loss_scale | sums.rejection

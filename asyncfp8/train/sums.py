@@ -59,6 +59,7 @@ class StepTotals:
     # those of a version no longer kept (left to the current weights); None otherwise
     proximal_version_tokens: int | None = None
     proximal_fallback_tokens: int | None = None
+    proximal_ahead_tokens: int | None = None  # of the version tokens, scored ahead
 
     @property
     def passes(self) -> int:

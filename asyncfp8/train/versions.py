@@ -6,6 +6,7 @@ kept version, plus one for the swap, and a no-grad forward per stale version a s
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 
@@ -68,6 +69,8 @@ class VersionWeights:
         self.weights: OrderedDict[int, list[torch.Tensor]] = OrderedDict()
         self.live: int | None = None
         self._scratch: list[torch.Tensor] = []
+        #: held while a version's copies are written or read (the proximal thread reads them)
+        self.lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
@@ -77,11 +80,14 @@ class VersionWeights:
     @torch.no_grad()
     def record(self, version: int) -> None:
         """The model's weights are `version` now (it was just published)."""
-        reused = self.weights.popitem(last=False)[1] if len(self.weights) >= self.keep else None
-        copies = reused or [torch.empty_like(local_shard(p), device="cpu") for p in self._params()]
-        for copy, p in zip(copies, self._params(), strict=True):
-            copy.copy_(local_shard(p.detach()))
-        self.weights[version] = copies
+        with self.lock:
+            full = len(self.weights) >= self.keep
+            reused = self.weights.popitem(last=False)[1] if full else None
+            params = self._params()
+            copies = reused or [torch.empty_like(local_shard(p), device="cpu") for p in params]
+            for copy, p in zip(copies, params, strict=True):
+                copy.copy_(local_shard(p.detach()))
+            self.weights[version] = copies
         self.live = version
 
     def changed(self) -> None:
