@@ -20,11 +20,11 @@
 # A run stops starting steps TOTAL_S (540) seconds in; the summary's last line is the
 # command that runs what did not finish.
 #
-# Where the results go: $OUT (default bench/results/gpu-run), at most 7 files:
+# Where the results go: $OUT (default bench/results/gpu-run), at most 8 files:
 #     summary.txt          the machine, one line per step (how it ended, seconds of its
 #                          limit, rows written and failed), the command for what is left
 #     log.txt              every step's whole output
-#     <step>-<gpu>.json    quantize, kernels, rollout, learner, longtail (rollout-h100.json),
+#     <step>-<gpu>.json    quantize, kernels, rollout, compiled, learner, longtail (rollout-h100.json),
 #                          each rewritten after every row (a stopped step keeps its rows)
 # It exits non-zero if a step failed, timed out or was not reached, and at once, having
 # run nothing, where torch sees no CUDA GPU (without --dry-run).
@@ -43,7 +43,10 @@
 #   kernels       80 s  56 GEMM and 12 attention rows, each a captured graph (~10 compiles)
 #   rollout      300 s  5 precisions × (a 1.5B model built on the GPU, quantized, ~6
 #                       compiles) × 5 shapes × (1 + 2 timed) decodes of 64 tokens and of 1,
-#                       5 captures (93 s on the H100)
+#                       5 captures (93 s on the H100); the decode step eager in the graph
+#   compiled     240 s  the same with the decode step through torch.compile (engine.compile),
+#                       bf16, fp8 and int8 at batch 1 and 64 after 256 tokens: one compile
+#                       of the 28-layer step per cell (its time on a GPU not measured yet)
 #   -- the default run: ~15 s, then steps stopped at 540 s in all (TOTAL_S): under 10 minutes --
 #   learner      240 s  4 rows of bench/learner.py, each a process (~10 s start, a 1.5B
 #                       learner loaded, a warm-up and a timed train step)
@@ -51,10 +54,11 @@
 set -u
 cd "$(dirname "$0")/.."
 
-ALL_STEPS="pytest-gpu quantize kernels rollout learner longtail"
-DEFAULT_STEPS="pytest-gpu quantize kernels rollout"
+ALL_STEPS="pytest-gpu quantize kernels rollout compiled learner longtail"
+DEFAULT_STEPS="pytest-gpu quantize kernels rollout compiled"
 TOTAL_S=540
-declare -A LIMIT=([pytest-gpu]=150 [quantize]=40 [kernels]=80 [rollout]=300 [learner]=240 [longtail]=540)
+declare -A LIMIT=([pytest-gpu]=150 [quantize]=40 [kernels]=80 [rollout]=200 [compiled]=240
+    [learner]=240 [longtail]=540)
 
 DRY_RUN=0
 STEPS=()
@@ -174,7 +178,10 @@ run_step() {
         --timeout 120 --continue-on-collection-errors $(grep -rl "mark.gpu" tests | sort) ;;
     quantize) limited "$2" python3 bench/quantize.py "${DRY[@]}" --out "$json" ;;
     kernels) limited "$2" python3 bench/kernels.py "${DRY[@]}" --out "$json" ;;
-    rollout) limited "$2" python3 bench/rollout.py --device cuda --repeats 2 "${DRY[@]}" --out "$json" ;;
+    rollout) limited "$2" python3 bench/rollout.py --device cuda --repeats 2 --compile off \
+        "${DRY[@]}" --out "$json" ;;
+    compiled) limited "$2" python3 bench/rollout.py --device cuda --repeats 2 --compile on \
+        --precisions bf16,fp8,int8 --contexts short --batches 1,64 "${DRY[@]}" --out "$json" ;;
     learner) limited "$2" python3 bench/learner.py --device cuda "${DRY[@]}" --out "$json" ;;
     longtail) limited "$2" python3 bench/longtail.py --device cuda --model qwen2.5-1.5b-shaped \
         --batch 256 --slots 64 --threshold 16 "${DRY[@]}" --out "$json" ;;

@@ -56,6 +56,7 @@ BATCHES = (1, 64)
 # The GPU table's batches by context: the batch sweep after a short prompt, and batch 1
 # and 64 after the long one (64 long prefills are most of a GPU run's time).
 GPU_BATCHES = {"short": (1, 8, 64), "long": (1, 64)}
+COMPILE = {"auto": None, "on": True, "off": False}  # --compile: engine.compile
 # Qwen2.5-1.5B's shape (its config.json), random weights.
 QWEN_1_5B = {
     "hidden_size": 1536,
@@ -154,11 +155,16 @@ def cpu_table(args, out: str | Path | None = None) -> dict:
         new_tokens=new_tokens,
         long_prompt=long_prompt,
         repeats=args.repeats,
+        compile=getattr(args, "compile", "auto"),
     )
     for engine_name in args.engines.split(","):
         for precision in args.precisions or PRECISIONS:
             policy = get_policy(precision)
-            options = {"device": "cpu"} if engine_name == "torch" else {}
+            options = (
+                {"device": "cpu", "compile": COMPILE[getattr(args, "compile", "auto")]}
+                if engine_name == "torch"
+                else {}
+            )
             try:
                 engine = make_engine(engine_name, model_dir, policy, **options)
                 engine.update_weights(0, {}, kv_scales(policy, model_dir))
@@ -275,6 +281,8 @@ def gpu_table(
         print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     new_tokens = args.new_tokens or 64
     contexts = {"short": args.short or 256, "long": args.long or 8192}
+    contexts = {c: n for c, n in contexts.items() if c in getattr(args, "contexts", contexts)}
+    batches = getattr(args, "batches", None)
     table = Table(
         out,
         model="qwen2.5-1.5b-shaped, random init"
@@ -286,11 +294,14 @@ def gpu_table(
         long_prompt=contexts["long"],
         repeats=args.repeats,
         cuda_graph=not args.eager,
+        compile=getattr(args, "compile", "auto"),
         copy_bandwidth_bytes_per_s=bandwidth,
     )
     for precision in args.precisions or GPU_PRECISIONS:
         try:
-            engine = gpu_engine(precision, device, shape, args.eager)
+            engine = gpu_engine(
+                precision, device, shape, args.eager, COMPILE[getattr(args, "compile", "auto")]
+            )
         except Exception as err:  # the other precisions are still measured
             save_row(table, {"engine": "torch", "precision": precision, "error": failure(err)})
             engine = None
@@ -298,7 +309,7 @@ def gpu_table(
             free_memory(device)
             continue
         for context, prompt_tokens in contexts.items():
-            for batch in GPU_BATCHES[context]:
+            for batch in batches or GPU_BATCHES[context]:
                 row = {
                     "engine": "torch",
                     "precision": precision,
@@ -327,8 +338,11 @@ def gpu_table(
     return table.payload
 
 
-def gpu_engine(precision: str, device: torch.device, shape: dict, eager: bool):
-    """A TorchEngine of precision `precision` over a random-init model of `shape`."""
+def gpu_engine(
+    precision: str, device: torch.device, shape: dict, eager: bool, compile: bool | None = None
+):
+    """A TorchEngine of precision `precision` over a random-init model of `shape`
+    (`compile`: engine.compile)."""
     from asyncfp8.engines.torch_engine import TorchEngine
 
     started = time.perf_counter()
@@ -339,7 +353,13 @@ def gpu_engine(precision: str, device: torch.device, shape: dict, eager: bool):
         ids = torch.randint(3, tokenizer.eos_token_id, (4, 64), device=device)
         extra = policy.calibrate(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     engine = TorchEngine(
-        None, policy, device=str(device), cuda_graph=not eager, model=model, tokenizer=tokenizer
+        None,
+        policy,
+        device=str(device),
+        cuda_graph=not eager,
+        compile=compile,
+        model=model,
+        tokenizer=tokenizer,
     )
     engine.update_weights(0, {}, extra)
     print(
@@ -412,6 +432,24 @@ def main() -> int:
     parser.add_argument("--precisions", type=lambda s: s.split(","), default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="GPU: no CUDA graph (diagnosis)")
+    parser.add_argument(
+        "--contexts",
+        type=lambda s: s.split(","),
+        default=["short", "long"],
+        help="GPU: the contexts measured (short, long)",
+    )
+    parser.add_argument(
+        "--batches",
+        type=lambda s: [int(b) for b in s.split(",")],
+        default=None,
+        help="GPU: these batch sizes at every context (default 1,8,64 short; 1,64 long)",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=tuple(COMPILE),
+        default="auto",
+        help="the torch engine's engine.compile: auto (null: on CUDA only), on, off",
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",

@@ -92,3 +92,17 @@ def test_compile_where_it_cannot_run_is_refused_naming_the_key(tiny_model_dir, m
     with pytest.raises(EngineUnsupported, match=r"engine\.compile=true cannot run here: .*C\+\+"):
         engine(tiny_model_dir, True)
     assert not engine(tiny_model_dir, None).compile  # null: on CUDA only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_the_compiled_step_inside_the_graph_gives_the_eager_graphs_tokens(tiny_model_dir):
+    def on_gpu(compile):
+        return TorchEngine(
+            str(tiny_model_dir), "bf16", dtype=torch.float32, device="cuda", compile=compile
+        )
+
+    eager, compiled = on_gpu(False), on_gpu(True)
+    assert_same(eager.generate(PROMPTS, SAMPLING), compiled.generate(PROMPTS, SAMPLING))
+    decoder = compiled._slot_decoder
+    assert decoder.use_graph and decoder.compiled and decoder._graph is not None
