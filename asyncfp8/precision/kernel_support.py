@@ -7,6 +7,7 @@ kernel give its torch reference's bytes. Triton runs on CUDA, and on the CPU und
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 
@@ -143,16 +144,31 @@ def gemm_tiles(m: int, n: int, k_tiles: int, tensor: torch.Tensor, split_k: int 
     return block_m, block_n, ceil_div(k_tiles, per_split), per_split
 
 
-def fused_tiles(m: int, n: int, tensor: torch.Tensor) -> tuple[int, int]:
+def fused_tiles(m: int, n: int, device: DeviceFacts) -> tuple[int, int]:
     """(block_m, block_n): the widest N tile that still gives every multiprocessor a
     program (decode has one M tile; without K splits, narrow N tiles fill the GPU)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    if not tensor.is_cuda:
+    if not device.cuda:
         return block_m, 32  # the interpreter runs tiles element by element
     for block_n in (128, 64, 32):
-        if ceil_div(m, block_m) * ceil_div(n, block_n) >= multiprocessors(tensor):
+        if ceil_div(m, block_m) * ceil_div(n, block_n) >= device.multiprocessors:
             return block_m, block_n
     return block_m, 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFacts:
+    """What a kernel's launch reads of its device, read once per layer (host queries in
+    a compiled decode step would break its graph)."""
+
+    cuda: bool
+    multiprocessors: int
+    fp8_mma: bool  # sm89 or later: tensor cores take e4m3 operands
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> DeviceFacts:
+        fp8 = tensor.is_cuda and torch.cuda.get_device_capability(tensor.device) >= (8, 9)
+        return cls(tensor.is_cuda, multiprocessors(tensor), fp8 or not tensor.is_cuda)
 
 
 if triton is not None:

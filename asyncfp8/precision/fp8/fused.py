@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..kernel_support import (
+    DeviceFacts,
     ceil_div,
     fused_tiles,
     triton,
@@ -91,10 +92,12 @@ def fp8_linear_fused(
     block: tuple[int, int],
     out_features: int,
     out_dtype: torch.dtype | None = None,
+    device: DeviceFacts | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ dequant(w_q)ᵀ + bias -> [M, out_features] in `out_dtype`
     (x's dtype by default). w_q float8_e4m3fn [≥ N, ≥ K] (an engine's zero-padded buffer
-    is read in place), w_scale_inv fp32 per `block`; the bias is added in fp32."""
+    is read in place), w_scale_inv fp32 per `block`; the bias is added in fp32. `device`:
+    its facts, read once by the caller (default: read now)."""
     if not triton_runs_on(x):
         raise unavailable(
             "fp8_linear_fused", x, why_no_triton(x), "the unfused path (FP8BlockLinear)"
@@ -107,8 +110,9 @@ def fp8_linear_fused(
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m, block_n = fused_tiles(m, n, x)
-    upcast = x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9)
+    device = device or DeviceFacts.of(x)
+    block_m, block_n = fused_tiles(m, n, device)
+    upcast = not device.fp8_mma
     grid = (ceil_div(m, block_m), ceil_div(n, block_n))
     _fp8_linear_kernel[grid](
         x,

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from ..kernel_support import KernelUnavailable, triton_enabled, triton_runs_on
+from ..kernel_support import DeviceFacts, KernelUnavailable, triton_enabled, triton_runs_on
 from ..modules import QuantizedLinear
 from .fused import fp8_linear_fused, fused_fp8_takes
 from .gemm import fp8_block_matmul, scaled_mm_available, scaled_mm_weight_scales
@@ -75,6 +75,7 @@ class FP8BlockLinear(QuantizedLinear):
         self.impl = "scaled_mm" if one_call else "auto"
         #: one Triton kernel per call (fused.py): quantizer, GEMM and bias together
         self.fused = real and triton_enabled(self.q) and not self._unfused_because()
+        self.device_facts = DeviceFacts.of(self.q)  # read once: no host query per call
         self.load({name: q, name + SCALE_SUFFIX: scale_inv})
 
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -103,7 +104,13 @@ class FP8BlockLinear(QuantizedLinear):
         x = x.reshape(-1, self.in_features)
         if self.fused:
             out = fp8_linear_fused(
-                x, self.q, self.scale_inv, self.bias, self.block, self.out_features
+                x,
+                self.q,
+                self.scale_inv,
+                self.bias,
+                self.block,
+                self.out_features,
+                device=self.device_facts,
             )
             return out.reshape(*shape[:-1], self.out_features)
         padding = self.q.shape[1] - self.in_features

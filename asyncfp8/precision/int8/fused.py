@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..kernel_support import (
+    DeviceFacts,
     ceil_div,
     fused_tiles,
     triton,
@@ -77,6 +78,7 @@ def int8_linear_fused(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype | None = None,
+    device: DeviceFacts | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ (w_q · w_scale)ᵀ + bias -> [M, N] in `out_dtype` (x's
     dtype by default): w_q int8 [N, K], w_scale fp32 [N, 1] per channel, x quantized per
@@ -94,7 +96,7 @@ def int8_linear_fused(
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m, block_n = fused_tiles(m, n, x)
+    block_m, block_n = fused_tiles(m, n, device or DeviceFacts.of(x))
     grid = (ceil_div(m, block_m), ceil_div(n, block_n))
     _int8_linear_kernel[grid](
         x,

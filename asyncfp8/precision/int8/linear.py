@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..kernel_support import triton_enabled
+from ..kernel_support import DeviceFacts, triton_enabled
 from ..modules import QuantizedLinear
 from .fused import int8_linear_fused
 from .gemm import int8_matmul
@@ -37,6 +37,7 @@ class Int8Linear(QuantizedLinear):
         self.load({name: q, name + SCALE_SUFFIX: scale})
         #: one Triton kernel per call (fused.py): quantizer, GEMM and bias together
         self.fused = real and triton_enabled(self.q)
+        self.device_facts = DeviceFacts.of(self.q)  # read once: no host query per call
 
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
         self.q.copy_(tensors[self.weight_name])
@@ -45,7 +46,8 @@ class Int8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.fused:
-            out = int8_linear_fused(x.reshape(-1, self.in_features), self.q, self.scale, self.bias)
+            rows = x.reshape(-1, self.in_features)
+            out = int8_linear_fused(rows, self.q, self.scale, self.bias, device=self.device_facts)
             return out.reshape(*shape[:-1], self.out_features)
         xq, x_scale = quantize_activations_int8(x.reshape(-1, self.in_features))
         if self.real:
