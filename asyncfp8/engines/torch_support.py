@@ -89,9 +89,9 @@ def probe(model: torch.nn.Module, precision: str, device: torch.device, token_id
 
 
 def resolve_compile(compile: bool | None, device: torch.device) -> bool:
-    """engine.compile: true, false, or null (on CUDA, where the compiled step inside the
-    captured graph pays; docs/engines.md says what it measured on a CPU). True where it
-    cannot run is refused, naming the key and what it lacks."""
+    """engine.compile: true, false, or null (on CUDA, where it fuses the captured graph's
+    small kernels, not measured on a GPU yet; on this CPU it did not pay, docs/engines.md).
+    True where it cannot run is refused, naming the key and what it lacks."""
     if compile is not None and not isinstance(compile, bool):
         raise ValueError(f"engine.compile must be true, false or null; got {compile!r}")
     if compile is None:

@@ -410,14 +410,15 @@ class TrainStep:
             ahead = [x for x in scored if ahead_scored(x[2], x[3])]
             for m, j, b, where in ahead:  # scored ahead (proximal_thread): no forward here
                 out[m][j] = merged(out[m][j], b.proximal_logp.to(where.device), where)
-                totals.proximal_ahead_tokens += int(where.sum())
-            if len(ahead) == len(scored):
-                totals.proximal_version_tokens += tokens
-                continue
-            if not self.versions.has(v):
-                totals.proximal_fallback_tokens += tokens
+            ahead_tokens = sum(int(where.sum()) for *_, where in ahead)
+            totals.proximal_ahead_tokens += ahead_tokens
+            if len(ahead) < len(scored) and not self.versions.has(v):
+                totals.proximal_version_tokens += ahead_tokens
+                totals.proximal_fallback_tokens += tokens - ahead_tokens
                 continue
             totals.proximal_version_tokens += tokens
+            if len(ahead) == len(scored):
+                continue
             with self.versions.swapped_in(v):
                 for m, j, b, where in scored:
                     if not ahead_scored(b, where):
