@@ -40,7 +40,7 @@ from asyncfp8.engines import SamplingParams
 from asyncfp8.engines import decode as decode_module
 from asyncfp8.precision.fp8 import FP8BlockLinear
 from asyncfp8.precision.int8 import Int8Linear
-from asyncfp8.precision.kernel_support import ceil_div
+from asyncfp8.precision.kernel_support import DeviceFacts, ceil_div, gemm_tiles
 
 ROOT = Path(__file__).resolve().parents[1]
 H100_TABLE = ROOT / "bench" / "results" / "rollout-h100.json"
@@ -48,6 +48,7 @@ PRECISIONS = ("bf16", "fp8", "fp8_kv", "fp8+fp8_kv", "int8")
 BATCHES = (1, 8, 64)
 PROMPT = 256  # the H100 table's short context
 H100_SMS = 132
+H100 = DeviceFacts(cuda=True, multiprocessors=H100_SMS, fp8_mma=True)
 # The 28 layers of Qwen2.5-1.5B at a toy's widths (every K a whole 128-column group).
 SHAPE = TOY | {"num_hidden_layers": QWEN_1_5B["num_hidden_layers"]}
 # ops that launch no kernel on CUDA
@@ -96,12 +97,8 @@ class KernelCount(TorchDispatchMode):
 
 
 def h100_splits(m: int, n: int, k: int) -> int:
-    """The K splits `kernel_support.gemm_tiles` takes on an H100 (132 SMs, 128-deep K tiles)."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64 if m <= 16 else 128
-    k_tiles = ceil_div(k, 128)
-    want = ceil_div(2 * H100_SMS, ceil_div(m, block_m) * ceil_div(n, block_n))
-    return max(1, min(want, k_tiles // 4))
+    """The K splits the Triton GEMM (`kernel_support.gemm_tiles`) takes on an H100."""
+    return gemm_tiles(m, n, ceil_div(k, 128), H100, None)[2]
 
 
 # Qwen2.5-1.5B's (N, K) for each projection, for the unfused path's K splits.

@@ -125,19 +125,19 @@ def multiprocessors(tensor: torch.Tensor) -> int:
     return 4
 
 
-def gemm_tiles(m: int, n: int, k_tiles: int, tensor: torch.Tensor, split_k: int | None):
+def gemm_tiles(m: int, n: int, k_tiles: int, device: DeviceFacts, split_k: int | None):
     """(block_m, block_n, K splits, K tiles per split) of a Triton GEMM over an [m, K] x
-    [K, n] product of `k_tiles` K tiles, on `tensor`'s device."""
+    [K, n] product of `k_tiles` K tiles, on `device`."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if m <= 16 else 128
-    if not tensor.is_cuda:
+    if not device.cuda:
         block_n = 32  # the interpreter runs tiles element by element: keep them small
     grid_mn = ceil_div(m, block_m) * ceil_div(n, block_n)
     if split_k is None:
         # Decode (small M) has few output tiles: split K until about two programs run
         # per multiprocessor, each on at least 4 K tiles, so the weight streams in at
         # full bandwidth. The partial sums are added in a fixed order (deterministic).
-        want = ceil_div(2 * multiprocessors(tensor), grid_mn)
+        want = ceil_div(2 * device.multiprocessors, grid_mn)
         split_k = max(1, min(want, k_tiles // 4))
     split_k = max(1, min(split_k, k_tiles))
     per_split = ceil_div(k_tiles, split_k)

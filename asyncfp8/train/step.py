@@ -407,22 +407,25 @@ class TrainStep:
             tokens = sum(int((b.mask & (b.versions == v)).sum()) for _, _, b in micros)
             scored = [(m, j, b, b.mask & (b.versions == v)) for m, j, b in micros]
             scored = [(m, j, b, where) for m, j, b, where in scored if where.any()]
-            ahead = [x for x in scored if ahead_scored(x[2], x[3])]
-            for m, j, b, where in ahead:  # scored ahead (proximal_thread): no forward here
-                out[m][j] = merged(out[m][j], b.proximal_logp.to(where.device), where)
-            ahead_tokens = sum(int(where.sum()) for *_, where in ahead)
+            left = []  # what the thread did not score: this step's forward, swapped in
+            ahead_tokens = 0
+            for m, j, b, where in scored:
+                if ahead_scored(b, where):  # scored ahead (proximal_thread): no forward here
+                    out[m][j] = merged(out[m][j], b.proximal_logp.to(where.device), where)
+                    ahead_tokens += int(where.sum())
+                else:
+                    left.append((m, j, b, where))
             totals.proximal_ahead_tokens += ahead_tokens
-            if len(ahead) < len(scored) and not self.versions.has(v):
+            if left and not self.versions.has(v):
                 totals.proximal_version_tokens += ahead_tokens
                 totals.proximal_fallback_tokens += tokens - ahead_tokens
                 continue
             totals.proximal_version_tokens += tokens
-            if len(ahead) == len(scored):
+            if not left:
                 continue
             with self.versions.swapped_in(v):
-                for m, j, b, where in scored:
-                    if not ahead_scored(b, where):
-                        out[m][j] = merged(out[m][j], self.logprobs(self.model, b)[0], where)
+                for m, j, b, where in left:
+                    out[m][j] = merged(out[m][j], self.logprobs(self.model, b)[0], where)
         return out
 
     def _tensors(self, rows: list[Row]) -> TrainBatch:

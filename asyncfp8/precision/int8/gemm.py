@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ..kernel_support import (
     GEMM_OUT_DTYPES,
+    DeviceFacts,
     ceil_div,
     check_2d,
     check_impl,
@@ -144,7 +145,9 @@ def int8_matmul_triton(
     w_q = w_q if w_q.stride(1) == 1 else w_q.contiguous()
     (m, k), n = x_q.shape, w_q.shape[0]
     block_k = 128 if x_q.is_cuda else 32
-    block_m, block_n, splits, per_split = gemm_tiles(m, n, ceil_div(k, block_k), x_q, split_k)
+    block_m, block_n, splits, per_split = gemm_tiles(
+        m, n, ceil_div(k, block_k), DeviceFacts.of(x_q), split_k
+    )
     if splits == 1:
         out = torch.empty((1, m, n), dtype=out_dtype, device=x_q.device)
     else:
