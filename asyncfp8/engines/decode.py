@@ -136,11 +136,15 @@ def forward_static(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """One forward over a static cache: (the last hidden states [B, T, H], the LM head's
     input, when `hidden`, else None; the logits of the last `keep` positions [B, keep, V]).
-    Masks are given per layer kind, so transformers builds none (a growing one would make
-    each step a new shape, and its checks sync with the host)."""
+    Masks are given whole (per layer kind where there are several), so transformers builds
+    none (a growing one would make each step a new shape, and its checks sync with the
+    host)."""
+    # One kind: the 4D mask itself, which every model's mask builder returns as given (a
+    # model without per-kind masks, Qwen3-MoE's, refuses the dict).
+    masks = mask if list(kinds) == ["full_attention"] else dict.fromkeys(kinds, mask)
     inputs = dict(
         input_ids=input_ids,
-        attention_mask=dict.fromkeys(kinds, mask),
+        attention_mask=masks,
         position_ids=position_ids,
         past_key_values=cache,
         use_cache=True,

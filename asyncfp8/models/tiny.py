@@ -1,5 +1,5 @@
-"""Tiny Qwen2 models made locally, warm-started on a task they will be trained on (how and
-why: docs/running.md, "Tiny models"): the sizes, each task's recipe, the build, the cache
+"""Tiny Qwen2 (and Qwen3-MoE) models made locally, warm-started on a task they will be
+trained on (how and why: docs/running.md, "Tiny models"): the sizes, each task's recipe, the build, the cache
 and the models shipped with the package (`asyncfp8/models/shipped/`).
 
     python -m asyncfp8.models.tiny --size small --task addition --out models/small
@@ -50,6 +50,24 @@ class ModelSpec:
     head_dim: int = 32  # vLLM's CPU attention kernels start at head size 32
     vocab_size: int = 320  # 256 bytes + eos + pad, rounded up to a multiple of 64
     max_position_embeddings: int = 512
+    # A Qwen3-MoE when num_experts > 0: every layer's MLP is num_experts experts of
+    # moe_intermediate_size (intermediate_size unused), experts_per_token of them per token.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    def fingerprinted(self) -> dict[str, Any]:
+        """The fields a model's fingerprint reads: a dense model's leave the MoE ones out,
+        so the dense models shipped before MoE existed keep their keys."""
+        fields = asdict(self)
+        if not self.moe:
+            for name in ("num_experts", "experts_per_token", "moe_intermediate_size"):
+                fields.pop(name)
+        return fields
 
 
 SIZES: dict[str, ModelSpec] = {
@@ -61,6 +79,17 @@ SIZES: dict[str, ModelSpec] = {
         num_attention_heads=2,
         num_key_value_heads=1,
     ),
+    # For MoE tests: `tiny`'s attention, 4 experts of 64, top-2.
+    "tiny_moe": ModelSpec(
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        experts_per_token=2,
+        moe_intermediate_size=64,
+    ),
     # For the demo. hidden 128 fills FP8's 128x128 blocks exactly (q_proj is one full
     # block); intermediate 352 = 2.75 blocks and k/v_proj's 64 rows exercise padding.
     "small": ModelSpec(
@@ -69,6 +98,18 @@ SIZES: dict[str, ModelSpec] = {
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
+    ),
+    # The MoE demo (Qwen3-MoE): `small`'s attention, 8 experts of one FP8 block each, top-2,
+    # so a token's active MLP (2 x 128) is near `small`'s 352.
+    "small_moe": ModelSpec(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        experts_per_token=2,
+        moe_intermediate_size=128,
     ),
 }
 
@@ -137,7 +178,7 @@ def default_cache_dir() -> Path:
 
 def fingerprint(spec: ModelSpec, recipe: WarmStart, seed: int) -> str:
     blob = json.dumps(
-        {"spec": asdict(spec), "recipe": asdict(recipe), "seed": seed, "version": RECIPE_VERSION},
+        {"spec": spec.fingerprinted(), "recipe": asdict(recipe), "seed": seed, "version": RECIPE_VERSION},
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -149,9 +190,10 @@ def read_metadata(model_dir: str | Path) -> dict | None:
 
 
 def build_model(spec: ModelSpec, tokenizer, seed: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A Qwen2 (dense) or Qwen3-MoE model of this spec, randomly initialized from `seed`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen2Config(
+    common = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -166,7 +208,16 @@ def build_model(spec: ModelSpec, tokenizer, seed: int):
         bos_token_id=None,
     )
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config)
+    if not spec.moe:
+        return Qwen2ForCausalLM(Qwen2Config(**common))
+    config = Qwen3MoeConfig(
+        **common,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.experts_per_token,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        norm_topk_prob=True,  # as Qwen3-30B-A3B: the top-k gate weights sum to 1
+    )
+    return Qwen3MoeForCausalLM(config)
 
 
 @contextmanager
@@ -291,7 +342,7 @@ def parse_task(name: str, params: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m asyncfp8.models.tiny",
-        description="Write a warm-started tiny Qwen2 model (HF format, byte tokenizer) for "
+        description="Write a warm-started tiny Qwen2 or Qwen3-MoE model (HF format, byte tokenizer) for "
         "the bundled tasks.",
     )
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")

@@ -127,6 +127,9 @@ def warm_start(model, tokenizer, recipe: WarmStart, seed: int, progress: bool = 
                 "or learning_rate (RECIPES in asyncfp8/models/tiny.py), or pick a bigger model"
             )
         saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()), step)
+        # An MoE adds transformers' load-balancing loss (its router_aux_loss_coef, 0.001) so
+        # that no expert starves.
+        moe = {"output_router_logits": True} if getattr(model.config, "num_experts", 0) else {}
         for _ in range(recipe.steps_per_check):
             start = step * recipe.batch_size
             batch = supervised_batch(
@@ -135,7 +138,7 @@ def warm_start(model, tokenizer, recipe: WarmStart, seed: int, progress: bool = 
                 [train_task.prompt(start + i) for i in range(recipe.batch_size)],
                 teacher,
             )
-            loss = model(**batch).loss
+            loss = model(**batch, **moe).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
