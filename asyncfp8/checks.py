@@ -6,17 +6,21 @@ policy, the correction, the task) is returned, so the caller does not build them
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from asyncfp8.correction import Correction, build_correction
 from asyncfp8.engines import supports as engine_supports
 from asyncfp8.engines.base import check_slots
 from asyncfp8.engines.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
+from asyncfp8.moe.architectures import check_architecture, is_moe
 from asyncfp8.precision import PrecisionPolicy, build_policy
+from asyncfp8.precision.sensitivity import unmeasured_mixed
 from asyncfp8.report.metrics import loggers_of
 from asyncfp8.run.process import check_counts
 from asyncfp8.sync.endpoints import curve, endpoints
@@ -198,7 +202,7 @@ def check_training(cfg: DictConfig) -> None:
             raise ValueError(f"{key} must be a positive integer, got {value!r}")
     if not isinstance(cfg.eval.every, int) or cfg.eval.every < 0:
         raise ValueError(f"eval.every must be an integer >= 0 (0: off), got {cfg.eval.every!r}")
-    for key in ("kl_coef", "entropy_coef"):
+    for key in ("kl_coef", "entropy_coef", "router_aux_coef"):
         if not optim[key] >= 0:
             raise ValueError(f"optim.{key} must be >= 0, got {optim[key]!r}")
     if optim.clip_ratio_c is not None and not optim.clip_ratio_c > 1:
@@ -259,6 +263,33 @@ def check_speculative(cfg: DictConfig, model_dir: str | Path) -> None:
         check_drafter_checkpoint(settings.init, AutoConfig.from_pretrained(str(model_dir)))
 
 
+def check_moe(cfg: DictConfig, model_dir: str | Path, policy: PrecisionPolicy) -> None:
+    """An MoE model is one the library runs (asyncfp8/moe/architectures.py), in a precision
+    that covers its experts; `optim.router_aux_coef` asks for an MoE."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if not is_moe(config):
+        if cfg.optim.router_aux_coef > 0:
+            raise ValueError(
+                f"optim.router_aux_coef={cfg.optim.router_aux_coef} is the MoE router's "
+                f"load-balancing loss, but {model_dir} is a dense model (no routed experts); "
+                "set it to 0"
+            )
+        return
+    check_architecture(config, f"model {model_dir}")
+    # The built-in weight formats quantize 2-D linear weights; the experts are 3-D tensors,
+    # so they would stay 16-bit while the run says 8-bit. (mixed before its layout is
+    # measured cannot answer, and quantizes some linears whatever the layout.)
+    probe = torch.empty(128, 128)
+    if unmeasured_mixed(policy) is not None or policy.quantizes(
+        "model.layers.0.self_attn.q_proj.weight", probe
+    ):
+        raise ValueError(
+            f"precision {policy.name!r} quantizes linear weights, but not yet an MoE model's "
+            f"experts ({model_dir} is {config.get('architectures', ['an MoE'])[0]}): run it in "
+            "precision=bf16, fp16 or fp8_kv"
+        )
+
+
 def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
     """ValueError naming the setting (and what to do) for the first problem found;
     `role` is "launcher", "learner" or "worker"."""
@@ -308,6 +339,7 @@ def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
         )
     curve(cfg.sync)
     policy = build_policy(cfg.precision, model_dir)
+    check_moe(cfg, model_dir, policy)
     reason = engine_supports(cfg.engine.name, policy)
     if reason:
         raise ValueError(f"engine {cfg.engine.name} cannot run precision {policy.name!r}: {reason}")

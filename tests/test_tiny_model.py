@@ -53,7 +53,8 @@ def test_a_changed_recipe_rebuilds_and_a_foreign_directory_is_not_overwritten(tm
 
 def test_unknown_size_is_a_clear_error():
     with pytest.raises(
-        ValueError, match="unknown tiny model size 'huge'; choose one of tiny, tiny_moe, small, small_moe"
+        ValueError,
+        match="unknown tiny model size 'huge'; choose one of tiny, tiny_moe, small, small_moe",
     ):
         make_tiny_model("huge")
 

@@ -249,6 +249,9 @@ class OptimConfig:
         KLEstimator.low_var_kl, "k1 | k3 | low_var_kl (k3 clamped to [-10, 10])"
     )
     entropy_coef: float = setting(0.0, "entropy bonus weight (subtracted from the loss)")
+    router_aux_coef: float = setting(
+        0.0, "MoE models: the router's load-balancing loss weight (Switch/Qwen3-MoE); 0: off"
+    )
     micro_batch_tokens: int | None = setting(
         16384, "padded tokens per forward and backward (gradients accumulate); null: all"
     )

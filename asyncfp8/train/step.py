@@ -6,6 +6,7 @@ guard (train/rollback.py) and FP16 loss scaling (train/loss_scale.py) (docs/runn
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -38,6 +39,7 @@ from asyncfp8.train.losses import (
 )
 from asyncfp8.train.proximal_thread import ProximalThread
 from asyncfp8.train.rollback import StepGuard
+from asyncfp8.train.router_balance import RouterBalance
 from asyncfp8.train.sums import StepSums, StepTotals, UpdateSums
 from asyncfp8.train.versions import VersionWeights
 
@@ -146,10 +148,14 @@ class TrainStep:
         self.calibration = calibration
         self.min_kept, self.starved = min_kept, starved  # the starved-update rule
         self.starved_updates = 0  # since the learner started
+        # An MoE: its routers read in every forward (balance loss, moe/* metrics)
+        self.balance = RouterBalance.of(model, optim.router_aux_coef)
 
     def __call__(self, share: Share, step: int, version: int) -> StepSums:
         started = time.perf_counter()
         totals = StepTotals()
+        if self.balance is not None:
+            self.balance.start_step()
         prepared = self._prepare(share, totals)
         rejection = {}
         if self.calibration is not None and not self.calibration.done:
@@ -183,6 +189,7 @@ class TrainStep:
             self.guard.metrics if self.guard is not None else {},
             self._loss_scale_metrics(totals.loss_scale_skipped),
             rejection | {"correction/starved_steps": self.starved_updates},
+            self.balance.metrics(totals) if self.balance is not None else {},
         )
 
     def _prepare(self, share: Share, totals: StepTotals) -> Prepared:
@@ -357,7 +364,8 @@ class TrainStep:
         backward runs on the numerator times `factor` (`_gradient_factor`). Returns the
         log-probs the correction saw."""
         optim = self.optim
-        logp, entropy = self.logprobs(self.model, micro)
+        with self.balance.reading() if self.balance else contextlib.nullcontext() as routes:
+            logp, entropy = self.logprobs(self.model, micro)
         if judged:
             bound = self.guard.settings.log_ratio_bound
             ignored = self.guard.ignored_versions
@@ -376,6 +384,10 @@ class TrainStep:
             per_token = per_token + optim.kl_coef * kl
             sums.kl += (kl.detach() * kept).sum().item()
         numerator, denominator = aggregate_parts(per_token, terms.mask, self.loss.aggregation)
+        if routes is not None:
+            numerator = numerator + self.balance.term(
+                routes, micro.attention_mask, denominator, sums
+            )
         # FP16 gradients: the loss scaled up, so that small gradients do not flush to zero
         (numerator * factor if factor != 1.0 else numerator).backward()
         sums.total += numerator.item()

@@ -84,7 +84,7 @@ class StepMetrics:
             metrics["proximal/ahead_tokens"] = totals.proximal_ahead_tokens
         self._warn_without_reward_spread(metrics["groups/frac_zero_advantage"])
         fresh = fresh_mismatch(learner_logp, batch, version)
-        return metrics | fresh | sums.guard | sums.loss_scale | sums.rejection
+        return metrics | fresh | sums.guard | sums.loss_scale | sums.rejection | sums.moe
 
     def _rolled_back(
         self, groups: list[Group], sums: StepSums, version: int, lr: float

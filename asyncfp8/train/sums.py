@@ -27,6 +27,7 @@ class UpdateSums:
     kept: float = 0.0  # tokens the correction kept
     real_tokens: float = 0.0
     clipped: float = 0.0  # kept tokens a clip made constant
+    router_aux: float = 0.0  # MoE: the load-balancing loss, weighted like `denominator`
     evidence: Evidence = field(default_factory=Evidence)  # the guard's, on the judged update
 
     def over_ranks(self) -> UpdateSums:
@@ -47,6 +48,7 @@ class StepTotals:
     kl: float = 0.0
     policy_loss: float = 0.0  # each update's mean policy loss, added up
     total_loss: float = 0.0
+    router_aux: float = 0.0  # MoE: each update's mean load-balancing loss, added up
     grad_norm: float = 0.0  # of the updates applied, added up
     updates: int = 0  # applied
 
@@ -71,6 +73,7 @@ class StepTotals:
             setattr(self, name, getattr(self, name) + getattr(sums, name))
         self.policy_loss += sums.policy / max(sums.denominator, 1.0)
         self.total_loss += sums.total / max(sums.denominator, 1.0)
+        self.router_aux += sums.router_aux / max(sums.denominator, 1.0)
 
 
 @dataclass
@@ -87,6 +90,7 @@ class StepSums:
     loss_scale: dict[str, float] = field(default_factory=dict)  # loss_scale/* (FP16 compute)
     # correction/* of calibrated bounds (the step that set them) and starved updates
     rejection: dict[str, float] = field(default_factory=dict)
+    moe: dict[str, float] = field(default_factory=dict)  # moe/* (an MoE model)
 
 
 def _flatten(sums) -> dict[str, float]:
