@@ -45,6 +45,11 @@ class RouterBalance:
         that the update's Σ numerators / Σ denominators holds its mean. The loss and the
         experts' picks are recorded whatever the weight (0: no gradient)."""
         layout = routes.layout
+        if len(routes.logits) != len(layout.layers):  # one forward, each router once
+            raise RuntimeError(
+                f"read {len(routes.logits)} router outputs in a micro-batch's forward of a "
+                f"model of {len(layout.layers)} MoE layers"
+            )
         with torch.set_grad_enabled(self.coef > 0 and torch.is_grad_enabled()):
             aux = load_balancing_loss(routes.logits, mask, layout.experts, layout.top_k)
         sums.router_aux += aux.item() * denominator
