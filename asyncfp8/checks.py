@@ -267,15 +267,21 @@ def check_moe(cfg: DictConfig, model_dir: str | Path, policy: PrecisionPolicy) -
     """An MoE model is one the library runs (asyncfp8/moe/architectures.py), in a precision
     that covers its experts; `optim.router_aux_coef` asks for an MoE."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
+    replay = bool(cfg.correction.get("routing_replay", False))
     if not is_moe(config):
-        if cfg.optim.router_aux_coef > 0:
-            raise ValueError(
-                f"optim.router_aux_coef={cfg.optim.router_aux_coef} is the MoE router's "
-                f"load-balancing loss, but {model_dir} is a dense model (no routed experts); "
-                "set it to 0"
-            )
+        for key, asked in (
+            ("optim.router_aux_coef", cfg.optim.router_aux_coef > 0),
+            ("correction.routing_replay", replay),
+        ):
+            if asked:
+                raise ValueError(
+                    f"{key} is for an MoE's routers, but {model_dir} is a dense model (no "
+                    "routed experts): leave it off"
+                )
         return
     check_architecture(config, f"model {model_dir}")
+    if replay:
+        check_routing_replay(cfg, model_dir)
     # The built-in weight formats quantize 2-D linear weights; the experts are 3-D tensors,
     # so they would stay 16-bit while the run says 8-bit. (mixed before its layout is
     # measured cannot answer, and quantizes some linears whatever the layout.)
@@ -287,6 +293,32 @@ def check_moe(cfg: DictConfig, model_dir: str | Path, policy: PrecisionPolicy) -
             f"precision {policy.name!r} quantizes linear weights, but not yet an MoE model's "
             f"experts ({model_dir} is {config.get('architectures', ['an MoE'])[0]}): run it in "
             "precision=bf16, fp16 or fp8_kv"
+        )
+
+
+def check_routing_replay(cfg: DictConfig, model_dir: str | Path) -> None:
+    """correction.routing_replay needs an engine that returns the routes it ran: the torch
+    engine in plain eager steps (asyncfp8/engines/slot_loop.py)."""
+    engine = cfg.engine
+    where = f"correction.routing_replay=true with model {model_dir} and engine={engine.name}"
+    if engine.name != "torch":
+        raise ValueError(
+            f"{where}: engine {engine.name} returns no routes here (vLLM's route capture "
+            "needs its V2 model runner on a GPU, not wired yet); use engine=torch"
+        )
+    if engine.compile or str(engine.speculative.mode) != "none":
+        raise ValueError(
+            f"{where}: the torch engine records routes in its plain eager step only; set "
+            "engine.compile=false and engine.speculative.mode=none"
+        )
+    if engine.cuda_graph and torch.cuda.is_available() and str(engine.device) != "cpu":
+        raise ValueError(
+            f"{where}: a captured CUDA graph records no routes; set engine.cuda_graph=false"
+        )
+    if cfg.correction.get("proximal_thread"):
+        raise ValueError(
+            f"{where}: correction.proximal_thread=true scores π_prox without the engine's "
+            "routes; set it to false (or null)"
         )
 
 

@@ -170,8 +170,21 @@ def test_moe_settings_the_library_cannot_honour_are_refused_at_start(
         assert "quantizes linear weights, but not yet an MoE model's experts" in message
         assert "run it in precision=bf16, fp16 or fp8_kv" in message
     # The balance loss asks for routers.
-    message = refusal(tiny_model_dir, tmp_path / "dense", "optim.router_aux_coef=0.01")
-    assert "optim.router_aux_coef=0.01 is the MoE router's load-balancing loss" in message
+    for setting in ("optim.router_aux_coef=0.01", "correction.routing_replay=true"):
+        message = refusal(tiny_model_dir, tmp_path / "dense", setting)
+        key = setting.split("=")[0]
+        assert f"{key} is for an MoE's routers, but {tiny_model_dir} is a dense model" in message
+    # Replay needs an engine that returns the routes it ran.
+    for setting, why in (
+        ("engine=vllm", "engine vllm returns no routes here"),
+        ("engine.compile=true", "records routes in its plain eager step only"),
+        ("correction.proximal_thread=true", "scores π_prox without the engine's routes"),
+    ):
+        message = refusal(
+            tiny_moe_dir, tmp_path / "replay", "correction.routing_replay=true", setting
+        )
+        assert f"correction.routing_replay=true with model {tiny_moe_dir}" in message, message
+        assert why in message, message
     message = refusal(tiny_moe_dir, tmp_path / "negative", "optim.router_aux_coef=-1")
     assert "optim.router_aux_coef must be >= 0" in message
     # Another family's experts: refused, naming the model and its architecture.

@@ -216,9 +216,11 @@ def build_correction(cfg: Mapping[str, Any]) -> Correction:
         raise ValueError(f"correction config needs a 'name'; got keys {sorted(params)}")
     name = params.pop("name")
     max_staleness = params.pop("max_staleness", None)
-    params.pop("mode", None)  # decoupled / bypass: how the loss uses it (asyncfp8.train.losses)
-    params.pop("proximal", None)  # which weights π_prox is (asyncfp8/train/versions.py)
-    params.pop("proximal_thread", None)  # where it is scored (train/proximal_thread.py)
+    # The learner's keys, not the method's: how the loss uses π_prox (train/losses.py), which
+    # weights it is (train/versions.py), where it is scored (train/proximal_thread.py), and
+    # how an MoE's forward routes (train/moe_routing.py).
+    for key in ("mode", "proximal", "proximal_thread", "routing_replay"):
+        params.pop(key, None)
     # bounds calibration and the starved-step rule: the learner's (correction/calibration.py);
     # a key left out of a hand-made entry takes the schema's default
     base = CorrectionConfig()

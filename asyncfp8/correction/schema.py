@@ -59,6 +59,11 @@ class CorrectionConfig:
         "with version: score stale tokens' π_prox on a thread of its own as their groups "
         "arrive, off the step's path; null: on a CPU learner (measured to pay there)",
     )
+    routing_replay: bool = help_field(
+        False,
+        "MoE: the learner's forwards route each token to the experts the engine did, gate "
+        "weights from its own router (R3); needs the torch engine's routes",
+    )
     max_staleness: int | None = help_field(
         None, "mask sequences with a token older than this many versions; null: off"
     )

@@ -60,6 +60,7 @@ class Sample:
     finish_reason: str  # "stop" (eos) or "length"
     text: str = ""
     prompt_index: int = 0
+    routes: bytes | None = None  # an MoE's routed experts (Trajectory.routes), where recorded
 
 
 @runtime_checkable

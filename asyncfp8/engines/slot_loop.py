@@ -6,14 +6,18 @@ every token tagged with its forward's version. Steps are made by a `StepStrategy
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from asyncfp8.moe.routes import RouteRecorder
+
 from .base import SamplingParams
 from .request_sampling import FINAL, SAMPLE, draw, request_seed, sample_per_request, stream_keys
+from .slot_routes import SlotRoutes
 from .slots import SlotDecoder
 from .stepping import Kept, RecordingDecoder, SlotSteps, StepStrategy
 
@@ -53,6 +57,7 @@ class Generated:
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
+    routes: bytes | None = None  # an MoE's, where the loop recorded them (slot_routes.py)
 
 
 @dataclass
@@ -108,6 +113,7 @@ class SlotLoop:
         stats: SlotStats | None = None,
         strategy: StepStrategy | None = None,
         all_done: Callable[[bool], bool] | None = None,
+        routes: RouteRecorder | None = None,
     ):
         if all_done is not None and not 0 < len(requests) <= decoder.slots:
             raise ValueError(
@@ -146,12 +152,19 @@ class SlotLoop:
         self.results: list[Generated | None] = [None] * len(self.requests)
         self.forwards = torch.zeros((), **self.long)  # live rows fed to forwards
         self.plain_steps = 0
+        self.recorder = routes
+        self.routes = None if routes is None else SlotRoutes(routes, slots, self.room, device)
 
     # -- the loop ----------------------------------------------------------------------------
 
     def run(self) -> list[Generated]:
         if not self.requests:
             return []
+        recording = self.recorder.recording() if self.recorder else contextlib.nullcontext()
+        with recording:
+            return self._run()
+
+    def _run(self) -> list[Generated]:
         current = self.version()
         self.refill(current)
         still: list[bool] | None = None  # each row's liveness, when the host knows it
@@ -202,7 +215,11 @@ class SlotLoop:
             return False
         taken = [self.queue.popleft() for _ in free]
         requests = [self.requests[i] for i in taken]
+        if self.routes is not None:
+            self.routes.before_forward()
         logits = self.decoder.fill(free, [r.prompt_ids for r in requests])
+        if self.routes is not None:
+            self.routes.filled(free, [r.prompt_ids for r in requests], *self.decoder.filled)
         self.stats.prefills += 1
         self.stats.useful_forwards += len(free)
         index = torch.tensor(free, **self.long)
@@ -250,6 +267,7 @@ class SlotLoop:
                 token_ids=[int(t) for t in tokens[:n]],
                 logprobs=row[1 + 2 * room :][:n],
                 versions=[int(v) for v in versions[:n]],
+                routes=None if self.routes is None else self.routes.harvest(slot, n),
             )
             self.stats.tokens += n
             self.strategy.finished(slot, self.decoder)
@@ -280,7 +298,11 @@ class SlotLoop:
         return draw(self.keys[:, stream, None], self.counters[:, None] + offsets)
 
     def plain_step(self, current: int) -> None:
+        if self.routes is not None:
+            self.routes.before_forward()
         logits = self.decoder.step(self.fed())
+        if self.routes is not None:  # the fed token is each live row's newest, not counted
+            self.routes.stepped((self.counters - 1).clamp_min(0), self.live)
         chosen, chosen_logp = sample_per_request(
             logits, self.sampling, self.keys[:, SAMPLE], self.counters
         )

@@ -102,6 +102,8 @@ class SlotDecoder:
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in distinct])
         # The prompts run over a small cache of their own, whose rows are then copied
         # into the slots' rows.
+        #: the last fill's distinct prompt of each slot given, and their padded width
+        self.filled = (rows, width)
         prefill = Prefill(
             self.model, len(distinct), width, self.kv_scales, self.record_hidden, self.dtype
         )

@@ -19,6 +19,8 @@ from asyncfp8.engines.probe_scoring import (
 from asyncfp8.engines.speculative.settings import SpeculativeSettings
 from asyncfp8.engines.speculative.slots import SlotSpeculation
 from asyncfp8.hf.loading import load_model, load_tokenizer
+from asyncfp8.moe import moe_layout
+from asyncfp8.moe.routes import RouteRecorder
 from asyncfp8.precision import PrecisionPolicy, get_policy
 from asyncfp8.precision.fp8_kv import kv_scale_names
 from asyncfp8.precision.kernel_support import launching_on, on_its_device
@@ -28,7 +30,7 @@ from asyncfp8.precision.modules import apply_policy
 from .base import EngineUnsupported, Sample, SamplingParams, Scores, check_slots
 from .decode import ATTENTION, Prefill, forward_static, processed_logprobs
 from .kv_cache import quantize_kv
-from .slot_loop import SlotLoop, SlotStats, seeded_requests
+from .slot_loop import Generated, SlotLoop, SlotStats, seeded_requests
 from .slots import SlotDecoder
 from .torch_support import (
     check_counts,
@@ -400,15 +402,23 @@ class TorchEngine:
                 between_steps=self.between_steps if self.slots is not None else None,
                 stats=stats,
                 strategy=self.speculation,
+                routes=self._route_recorder(decoder),
             ).run()
         finally:
             self._generating = False
         self.last_stats = stats
         self._train_drafter(started)
         return [
-            self._sample(prompt_index, prompt_ids, g.token_ids, g.logprobs, g.versions, sampling)
+            self._sample(prompt_index, prompt_ids, g, sampling)
             for (prompt_index, prompt_ids), g in zip(jobs, generated, strict=True)
         ]
+
+    def _route_recorder(self, decoder) -> RouteRecorder | None:
+        """An MoE's routes are recorded in eager steps (no hook runs in a compiled or
+        captured step: those samples carry none)."""
+        if moe_layout(self.model.config) is None or decoder.use_graph or decoder.compiled:
+            return None
+        return RouteRecorder(self.model)
 
     def _train_drafter(self, started: float) -> None:
         """Online: the drafter learns from the rollouts just made, between generations, for
@@ -421,13 +431,14 @@ class TorchEngine:
         with torch.enable_grad():
             self.speculation.trainer.train(self.speculative.train_steps, deadline)
 
-    def _sample(self, prompt_index, prompt_ids, ids, logprobs, versions, sampling) -> Sample:
-        eos = self.tokenizer.eos_token_id
+    def _sample(self, prompt_index, prompt_ids, generated: Generated, sampling) -> Sample:
+        eos, ids = self.tokenizer.eos_token_id, generated.token_ids
         return Sample(
             prompt_ids=list(prompt_ids),
             token_ids=ids,
-            logprobs=logprobs,
-            versions=versions,
+            logprobs=generated.logprobs,
+            versions=generated.versions,
+            routes=generated.routes,
             finish_reason="stop"
             if ids and ids[-1] == eos and not sampling.ignore_eos
             else "length",

@@ -116,6 +116,8 @@ def proximal_thread(
                 "(set correction.proximal_thread=false)"
             )
         on = False
+    if cfg.correction.get("routing_replay"):  # its scorer routes on its own (checks.py)
+        on = False
     if not on or versions is None:  # without kept versions there is nothing to score ahead
         return None
     scorer = policy.prepare_learner(load_model(model_dir, dtype=torch.float32))
@@ -168,6 +170,7 @@ def train_step(
         min_kept=cfg.correction.min_kept,
         starved=str(cfg.correction.starved),
         proximal_thread=scored_ahead,
+        routing_replay=bool(cfg.correction.get("routing_replay", False)),
     )
 
 

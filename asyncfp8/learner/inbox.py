@@ -16,6 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncfp8.learner.leases import LeaseBook
+from asyncfp8.moe import MoELayout
+from asyncfp8.moe.routes import routes_of
 from asyncfp8.sync import HandshakeWatch, Limits, Trajectory, TrajectoryReceiver
 from asyncfp8.train.batches import Group
 
@@ -73,6 +75,8 @@ class Inbox:
         self._thread = threading.Thread(target=self._serve, name="asyncfp8-inbox", daemon=True)
         #: told of each group as it becomes ready (the proximal thread scores it ahead)
         self.on_group: Callable[[Group], None] | None = None
+        #: an MoE model's layout, which a sample's routes must fit (None: a dense model)
+        self.route_layout: MoELayout | None = None
 
     def start(self) -> None:
         if self.receiver is not None:
@@ -149,6 +153,8 @@ class Inbox:
                 "dropped a trajectory from %s without a lease or tokens", trajectory.worker_id
             )
             return
+        if trajectory.routes is not None and not self._routes_fit(trajectory, lease):
+            return
         key = (lease, trajectory.prompt_index)
         owed = self.book.leases.get(lease)
         if owed is None or trajectory.prompt_index not in owed.pending:
@@ -176,6 +182,24 @@ class Inbox:
         self.counts["samples"] += len(part)
         self.counts["tokens"] += sum(len(t.token_ids) for t in part)
         self.lock.notify_all()
+
+    def _routes_fit(self, trajectory: Trajectory, lease: int) -> bool:
+        """Whether a sample's routes fit its tokens and the model; one that does not is
+        dropped (never trained on), counted and named."""
+        sample = (
+            f"sample {trajectory.seq} of {trajectory.worker_id} (lease {lease}, prompt "
+            f"{trajectory.prompt_index})"
+        )
+        tokens = len(trajectory.prompt_ids) + len(trajectory.token_ids)
+        try:
+            if self.route_layout is None:
+                raise ValueError(f"{sample}: routes sent for a dense model")
+            routes_of(trajectory.routes, tokens, self.route_layout, sample)
+        except ValueError as err:
+            self.counts["bad_trajectories"] += 1
+            log.warning("dropped a trajectory whose routes do not fit: %s", err)
+            return False
+        return True
 
     def _on_lease(self, request: dict[str, Any]) -> dict[str, Any]:
         now = time.monotonic()

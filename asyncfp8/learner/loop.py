@@ -22,6 +22,7 @@ from asyncfp8.checks import (
 )
 from asyncfp8.learner import build
 from asyncfp8.models import load_tokenizer, run_model_dir
+from asyncfp8.moe import moe_layout
 from asyncfp8.precision.fp8_kv import kv_scale_names
 from asyncfp8.run import distributed
 from asyncfp8.run.files import GUARD_STOP_FILE, GUARD_STOPPED
@@ -137,7 +138,10 @@ class Learner:
             return RankHub(self.stop, self.colocated)
         metrics = StepMetrics(self.correction, self.tokenizer.pad_token_id)
         staleness = max_staleness_of(self.cfg.run)
-        return Hub(self.cfg, staleness, self.ranks.world, self.stop, metrics, self.colocated)
+        layout = moe_layout(self.model.config)  # an MoE's: the routes samples may carry
+        hub = Hub(self.cfg, staleness, self.ranks.world, self.stop, metrics, self.colocated)
+        hub.inbox.route_layout = layout
+        return hub
 
     def _publisher(self) -> Publisher:
         cfg, ranks = self.cfg, self.ranks

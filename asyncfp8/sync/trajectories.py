@@ -49,6 +49,9 @@ class Trajectory:
     #: the learner's log-prob of each token under its version's weights, scored ahead
     #: (train/proximal_thread.py; never sent)
     proximal_logprobs: Sequence[float] | None = None
+    #: MoE: the experts the engine routed each prompt and completion token to, uint8
+    #: [tokens, layers, top_k] row-major (asyncfp8/moe/routes.py; NO_ROUTE where none ran)
+    routes: bytes | None = None
 
     def encode(self, sender: str) -> bytes:
         n = len(self.token_ids)
@@ -72,6 +75,7 @@ class Trajectory:
                 "prompt_index": int(self.prompt_index),
                 "finish_reason": self.finish_reason,
                 "meta": self.meta,
+                "routes": self.routes,
             },
             use_bin_type=True,
         )
@@ -136,6 +140,7 @@ class Trajectory:
             )
         if msg["seq"] < 0:
             raise RejectedMessage(f"negative sequence number {msg['seq']}")
+        routes = _checked_routes(msg.get("routes"), len(arrays["prompt_ids"]) + n)
         trajectory = Trajectory(
             prompt_ids=arrays["prompt_ids"].tolist(),
             token_ids=arrays["token_ids"].tolist(),
@@ -149,8 +154,20 @@ class Trajectory:
             seq=msg["seq"],
             meta=msg["meta"],
             sender=msg["sender"],
+            routes=routes,
         )
         return msg["sender"], trajectory
+
+
+def _checked_routes(routes: Any, tokens: int) -> bytes | None:
+    """A message's routes, bytes of a whole number per token (or none); the learner checks
+    them against its model (learner/inbox.py)."""
+    if routes is not None and (not isinstance(routes, bytes) or len(routes) % max(tokens, 1)):
+        raise RejectedMessage(
+            f"routes: not bytes, or {len(routes) if isinstance(routes, bytes) else '?'} "
+            f"bytes are no whole number per token of its {tokens} tokens"
+        )
+    return routes
 
 
 class SeenSequences:

@@ -119,6 +119,8 @@ class TrainBatch:
     index: list[int] = field(default_factory=list)
     #: [N, T] fp32 π_prox scored ahead under each token's version (NaN: not scored)
     proximal_logp: torch.Tensor | None = None
+    #: MoE: each row's engine routes (Trajectory.routes); None when no row has any
+    routes: list[bytes | None] | None = None
 
     def to(self, device: torch.device | str) -> TrainBatch:
         tensors = {
@@ -160,4 +162,6 @@ def batch_tensors(trajectories: list[Trajectory], pad: int) -> TrainBatch:
             proximal[row, :k] = torch.tensor(t.proximal_logprobs)
     batch = TrainBatch(input_ids, attention, positions, rollout, versions, mask)
     batch.proximal_logp = proximal
+    if any(t.routes is not None for t in trajectories):
+        batch.routes = [t.routes for t in trajectories]
     return batch

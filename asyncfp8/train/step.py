@@ -37,9 +37,9 @@ from asyncfp8.train.losses import (
     kl_penalty,
     policy_loss_terms,
 )
+from asyncfp8.train.moe_routing import MoERouting
 from asyncfp8.train.proximal_thread import ProximalThread
 from asyncfp8.train.rollback import StepGuard
-from asyncfp8.train.router_balance import RouterBalance
 from asyncfp8.train.sums import StepSums, StepTotals, UpdateSums
 from asyncfp8.train.versions import VersionWeights
 
@@ -135,6 +135,7 @@ class TrainStep:
         min_kept: float = 0.0,
         starved: str = Starved.scale,
         proximal_thread: ProximalThread | None = None,
+        routing_replay: bool = False,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.correction, self.optim = correction, optim
@@ -148,14 +149,14 @@ class TrainStep:
         self.calibration = calibration
         self.min_kept, self.starved = min_kept, starved  # the starved-update rule
         self.starved_updates = 0  # since the learner started
-        # An MoE: its routers read in every forward (balance loss, moe/* metrics)
-        self.balance = RouterBalance.of(model, optim.router_aux_coef)
+        # An MoE: its routers read in every forward (balance loss, replay, moe/* metrics)
+        self.routing = MoERouting.of(model, optim.router_aux_coef, routing_replay)
 
     def __call__(self, share: Share, step: int, version: int) -> StepSums:
         started = time.perf_counter()
         totals = StepTotals()
-        if self.balance is not None:
-            self.balance.start_step()
+        if self.routing is not None:
+            self.routing.start_step()
         prepared = self._prepare(share, totals)
         rejection = {}
         if self.calibration is not None and not self.calibration.done:
@@ -189,7 +190,7 @@ class TrainStep:
             self.guard.metrics if self.guard is not None else {},
             self._loss_scale_metrics(totals.loss_scale_skipped),
             rejection | {"correction/starved_steps": self.starved_updates},
-            self.balance.metrics(totals) if self.balance is not None else {},
+            self.routing.metrics(totals) if self.routing is not None else {},
         )
 
     def _prepare(self, share: Share, totals: StepTotals) -> Prepared:
@@ -364,7 +365,7 @@ class TrainStep:
         backward runs on the numerator times `factor` (`_gradient_factor`). Returns the
         log-probs the correction saw."""
         optim = self.optim
-        with self.balance.reading() if self.balance else contextlib.nullcontext() as routes:
+        with self.routing.reading() if self.routing else contextlib.nullcontext() as routes:
             logp, entropy = self.logprobs(self.model, micro)
         if judged:
             bound = self.guard.settings.log_ratio_bound
@@ -385,11 +386,13 @@ class TrainStep:
             sums.kl += (kl.detach() * kept).sum().item()
         numerator, denominator = aggregate_parts(per_token, terms.mask, self.loss.aggregation)
         if routes is not None:
-            numerator = numerator + self.balance.term(
+            numerator = numerator + self.routing.term(
                 routes, micro.attention_mask, denominator, sums
             )
-        # FP16 gradients: the loss scaled up, so that small gradients do not flush to zero
-        (numerator * factor if factor != 1.0 else numerator).backward()
+        # FP16 gradients: the loss scaled up, so that small gradients do not flush to
+        # zero; routed as the forward was, for an activation-checkpointed recompute
+        with self._routed(self.model, micro):
+            (numerator * factor if factor != 1.0 else numerator).backward()
         sums.total += numerator.item()
         policy = aggregate_parts(terms.per_token.detach(), terms.mask, self.loss.aggregation)[0]
         sums.policy += policy.item()
@@ -449,7 +452,15 @@ class TrainStep:
     def logprobs(
         self, model: torch.nn.Module, batch: TrainBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return completion_logprobs(model, batch, self.temperature, self.optim.logprob_chunk_tokens)
+        with self._routed(model, batch):
+            chunk = self.optim.logprob_chunk_tokens
+            return completion_logprobs(model, batch, self.temperature, chunk)
+
+    def _routed(self, model: torch.nn.Module, batch: TrainBatch):
+        """The policy's forwards of an MoE batch routed with its engine routes."""
+        if self.routing is None or model is not self.model:
+            return contextlib.nullcontext()
+        return self.routing.routed(batch)
 
     def memory(self, micro: TrainBatch | None = None) -> dict[str, Any]:
         """What bounds a step's memory, for an out-of-memory message."""

@@ -65,6 +65,7 @@ def roll_out(engine: RolloutEngine, task: Task, lease: Mapping[str, Any]) -> lis
                 prompt_index=prompt.index,
                 finish_reason=sample.finish_reason,
                 meta={"lease": lease["lease"]},
+                routes=sample.routes,
             )
         )
     return trajectories

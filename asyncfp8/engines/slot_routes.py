@@ -1,0 +1,53 @@
+"""The routes an MoE model's forwards ran in the slot loop, per slot: its prompt's from the
+fill, and each completion token's from the plain step that fed it (a token never fed, the
+last, and any a speculative step kept, have none: NO_ROUTE). Read from the engine's own
+routers (`asyncfp8.moe.routes.RouteRecorder`) in eager steps only: a compiled or captured
+step runs no Python hook."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from asyncfp8.moe.routes import NO_ROUTE, RouteRecorder, pack_routes
+
+
+class SlotRoutes:
+    def __init__(self, recorder: RouteRecorder, slots: int, room: int, device: torch.device):
+        layout = recorder.layout
+        self.recorder = recorder
+        self.prompt: list[torch.Tensor | None] = [None] * slots
+        self.out = torch.full(
+            (slots, room, len(layout.layers), layout.top_k),
+            NO_ROUTE,
+            dtype=torch.uint8,
+            device=device,
+        )
+        self.rows = torch.arange(slots, device=device)
+
+    def before_forward(self) -> None:
+        """Drops what forwards since the last one recorded (a probe between steps)."""
+        self.recorder.picks = []
+
+    def filled(
+        self, slots: Sequence[int], prompts: Sequence[Sequence[int]], rows: list[int], width: int
+    ) -> None:
+        """After the fill of `slots` with `prompts` (the fill's distinct left-padded
+        `rows`, `width` wide): each slot's prompt routes, and no completion routes yet."""
+        picks = self.recorder.take()
+        picks = picks.reshape(-1, width, *picks.shape[1:])
+        for slot, ids, row in zip(slots, prompts, rows, strict=True):
+            self.prompt[slot] = picks[row, width - len(ids) :]
+            self.out[slot] = NO_ROUTE
+
+    def stepped(self, columns: torch.Tensor, fed: torch.Tensor) -> None:
+        """After a plain step: each row `fed` a real token has its routes at its
+        completion column (`columns`, [slots])."""
+        picks = self.recorder.take()
+        here = self.out[self.rows, columns]
+        self.out[self.rows, columns] = torch.where(fed[:, None, None], picks, here)
+
+    def harvest(self, slot: int, tokens: int) -> bytes:
+        """Slot `slot`'s routes: its prompt's, then its first `tokens` completion tokens'."""
+        return pack_routes(torch.cat([self.prompt[slot], self.out[slot, :tokens]]))
