@@ -166,3 +166,27 @@ def test_a_replayed_run_reports_its_routing_and_a_worker_sends_routes(tmp_path, 
         assert 0 <= record["moe/routing_mismatch"] <= 1
         assert record["moe/replayed_tokens"] > 0
         assert record["total/bad_trajectories"] == 0
+
+
+def test_routes_of_groups_held_at_a_checkpoint_survive_the_resume(tmp_path):
+    """A checkpoint saves the inbox's partial and ready groups with their routes (the
+    learner's state, torch.save) and a resumed learner trains on them as they were."""
+    from asyncfp8.learner.inbox import Inbox
+    from asyncfp8.learner.leases import LeaseBook
+    from asyncfp8.moe import MoELayout
+
+    layout = MoELayout(experts=4, top_k=2, layers=(0, 1))
+    inbox = Inbox(None, LeaseBook(capacity=4, timeout=60), 2, {}, 0, None)
+    inbox.route_layout, inbox.version = layout, 0
+    lease = inbox.lease("w", 1, {})["lease"]
+    prompt = min(inbox.book.leases[lease].pending)
+    routes = pack_routes(torch.randint(0, 4, (3, 2, 2)))
+    sample = Trajectory([1], [2, 3], [-0.1] * 2, [0] * 2, 1.0, "g", seq=0, routes=routes)
+    sample.prompt_index, sample.meta = prompt, {"lease": lease}
+    inbox.deliver([sample])  # one of a group of two: partial
+    torch.save(inbox.state_dict(), tmp_path / "state.pt")
+    resumed = Inbox(None, LeaseBook(capacity=4, timeout=60), 2, {}, 0, None)
+    resumed.route_layout = layout
+    resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False))
+    [kept] = resumed.partial[(lease, prompt)]
+    assert kept.routes == routes
