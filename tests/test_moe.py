@@ -346,3 +346,47 @@ def test_a_vllm_worker_refits_the_moe_and_its_probe_agrees_at_every_version(
     assert all(v >= 3 for k, v in probes.items() if k.endswith("/refit/probes"))
     assert all(v == 0 for k, v in probes.items() if k.endswith("/refit/failures"))
     assert all(v < 0.1 for k, v in probes.items() if k.endswith("/refit/probe_mean_abs_dlogp"))
+
+
+def test_the_refit_probe_catches_a_skipped_update_of_a_busy_expert(tiny_moe_dir):
+    """A refit that left one expert of layer 1 at the previous version: caught, naming the
+    layer, for the experts most of the probe's tokens go through (0 and 2: 109 and 70 of
+    its 256 picks there). A quiet expert's (1 and 3: 35 and 42 picks) moves the layer's
+    output RMS less than the probe's 1e-4 and passes unseen (docs/moe.md)."""
+    from asyncfp8.engines.torch_engine import TorchEngine
+    from asyncfp8.models import load_model, load_tokenizer
+    from asyncfp8.precision import calibrate_version, extra_roles, get_policy, version_weights
+    from asyncfp8.precision.manifest import decoder_layers
+    from asyncfp8.refit.probe import RefitChecker, probe_sequences
+    from asyncfp8.refit.reference import ReferenceForward
+    from tests.test_refit_probe import TASK, TIGHT, masters, stepped
+
+    tokenizer = load_tokenizer(tiny_moe_dir)
+    texts = [TASK.prompt(i).text + TASK.completion(TASK.prompt(i)) for i in range(4)]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    ids, lengths = probe_sequences(batch["input_ids"], batch["attention_mask"], 4, 32)
+    prompts = [TASK.prompt(i).text for i in range(16)]
+    calibration = dict(tokenizer(prompts, return_tensors="pt", padding=True))
+    base = load_model(tiny_moe_dir, dtype=torch.float32)
+    versions = [base, stepped(tiny_moe_dir, base)]
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    for skipped, caught in ((None, False), (0, True), (2, True)):
+        policy = get_policy("bf16")
+        policy.bind_model(base.config)
+        reference = ReferenceForward(tiny_moe_dir, policy)
+        engine = TorchEngine(str(tiny_moe_dir), get_policy("bf16"), device="cpu")
+        sent = []
+        for number, model in enumerate(versions):
+            extra = calibrate_version(model, policy, calibration)
+            probe = reference.probe(masters(model), extra, ids, lengths)
+            roles = extra_roles(policy, extra)
+            weights = dict(version_weights(policy, masters(model), roles, decoder_layers(model)))
+            sent.append(weights)
+            if number == 1 and skipped is not None:
+                weights[fused] = weights[fused].clone()
+                weights[fused][skipped] = sent[0][fused][skipped]
+            engine.update_weights(number, weights, dict(extra), roles)
+            check = RefitChecker(engine, TIGHT).check(number, probe, extra)
+        assert check.passed is not caught, (skipped, check.describe())
+        if caught:
+            assert check.layers[0].startswith("model.layers.1 "), check.layers
