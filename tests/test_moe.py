@@ -260,10 +260,14 @@ def test_an_moe_learner_runs_on_two_fsdp2_ranks(tmp_path, tiny_moe_dir):
         "run.learner_procs=2",
         "run.workers=1",
         "optim.router_aux_coef=0.01",
+        # each rank replays its micro-batches' routes, also in a checkpointed recompute
+        "correction.routing_replay=true",
+        "optim.activation_checkpointing=true",
     )
     done = moe_metrics(run_dir)
     assert "2 rank(s)" in (run_dir / "learner.log").read_text()
     assert [r["step"] for r in done] == [1, 2, 3]
+    assert all(r["moe/replayed_tokens"] > 0 for r in done)
 
 
 def router_gradients(model_dir, groups, coef):
