@@ -1,7 +1,7 @@
 """Mixture-of-experts models: which architectures the library runs (`architectures`), the
-routers' decisions read during a forward (`routers`), the load-balancing loss and the
-expert-load metrics the learner reports (`balance`), and the experts under a checkpoint's
-names (`checkpoint_names`). docs/moe.md"""
+learner's routers read, compared and replayed (`routers`), an engine's routes recorded and
+carried (`routes`), the load-balancing loss and expert-load metrics (`balance`), and the
+experts under a checkpoint's names (`checkpoint_names`). docs/moe.md"""
 
 from .architectures import MoELayout, check_architecture, moe_layout
 from .balance import ExpertLoad, load_balancing_loss
