@@ -110,6 +110,31 @@ def learner_config(model_dir: Path, run_dir: Path, *overrides: str):
         )
 
 
+def plain_train_step(model_dir: Path, *overrides: str):
+    """(`TrainStep` over a plain FP32 model and the config's AdamW, the model, the config):
+    built from the learner's config alone, with no learner, process group or ports."""
+    from asyncfp8.correction import build_correction
+    from asyncfp8.learner.build import optimizer_and_schedule
+    from asyncfp8.train.step import TrainStep
+
+    cfg = learner_config(model_dir, Path("unused"), *overrides)
+    model = load_model(model_dir, dtype=torch.float32)
+    install_logprob_head(model)
+    optimizer, scheduler = optimizer_and_schedule(model, cfg.optim, cfg.run.steps)
+    step = TrainStep(
+        model,
+        optimizer,
+        scheduler,
+        build_correction(cfg.correction),
+        cfg.optim,
+        cfg.correction.mode,
+        cfg.run.temperature,
+        load_tokenizer(model_dir).pad_token_id,
+        torch.device("cpu"),
+    )
+    return step, model, cfg
+
+
 def train(learner, groups: list[Group]) -> dict:
     """One step of `learner` on `groups` as its loop would run it (every rank calls it;
     the groups are used on rank 0 only)."""

@@ -192,28 +192,12 @@ def test_a_train_step_needs_no_sockets_and_trains_as_the_learner(
     """`TrainStep` over a plain (unsharded) model and AdamW, built from the config alone,
     with no learner, process group, ports or processes: the learner's parameters after
     two steps."""
-    from asyncfp8.correction import build_correction
-    from asyncfp8.learner.build import optimizer_and_schedule
-    from asyncfp8.models import load_tokenizer
-    from asyncfp8.train.step import TrainStep, plan_shares
+    from asyncfp8.train.step import plan_shares
+    from tests.recorded import plain_train_step
 
     overrides = ["correction=token_tis", "optim.mini_batches=2"]
-    cfg = learner_config(tiny_model_dir, Path("unused"), *overrides)
+    step, model, cfg = plain_train_step(tiny_model_dir, *overrides)
     optim = cfg.optim
-    model = load_model(tiny_model_dir, dtype=torch.float32)
-    install_logprob_head(model)
-    optimizer, scheduler = optimizer_and_schedule(model, optim, cfg.run.steps)
-    step = TrainStep(
-        model,
-        optimizer,
-        scheduler,
-        build_correction(cfg.correction),
-        optim,
-        cfg.correction.mode,
-        cfg.run.temperature,
-        load_tokenizer(tiny_model_dir).pad_token_id,
-        torch.device("cpu"),
-    )
     assert not torch.distributed.is_initialized()
     for number, groups in enumerate(recorded[:2]):
         sums = step(plan_shares(groups, optim, world=1)[0], number, version=0)

@@ -273,31 +273,11 @@ def test_an_moe_learner_runs_on_two_fsdp2_ranks(tmp_path, tiny_moe_dir):
 def router_gradients(model_dir, groups, coef):
     """The routers' gradients after one train step (lr 0: the weights stay) on `groups`,
     one micro-batch, with optim.router_aux_coef = `coef`; and the step's metrics."""
-    from pathlib import Path
-
-    from asyncfp8.correction import build_correction
-    from asyncfp8.learner.build import optimizer_and_schedule
-    from asyncfp8.models import load_model, load_tokenizer
-    from asyncfp8.train.logprobs import install_logprob_head
-    from asyncfp8.train.step import TrainStep, plan_shares
-    from tests.recorded import learner_config
+    from asyncfp8.train.step import plan_shares
+    from tests.recorded import plain_train_step
 
     overrides = ("optim.lr=0", "optim.grad_clip=1e9", "optim.micro_batch_tokens=null")
-    cfg = learner_config(model_dir, Path("unused"), *overrides, f"optim.router_aux_coef={coef}")
-    model = load_model(model_dir, dtype=torch.float32)
-    install_logprob_head(model)
-    optimizer, scheduler = optimizer_and_schedule(model, cfg.optim, cfg.run.steps)
-    step = TrainStep(
-        model,
-        optimizer,
-        scheduler,
-        build_correction(cfg.correction),
-        cfg.optim,
-        cfg.correction.mode,
-        cfg.run.temperature,
-        load_tokenizer(model_dir).pad_token_id,
-        torch.device("cpu"),
-    )
+    step, model, cfg = plain_train_step(model_dir, *overrides, f"optim.router_aux_coef={coef}")
     sums = step(plan_shares(groups, cfg.optim, world=1)[0], 0, version=0)
     grads = {
         n: p.grad.clone() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")

@@ -260,14 +260,17 @@ class SlotLoop:
         parts = (self.counters[:, None], self.out_tokens, self.out_version, self.out_logp)
         rows = torch.cat([p.index_select(0, index).double() for p in parts], 1).tolist()
         room = self.room
-        for slot, row in zip(finished, rows, strict=True):
+        routes = None
+        if self.routes is not None:
+            routes = self.routes.harvest(finished, [int(row[0]) for row in rows])
+        for i, (slot, row) in enumerate(zip(finished, rows, strict=True)):
             n = int(row[0])
             tokens, versions = row[1 : 1 + room], row[1 + room : 1 + 2 * room]
             self.results[self.owner[slot]] = Generated(
                 token_ids=[int(t) for t in tokens[:n]],
                 logprobs=row[1 + 2 * room :][:n],
                 versions=[int(v) for v in versions[:n]],
-                routes=None if self.routes is None else self.routes.harvest(slot, n),
+                routes=None if routes is None else routes[i],
             )
             self.stats.tokens += n
             self.strategy.finished(slot, self.decoder)

@@ -48,6 +48,13 @@ class SlotRoutes:
         here = self.out[self.rows, columns]
         self.out[self.rows, columns] = torch.where(fed[:, None, None], picks, here)
 
-    def harvest(self, slot: int, tokens: int) -> bytes:
-        """Slot `slot`'s routes: its prompt's, then its first `tokens` completion tokens'."""
-        return pack_routes(torch.cat([self.prompt[slot], self.out[slot, :tokens]]))
+    def harvest(self, slots: Sequence[int], tokens: Sequence[int]) -> list[bytes]:
+        """Each slot's routes: its prompt's, then its first `tokens` completion tokens',
+        brought to the host in one copy (a GPU read waits for the device)."""
+        parts = [
+            torch.cat([self.prompt[slot], self.out[slot, :count]])
+            for slot, count in zip(slots, tokens, strict=True)
+        ]
+        host = torch.cat(parts).cpu()
+        sizes = [len(part) for part in parts]
+        return [pack_routes(rows) for rows in host.split(sizes)]

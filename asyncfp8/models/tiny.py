@@ -70,47 +70,31 @@ class ModelSpec:
         return fields
 
 
+# For tests: builds and warm-starts in seconds.
+TINY = ModelSpec(
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
+# For the demo. hidden 128 fills FP8's 128x128 blocks exactly (q_proj is one full
+# block); intermediate 352 = 2.75 blocks and k/v_proj's 64 rows exercise padding.
+SMALL = ModelSpec(
+    hidden_size=128,
+    intermediate_size=352,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 SIZES: dict[str, ModelSpec] = {
-    # For tests: builds and warm-starts in seconds.
-    "tiny": ModelSpec(
-        hidden_size=64,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    ),
-    # For MoE tests: `tiny`'s attention, 4 experts of 64, top-2.
-    "tiny_moe": ModelSpec(
-        hidden_size=64,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_experts=4,
-        experts_per_token=2,
-        moe_intermediate_size=64,
-    ),
-    # For the demo. hidden 128 fills FP8's 128x128 blocks exactly (q_proj is one full
-    # block); intermediate 352 = 2.75 blocks and k/v_proj's 64 rows exercise padding.
-    "small": ModelSpec(
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
-    # The MoE demo (Qwen3-MoE): `small`'s attention, 8 experts of one FP8 block each, top-2,
-    # so a token's active MLP (2 x 128) is near `small`'s 352.
-    "small_moe": ModelSpec(
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=8,
-        experts_per_token=2,
-        moe_intermediate_size=128,
-    ),
+    "tiny": TINY,
+    # Qwen3-MoE for MoE tests: `tiny` with 4 experts of 64, top-2
+    "tiny_moe": replace(TINY, num_experts=4, experts_per_token=2, moe_intermediate_size=64),
+    "small": SMALL,
+    # The MoE demo: `small` with 8 experts of one FP8 block each, top-2, so a token's
+    # active MLP (2 x 128) is near `small`'s 352
+    "small_moe": replace(SMALL, num_experts=8, experts_per_token=2, moe_intermediate_size=128),
 }
 
 

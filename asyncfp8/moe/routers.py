@@ -36,9 +36,10 @@ class RouterTap:
         self._armed = False
         self._routes: torch.Tensor | None = None  # [tokens, layers, top_k], the engine's
         self._replay = False
-        self.compared = 0  # token × layer pairs with an engine route, read inside reading()
-        self.mismatched = 0  # of which the learner picked another set of experts
-        self.replayed = 0  # tokens routed as the engine did, inside reading()
+        # token × layer pairs with an engine route read inside reading(), those whose set
+        # the learner picks otherwise, and the tokens replayed: device counts (no sync per
+        # layer), read by take_counts
+        self._counts: torch.Tensor | None = None
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(functools.partial(self._on_router, layer))
 
@@ -49,9 +50,10 @@ class RouterTap:
             has = (engine != NO_ROUTE).all(-1)
             if self._armed:
                 own, theirs = indices.sort(-1).values, engine.sort(-1).values
-                self.compared += int(has.sum())
-                self.mismatched += int(((own != theirs).any(-1) & has).sum())
-                self.replayed += int(has.sum()) if self._replay and layer == 0 else 0
+                differ = ((own != theirs).any(-1) & has).sum()
+                replayed = has.sum() if self._replay and layer == 0 else torch.zeros_like(differ)
+                counts = torch.stack([has.sum(), differ, replayed])
+                self._counts = counts if self._counts is None else self._counts + counts
             if self._replay:
                 indices = torch.where(has[:, None], engine, indices)
                 weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, indices)
@@ -90,6 +92,5 @@ class RouterTap:
 
     def take_counts(self) -> tuple[int, int, int]:
         """(compared, mismatched, replayed) since the last take."""
-        counts = self.compared, self.mismatched, self.replayed
-        self.compared = self.mismatched = self.replayed = 0
-        return counts
+        counts, self._counts = self._counts, None
+        return (0, 0, 0) if counts is None else tuple(int(c) for c in counts.tolist())

@@ -23,8 +23,9 @@ class MoERouting:
     def __init__(self, model: torch.nn.Module, coef: float, replay: bool):
         self.tap = RouterTap(model)
         self.coef, self.replay = coef, replay
-        layout = self.tap.layout
-        self.load = ExpertLoad(len(layout.layers), layout.experts)
+        # the last batch's routes, laid out once for its forward, backward and π_prox
+        self._laid_out: tuple[TrainBatch, torch.Tensor] | None = None
+        self.start_step()
 
     @classmethod
     def of(cls, model: torch.nn.Module, coef: float, replay: bool) -> MoERouting | None:
@@ -34,6 +35,7 @@ class MoERouting:
         layout = self.tap.layout
         self.load = ExpertLoad(len(layout.layers), layout.experts)
         self.tap.take_counts()
+        self._laid_out = None
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[RouterTap]:
@@ -46,9 +48,12 @@ class MoERouting:
         and, replaying, used."""
         if batch.routes is None:
             return contextlib.nullcontext()
-        lengths = batch.attention_mask.sum(1).tolist()
-        routes = batch_routes(batch.routes, lengths, batch.input_ids.shape[1], self.tap.layout)
-        return self.tap.routed(routes, self.replay)
+        if self._laid_out is None or self._laid_out[0] is not batch:
+            lengths = batch.attention_mask.sum(1).tolist()
+            width = batch.input_ids.shape[1]
+            routes = batch_routes(batch.routes, lengths, width, self.tap.layout)
+            self._laid_out = (batch, routes)
+        return self.tap.routed(self._laid_out[1], self.replay)
 
     def term(
         self, routes: RouterTap, mask: torch.Tensor, denominator: float, sums: UpdateSums
