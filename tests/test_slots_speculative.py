@@ -173,6 +173,7 @@ def test_sampled_tokens_follow_the_targets_distribution(tiny_model_dir, trained)
     assert math.isfinite(stat)
 
 
+@pytest.mark.slow
 def test_drafter_state_round_trips_and_another_models_is_refused(tiny_model_dir, trained, tmp_path):
     path = tmp_path / "drafter.pt"
     torch.save(trained.drafter_state(), path)
