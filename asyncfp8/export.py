@@ -141,11 +141,14 @@ def export_run(
     masters = checkpoint_state(checkpoint, source)
     written = [save_model(masters, source, out, info)]
     if policy is not None:
+        from asyncfp8.precision.experts import split_named
         from asyncfp8.precision.export import export_checkpoint, stored_names
 
         quantized = out.with_name(f"{out.name}-{precision.replace('+', '_')}")
         # From the FP32 masters, not the BF16 model just written: FP16 keeps 3 more bits.
-        tensors = ((name, masters[name]) for name in stored_names(out))
+        # An MoE's fused experts under the names the written model stores them by.
+        by_name = dict(split_named(masters.items()))
+        tensors = ((name, by_name[name]) for name in stored_names(out))
         export_checkpoint(policy, out, quantized, tensors=tensors)
         written.append(quantized)
     return written

@@ -50,6 +50,20 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    """The shipped tiny_moe model (Qwen3-MoE, 4 experts, top-2), copied so that no test
+    changes the shipped one."""
+    from asyncfp8.models import make_tiny_model
+    from asyncfp8.models.tiny import SHIPPED_DIR
+
+    shipped = make_tiny_model("tiny_moe", progress=False)
+    assert shipped.parent == SHIPPED_DIR, f"no shipped tiny_moe model: {shipped} was built"
+    out = tmp_path_factory.mktemp("moe") / "tiny_moe"
+    shutil.copytree(shipped, out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The tiny model warm-started on the default `arithmetic` task, shipped with the

@@ -14,20 +14,6 @@ from asyncfp8.report.summary import per_step
 from tests.launched import launch, refusal
 
 
-@pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory):
-    """The shipped tiny_moe model (Qwen3-MoE, 4 experts, top-2), copied so that no test
-    changes the shipped one."""
-    from asyncfp8.models import make_tiny_model
-    from asyncfp8.models.tiny import SHIPPED_DIR
-
-    shipped = make_tiny_model("tiny_moe", progress=False)
-    assert shipped.parent == SHIPPED_DIR, f"no shipped tiny_moe model: {shipped} was built"
-    out = tmp_path_factory.mktemp("moe") / "tiny_moe"
-    shutil.copytree(shipped, out)
-    return out
-
-
 def test_the_shipped_moe_models_are_qwen3_moe_and_dense_ones_kept_their_keys():
     from asyncfp8.models.tiny import SHIPPED_DIR, make_tiny_model, shipped_on
 
@@ -163,12 +149,6 @@ def test_a_dense_model_has_no_routers_to_tap(tiny_model_dir):
 def test_moe_settings_the_library_cannot_honour_are_refused_at_start(
     tmp_path, tiny_moe_dir, tiny_model_dir
 ):
-    # Weight-quantizing formats leave the 3-D expert tensors 16-bit: refused, not run.
-    for precision in ("fp8", "int8", "mixed"):
-        message = refusal(tiny_moe_dir, tmp_path / precision, f"precision={precision}")
-        assert f"precision '{precision}" in message  # mixed: 'mixed_fp8'
-        assert "quantizes linear weights, but not yet an MoE model's experts" in message
-        assert "run it in precision=bf16, fp16 or fp8_kv" in message
     # The balance loss asks for routers.
     for setting in ("optim.router_aux_coef=0.01", "correction.routing_replay=true"):
         message = refusal(tiny_model_dir, tmp_path / "dense", setting)
@@ -260,9 +240,12 @@ def test_an_moe_learner_runs_on_two_fsdp2_ranks(tmp_path, tiny_moe_dir):
         "run.learner_procs=2",
         "run.workers=1",
         "optim.router_aux_coef=0.01",
-        # each rank replays its micro-batches' routes, also in a checkpointed recompute
+        # each rank replays its micro-batches' routes, also in a checkpointed recompute,
+        # through the experts' fake-quant forward over its FSDP2 shards
         "correction.routing_replay=true",
         "optim.activation_checkpointing=true",
+        "precision=int8",
+        "precision.learner_forward=quantized",
     )
     done = moe_metrics(run_dir)
     assert "2 rank(s)" in (run_dir / "learner.log").read_text()

@@ -2,7 +2,6 @@
 through, they travel with the trajectory and are checked on receipt, and the learner
 compares them with its own picks and, replaying, routes as the engine did."""
 
-import shutil
 
 import pytest
 import torch
@@ -13,15 +12,6 @@ from asyncfp8.report.summary import per_step
 from asyncfp8.sync import Trajectory
 from asyncfp8.sync.limits import Limits, RejectedMessage
 from tests.launched import launch
-
-
-@pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory):
-    from asyncfp8.models import make_tiny_model
-
-    out = tmp_path_factory.mktemp("moe") / "tiny_moe"
-    shutil.copytree(make_tiny_model("tiny_moe", progress=False), out)
-    return out
 
 
 def own_routes(model, ids: list[int]) -> torch.Tensor:

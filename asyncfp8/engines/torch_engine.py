@@ -22,6 +22,7 @@ from asyncfp8.hf.loading import load_model, load_tokenizer
 from asyncfp8.moe import moe_layout
 from asyncfp8.moe.routes import RouteRecorder
 from asyncfp8.precision import PrecisionPolicy, get_policy
+from asyncfp8.precision.experts import split_experts
 from asyncfp8.precision.fp8_kv import kv_scale_names
 from asyncfp8.precision.kernel_support import launching_on, on_its_device
 from asyncfp8.precision.manifest import TensorRole, check_received, decoder_layers
@@ -129,6 +130,8 @@ class TorchEngine:
         GPU); returns each tensor's decoder layer, read before the linears are replaced."""
         if self.policy.model_config is None:
             self.policy.bind_model(self.model.config)
+        if self.policy.quantizes_weights:  # an MoE's experts as linears a format can swap
+            split_experts(self.model)
         layer_of = decoder_layers(self.model)  # read before quantized modules replace linears
         try:
             with launching_on(self.device):  # the Triton quantizers, on the engine's GPU

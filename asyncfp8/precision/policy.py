@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .experts import split_named, use_fake_quant_experts
 from .manifest import Role, TensorRole
 from .modules import use_fake_quant
 from .storage import Storage
@@ -110,9 +111,15 @@ class PrecisionPolicy:
         not here travels as `Role.EXTRA`, which no built-in engine takes."""
         return {}
 
+    def source_tensors(self, named_tensors: NamedTensors) -> NamedTensors:
+        """The tensors `quantizes` is asked about: the learner's, except that a policy with
+        a weight format sees an MoE's fused experts as each expert's linears, under
+        checkpoint names (experts.py)."""
+        return split_named(named_tensors) if self.quantizes_weights else named_tensors
+
     def quantize_weights(self, named_tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
         """Streams (name, tensor) pairs through the policy, one learner tensor at a time."""
-        for name, tensor in named_tensors:
+        for name, tensor in self.source_tensors(named_tensors):
             if self.quantizes(name, tensor):
                 yield from self.quantize_tensor(name, tensor)
             else:
@@ -186,7 +193,8 @@ class PrecisionPolicy:
         objects are kept, so optimizer, checkpoints and versions see the same model."""
         if self.learner_forward != "quantized":
             return model
-        return use_fake_quant(model, self)
+        model = use_fake_quant(model, self)
+        return use_fake_quant_experts(model, self) if self.quantizes_weights else model
 
     # -- the model ---------------------------------------------------------------------------
 

@@ -41,12 +41,13 @@ def version_weights(
     for name, master in named:
         master = master.detach()
         layer = None if layers is None else layers.get(name)
-        for out_name, out in policy.quantize_weights([(name, master)]):
-            if roles is not None:
-                roles[out_name] = TensorRole(policy.output_role(name, out_name), layer)
-            # A policy may pass a master tensor through unchanged (an FP32 LM head): the
-            # version must not alias weights the optimizer will update in place.
-            yield out_name, out.clone() if _shares_storage(out, master) else out
+        for source, part in policy.source_tensors([(name, master)]):
+            for out_name, out in policy.quantize_weights([(source, part)]):
+                if roles is not None:
+                    roles[out_name] = TensorRole(policy.output_role(source, out_name), layer)
+                # A policy may pass a master tensor through unchanged (an FP32 LM head):
+                # the version must not alias weights the optimizer will update in place.
+                yield out_name, out.clone() if _shares_storage(out, master) else out
 
 
 def calibrate_version(

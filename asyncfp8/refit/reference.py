@@ -16,6 +16,7 @@ from asyncfp8.engines.probe_scoring import (
 )
 from asyncfp8.hf.cpu_half import is_plain_linear
 from asyncfp8.precision import PrecisionPolicy
+from asyncfp8.precision.experts import split_experts, split_named
 from asyncfp8.precision.fp8_kv import fake_quantize_e4m3, kv_scale_names
 from asyncfp8.refit.probe import Probe
 
@@ -88,6 +89,8 @@ class ReferenceForward:
         self.model = load_model(model_dir, dtype=policy.engine_dtype).eval()
         # The weights a policy quantizes stay FP32 masters (a version is quantized from
         # them); every other parameter is held in the engine's dtype, as engines hold it.
+        if policy.quantizes_weights:  # an MoE's experts as their linears (experts.py)
+            split_experts(self.model)
         self.renamed = _use_reference_linears(self.model, policy)
         if policy.engine_config().get("lm_head_dtype") == "float32":
             # As the engine runs it (TorchEngine): the last projection in FP32, weight and
@@ -102,6 +105,8 @@ class ReferenceForward:
         self.loaded = False
 
     def load(self, masters: Iterable[tuple[str, torch.Tensor]], extra: Mapping[str, torch.Tensor]):
+        if self.policy.quantizes_weights:
+            masters = split_named(masters)
         with torch.no_grad():
             for name, tensor in masters:
                 if name in self.renamed:  # a quantized layer's FP32 master, as it is
