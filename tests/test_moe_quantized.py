@@ -28,9 +28,7 @@ def reference_quantized(precision: str, weight: torch.Tensor) -> tuple[torch.Ten
 
 
 @pytest.mark.parametrize("precision", ["fp8", "int8"])
-def test_each_expert_linear_is_quantized_on_its_own_and_the_router_is_not(
-    precision, tiny_moe_dir
-):
+def test_each_expert_linear_is_quantized_on_its_own_and_the_router_is_not(precision, tiny_moe_dir):
     from safetensors.torch import load_file
 
     from asyncfp8.models import load_model
@@ -87,9 +85,7 @@ def skip_expert(weights: dict, previous: dict, expert: int) -> None:
 
 
 @pytest.mark.parametrize("precision", ["fp8", "int8", "fp8+fp8_kv"])
-def test_the_engine_runs_8bit_experts_as_the_probe_reference_computes_them(
-    precision, tiny_moe_dir
-):
+def test_the_engine_runs_8bit_experts_as_the_probe_reference_computes_them(precision, tiny_moe_dir):
     """Two versions through the torch engine: each passes the refit probe's tight tolerance
     (the reference quantizes every expert linear as the engine does), the log-probs are the
     quantized ones (not BF16's), and an update that skipped a busy expert is caught."""
@@ -139,9 +135,7 @@ def test_the_engine_runs_8bit_experts_as_the_probe_reference_computes_them(
 
 
 @pytest.mark.parametrize("precision", ["fp8", "int8"])
-def test_the_quantized_learner_forward_is_the_engines_forward_on_an_moe(
-    precision, tiny_moe_dir
-):
+def test_the_quantized_learner_forward_is_the_engines_forward_on_an_moe(precision, tiny_moe_dir):
     """learner_forward=quantized on an MoE: the experts' linears fake-quantized over the
     fused parameters give what an FP32 engine running the version computes; the gradient
     reaches the fused parameters straight through."""

@@ -2,7 +2,6 @@
 through, they travel with the trajectory and are checked on receipt, and the learner
 compares them with its own picks and, replaying, routes as the engine did."""
 
-
 import pytest
 import torch
 

@@ -56,6 +56,8 @@ def bad_trajectory_frames(rng: random.Random, count: int, limit_bytes: int):
     }
     nan_logprobs = msgpack.unpackb(genuine[8:], raw=False)
     nan_logprobs["logprobs"] = bytes(4) + b"\x00\x00\xc0\x7f"  # [0.0, NaN]
+    torn_routes = msgpack.unpackb(genuine[8:], raw=False)
+    torn_routes["routes"] = bytes(7)  # an MoE's routes, not a whole number per token (5)
     makers = [
         ("trajectory message", lambda: [rng.randbytes(rng.randrange(0, 2000))]),
         ("trajectory message", lambda: [genuine[: rng.randrange(len(genuine))]]),
@@ -63,6 +65,7 @@ def bad_trajectory_frames(rng: random.Random, count: int, limit_bytes: int):
         ("trajectory message", lambda: [seal(bytes(limit_bytes + 1000))]),  # over the limit
         ("trajectory message", lambda: [seal(msgpack.packb(wrong_fields))]),
         ("trajectory message", lambda: [seal(msgpack.packb(nan_logprobs))]),
+        ("trajectory message", lambda: [seal(msgpack.packb(torn_routes))]),
         ("trajectory message", lambda: [b"junk", rng.randbytes(50)]),  # extra frames
         ("lease request", lambda: [LEASE_FRAME, rng.randbytes(rng.randrange(0, 300))]),
         (

@@ -24,6 +24,7 @@ from asyncfp8.moe.routes import RouteRecorder
 from asyncfp8.precision import PrecisionPolicy, get_policy
 from asyncfp8.precision.experts import split_experts
 from asyncfp8.precision.fp8_kv import kv_scale_names
+from asyncfp8.precision.grouped_experts import group_experts
 from asyncfp8.precision.kernel_support import launching_on, on_its_device
 from asyncfp8.precision.manifest import TensorRole, check_received, decoder_layers
 from asyncfp8.precision.modules import apply_policy
@@ -93,6 +94,7 @@ class TorchEngine:
         check_layer_kinds(model)
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
+        self.cuda_graph = cuda_graph and self.device.type == "cuda"
         layer_of = self._quantize(config)
         self.fp8_kv = config.get("kv_cache_dtype") == "fp8"
         layers = self.model.config.num_hidden_layers
@@ -104,7 +106,6 @@ class TorchEngine:
         self._kv_scales_loaded: set[tuple[int, str]] = set()
         self.max_batch, self.finish_check_every = max_batch, finish_check_every
         self.cache_block = cache_block
-        self.cuda_graph = cuda_graph and self.device.type == "cuda"
         #: the decode step through torch.compile (SlotDecoder); engine.compile resolved
         self.compile = resolve_compile(compile, self.device)
         self.slots = slots
@@ -138,6 +139,14 @@ class TorchEngine:
                 apply_policy(self.model, self.policy)
         except NotImplementedError as err:
             raise EngineUnsupported(f"engine torch: {err}") from None
+        looped = group_experts(self.model)
+        if looped and self.cuda_graph:
+            raise EngineUnsupported(
+                f"engine torch: the experts of {looped[0]} run in a loop over the experts "
+                f"(no grouped kernel for precision {self.policy.name!r} here: Triton runs "
+                "16-bit and blockwise FP8 experts), which a CUDA graph cannot capture; set "
+                "engine.cuda_graph=false"
+            )
         if config.get("lm_head_dtype") == "float32":
             # FlashRL's LM-head option: the last projection in FP32 (weights and input).
             self.model.lm_head.float()

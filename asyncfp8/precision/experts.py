@@ -97,8 +97,13 @@ class ExpertLinears(nn.ModuleList):
             ExpertMLP(gate_up[e, :half], gate_up[e, half:], down[e], fused.act_fn)
             for e in range(gate_up.shape[0])
         )
+        #: the experts as grouped GEMMs over stacked weights, where the engine's device and
+        #: format allow (grouped_experts.py); None: the loop over the experts
+        self.grouped = None
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        if self.grouped is not None:
+            return self.grouped(hidden_states, top_k_index, top_k_weights)
         return routed_sum(
             hidden_states, top_k_index, top_k_weights, lambda e, x: self[e](x), len(self)
         )
