@@ -4,7 +4,6 @@ the per-expert token shares behind the `moe/expert_load_*` metrics."""
 from __future__ import annotations
 
 import torch
-from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 
 def load_balancing_loss(
@@ -15,6 +14,10 @@ def load_balancing_loss(
     per token and P_e its mean router probability, over the real tokens (`mask`, [B, T]) of
     every layer's logits ([B·T, experts] each). top_k when the load is even; up to
     `experts` when the same experts take every token, with certainty."""
+    # Imported here: asyncfp8.precision names experts through this package, and must not
+    # load transformers' models on import (a bench's own `kernels` module shadows theirs).
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
     return load_balancing_loss_func(tuple(logits), experts, top_k, mask)
 
 
