@@ -20,11 +20,13 @@
 # A run stops starting steps TOTAL_S (540) seconds in; the summary's last line is the
 # command that runs what did not finish.
 #
-# Where the results go: $OUT (default bench/results/gpu-run), at most 8 files:
+# Where the results go: $OUT (default bench/results/gpu-run): 7 files in a default run (a
+# device machine brings back at most 8), 9 in a dry run of every step:
 #     summary.txt          the machine, one line per step (how it ended, seconds of its
 #                          limit, rows written and failed), the command for what is left
 #     log.txt              every step's whole output
-#     <step>-<gpu>.json    quantize, kernels, rollout, compiled, learner, longtail (rollout-h100.json),
+#     <step>-<gpu>.json    quantize, kernels, rollout, moe, compiled, learner, longtail
+#                          (rollout-h100.json),
 #                          each rewritten after every row (a stopped step keeps its rows)
 # It exits non-zero if a step failed, timed out or was not reached, and at once, having
 # run nothing, where torch sees no CUDA GPU (without --dry-run).
@@ -44,6 +46,9 @@
 #   rollout      300 s  5 precisions × (a 1.5B model built on the GPU, quantized, ~6
 #                       compiles) × 5 shapes × (1 + 2 timed) decodes of 64 tokens and of 1,
 #                       5 captures (93 s on the H100); the decode step eager in the graph
+#   moe           90 s  bench/rollout.py --moe: Qwen3-30B-A3B's layer shape (8 of 48 layers,
+#                       128 experts, top-8) in bf16 and fp8, batch 1, 8 and 64 after 256
+#                       tokens, the experts as grouped Triton GEMMs (not run on a GPU yet)
 #   compiled     240 s  the same with the decode step through torch.compile (engine.compile),
 #                       bf16, fp8 and int8 at batch 1 and 64 after 256 tokens: one compile
 #                       of the 28-layer step per cell (its time on a GPU not measured yet)
@@ -54,10 +59,10 @@
 set -u
 cd "$(dirname "$0")/.."
 
-ALL_STEPS="pytest-gpu quantize kernels rollout compiled learner longtail"
-DEFAULT_STEPS="pytest-gpu quantize kernels rollout compiled"
+ALL_STEPS="pytest-gpu quantize kernels rollout moe compiled learner longtail"
+DEFAULT_STEPS="pytest-gpu quantize kernels rollout moe compiled"
 TOTAL_S=540
-declare -A LIMIT=([pytest-gpu]=150 [quantize]=40 [kernels]=80 [rollout]=200 [compiled]=240
+declare -A LIMIT=([pytest-gpu]=150 [quantize]=40 [kernels]=80 [rollout]=200 [moe]=90 [compiled]=240
     [learner]=240 [longtail]=540)
 
 DRY_RUN=0
@@ -180,6 +185,8 @@ run_step() {
     kernels) limited "$2" python3 bench/kernels.py "${DRY[@]}" --out "$json" ;;
     rollout) limited "$2" python3 bench/rollout.py --device cuda --repeats 2 --compile off \
         "${DRY[@]}" --out "$json" ;;
+    moe) limited "$2" python3 bench/rollout.py --device cuda --moe --repeats 2 --compile off \
+        --precisions bf16,fp8 --contexts short --batches 1,8,64 "${DRY[@]}" --out "$json" ;;
     compiled) limited "$2" python3 bench/rollout.py --device cuda --repeats 2 --compile on \
         --precisions bf16,fp8,int8 --contexts short --batches 1,64 "${DRY[@]}" --out "$json" ;;
     learner) limited "$2" python3 bench/learner.py --device cuda "${DRY[@]}" --out "$json" ;;

@@ -80,6 +80,45 @@ TOY = QWEN_1_5B | {
     "vocab_size": 512,
 }
 
+# Qwen3-30B-A3B's layer shape (its config.json: 128 experts of 768, top-8, 32 query / 4 KV
+# heads × 128), 8 of its 48 layers so that the BF16 experts (9.7 GB) leave the KV cache room.
+QWEN3_30B_A3B = {
+    "architecture": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+TOY_MOE = QWEN3_30B_A3B | {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 512,
+}
+SHAPE_NAMES = {
+    id(QWEN_1_5B): "qwen2.5-1.5b-shaped, random init",
+    id(TOY): "toy qwen2, random init",
+    id(QWEN3_30B_A3B): "qwen3-30b-a3b-shaped (8 of 48 layers), random init",
+    id(TOY_MOE): "toy qwen3-moe, random init",
+}
+
 
 def prompt_of(tokens: int) -> str:
     text = "Q: " + " ".join(f"{i % 10}+{(i * 7) % 10}" for i in range(tokens))
@@ -226,30 +265,45 @@ def describe(row: dict) -> str:
 
 
 def random_qwen(device: torch.device, shape: dict | None = None):
-    """A random-init Qwen2 of Qwen2.5-1.5B's shape (or `shape`), built on `device` in bf16."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A random-init Qwen2 of Qwen2.5-1.5B's shape (or `shape`; a Qwen3-MoE where it says
+    `architecture: qwen3_moe`), built on `device` in bf16."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from asyncfp8.models.tokenizer import build_byte_tokenizer
 
     tokenizer = build_byte_tokenizer()
-    config = Qwen2Config(
-        **(shape or QWEN_1_5B),
+    shape = dict(shape or QWEN_1_5B)
+    moe = shape.pop("architecture", None) == "qwen3_moe"
+    config_class, model_class = (
+        (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen2Config, Qwen2ForCausalLM)
+    )
+    config = config_class(
+        **shape,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM._from_config(config, dtype=torch.bfloat16)
+        model = model_class._from_config(config, dtype=torch.bfloat16)
     return model.eval(), tokenizer
 
 
-def step_weight_bytes(model: torch.nn.Module) -> int:
+def step_weight_bytes(model: torch.nn.Module, batch: int = 1) -> float:
     """Bytes one decode step reads of the engine's model: every parameter and buffer once
     (a tied embedding counted once, as the LM head reads it all), less an untied input
-    embedding (a step reads one row of it per sequence)."""
-    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()] if t.numel()}
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    embedding (a step reads one row of it per sequence); of an MoE's experts, the share a
+    batch of `batch` tokens reaches when each picks k of E uniformly: 1 − (1 − k/E)^batch
+    (the planner's rule, asyncfp8/plan/costs.py; skewed routers reach fewer)."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    tensors = {t.data_ptr(): (name, t) for name, t in named if t.numel()}
+    config = model.config
+    experts, top_k = getattr(config, "num_experts", None), getattr(config, "num_experts_per_tok", 1)
+    reached = 1.0 - (1.0 - top_k / experts) ** batch if experts else 1.0
+    total = sum(
+        t.numel() * t.element_size() * (reached if ".experts." in name else 1.0)
+        for name, t in tensors.values()
+    )
     embedding = model.get_input_embeddings().weight
     if embedding.data_ptr() != model.get_output_embeddings().weight.data_ptr():
         total -= embedding.numel() * embedding.element_size()
@@ -257,7 +311,7 @@ def step_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def kv_bytes_per_step(config, batch: int, context: float, fp8: bool) -> float:
-    head_dim = config.hidden_size // config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim
     return batch * context * per_token * (1 if fp8 else 2)
 
@@ -285,9 +339,7 @@ def gpu_table(
     batches = getattr(args, "batches", None)
     table = Table(
         out,
-        model="qwen2.5-1.5b-shaped, random init"
-        if shape is QWEN_1_5B
-        else "toy qwen2, random init",
+        model=SHAPE_NAMES.get(id(shape), "random init"),
         model_config=dict(shape),
         new_tokens=new_tokens,
         short_prompt=contexts.get("short"),
@@ -395,7 +447,7 @@ def gpu_row(engine, device, prompt_tokens: int, batch: int, new_tokens: int, rep
     # Each length's untimed first run builds the decoder its cache size needs.
     seconds = max(median_time(new_tokens) - median_time(1), 1e-9)
     rate = batch * (new_tokens - 1) / seconds
-    weight_bytes = step_weight_bytes(engine.model)
+    weight_bytes = step_weight_bytes(engine.model, batch)
     kv_bytes = kv_bytes_per_step(
         engine.model.config, batch, prompt_tokens + new_tokens / 2, engine.fp8_kv
     )
@@ -433,6 +485,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="GPU: no CUDA graph (diagnosis)")
     parser.add_argument(
+        "--moe", action="store_true", help="GPU: Qwen3-30B-A3B's layer shape (TOY_MOE dry)"
+    )
+    parser.add_argument(
         "--contexts",
         type=lambda s: s.split(","),
         default=["short", "long"],
@@ -461,7 +516,7 @@ def main() -> int:
         parser.error("--new-tokens must be at least 2 (one decode step)")
 
     if args.dry_run:
-        args.shape, args.eager = TOY, True
+        args.shape, args.eager = (TOY_MOE if args.moe else TOY), True
         args.new_tokens, args.short, args.long = (
             args.new_tokens or 4,
             args.short or 8,
@@ -480,6 +535,8 @@ def main() -> int:
         from kernels import device_tag
 
         tag, device = device_tag(), torch.device("cuda")
+        if args.moe:
+            args.shape = QWEN3_30B_A3B
     else:
         tag, device = "cpu", None
     out = args.out or Path(__file__).resolve().parent / "results" / f"rollout-{tag}.json"

@@ -1,6 +1,6 @@
 """bench/gpu.sh: `--dry-run` runs every step on the CPU at a toy size through the same
 code and the same limits, with only the GPU machine's packages importable
-(tests/gpu_machine.py), and brings back what a GPU run would: at most 8 files, a table
+(tests/gpu_machine.py), and brings back what a GPU run would: 9 files in all, a table
 per bench and a summary with a line per step. Timings are not asserted."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from tests.gpu_machine import machine_env
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH_STEPS = ("quantize", "kernels", "rollout", "compiled", "learner", "longtail")
+BENCH_STEPS = ("quantize", "kernels", "rollout", "moe", "compiled", "learner", "longtail")
 
 
 def gpu_sh(*args: str, out: Path, timeout: float) -> subprocess.CompletedProcess:
@@ -34,7 +34,7 @@ def gpu_sh(*args: str, out: Path, timeout: float) -> subprocess.CompletedProcess
 
 
 @pytest.mark.slow
-def test_the_dry_run_runs_every_step_and_brings_back_eight_files(tmp_path):
+def test_the_dry_run_runs_every_step_and_brings_back_nine_files(tmp_path):
     out = tmp_path / "out"
     done = gpu_sh("--dry-run", out=out, timeout=600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
@@ -62,6 +62,12 @@ def test_the_dry_run_runs_every_step_and_brings_back_eight_files(tmp_path):
         for b in batches
     ]
     assert all(r["tokens_per_s"] > 0 and r["fraction_of_floor"] > 0 for r in rows["rollout"])
+    moe = json.loads(tables["moe"].read_text())
+    assert moe["model"] == "toy qwen3-moe, random init"
+    assert [(r["precision"], r["batch"]) for r in rows["moe"]] == [
+        (p, b) for p in ("bf16", "fp8") for b in (1, 8, 64)
+    ]
+    assert all(r["tokens_per_s"] > 0 and r["fraction_of_floor"] > 0 for r in rows["moe"])
     compiled = json.loads(tables["compiled"].read_text())
     assert (
         compiled["compile"] == "on"
