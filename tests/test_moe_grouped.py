@@ -68,3 +68,39 @@ def test_the_grouped_kernel_matches_the_expert_loops_under_the_interpreter():
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     summary = result.stdout.strip().splitlines()[-1]
     assert " 0 mismatches" in summary and int(summary.split()[0]) >= 17, summary
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_gpu_an_moe_decodes_in_a_cuda_graph_with_grouped_experts(precision, tiny_moe_dir):
+    """On a GPU the experts are grouped GEMMs, which a CUDA graph captures: the captured
+    decode gives the eager engine's greedy tokens, and its log-probs stay near the CPU's."""
+    from asyncfp8.engines import SamplingParams
+    from asyncfp8.engines.torch_engine import TorchEngine
+    from asyncfp8.precision.grouped_experts import GroupedExperts
+
+    prompts = ["12+34=", "7+8=", "99+1="]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
+    graph = TorchEngine(str(tiny_moe_dir), precision, device="cuda")
+    eager = TorchEngine(str(tiny_moe_dir), precision, device="cuda", cuda_graph=False)
+    experts = graph.model.model.layers[0].mlp.experts
+    assert isinstance(experts, GroupedExperts) or experts.grouped is not None
+    captured, plain = graph.generate(prompts, sampling), eager.generate(prompts, sampling)
+    assert [s.token_ids for s in captured] == [s.token_ids for s in plain]
+    cpu = TorchEngine(str(tiny_moe_dir), precision, device="cpu")
+    on_cpu = cpu.score([s.prompt_ids + s.token_ids for s in captured])
+    on_gpu = graph.score([s.prompt_ids + s.token_ids for s in captured])
+    for a, b in zip(on_cpu.logprobs, on_gpu.logprobs, strict=True):
+        assert (torch.as_tensor(a) - torch.as_tensor(b)).abs().max() < 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_int8_experts_ask_for_the_graph_off(tiny_moe_dir):
+    from asyncfp8.engines import EngineUnsupported
+    from asyncfp8.engines.torch_engine import TorchEngine
+
+    with pytest.raises(EngineUnsupported, match="set engine.cuda_graph=false"):
+        TorchEngine(str(tiny_moe_dir), "int8", device="cuda")
+    TorchEngine(str(tiny_moe_dir), "int8", device="cuda", cuda_graph=False)
