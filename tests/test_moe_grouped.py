@@ -101,6 +101,6 @@ def test_gpu_int8_experts_ask_for_the_graph_off(tiny_moe_dir):
     from asyncfp8.engines import EngineUnsupported
     from asyncfp8.engines.torch_engine import TorchEngine
 
-    with pytest.raises(EngineUnsupported, match="set engine.cuda_graph=false"):
+    with pytest.raises(EngineUnsupported, match=r"set engine\.cuda_graph=false"):
         TorchEngine(str(tiny_moe_dir), "int8", device="cuda")
     TorchEngine(str(tiny_moe_dir), "int8", device="cuda", cuda_graph=False)
