@@ -20,7 +20,6 @@ from asyncfp8.engines.base import check_slots
 from asyncfp8.engines.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
 from asyncfp8.moe.architectures import check_architecture, is_moe
 from asyncfp8.precision import PrecisionPolicy, build_policy
-from asyncfp8.precision.sensitivity import mixed_part
 from asyncfp8.report.metrics import loggers_of
 from asyncfp8.run.process import check_counts
 from asyncfp8.sync.endpoints import curve, endpoints
@@ -282,14 +281,6 @@ def check_moe(cfg: DictConfig, model_dir: str | Path, policy: PrecisionPolicy) -
     check_architecture(config, f"model {model_dir}")
     if replay:
         check_routing_replay(cfg, model_dir)
-    # The mixed layout is measured over the learner's linears, which an MoE's fused experts
-    # are not: it would leave every expert in 16 bits while the run says 8-bit.
-    if mixed_part(policy) is not None:
-        raise ValueError(
-            f"precision {policy.name!r}: the mixed layout does not yet measure an MoE's "
-            f"experts ({model_dir} is {config.get('architectures', ['an MoE'])[0]}); use "
-            "precision=fp8 or int8, whose experts are quantized one linear at a time"
-        )
     if policy.quantizes_weights and cfg.engine.name != "torch":
         raise ValueError(
             f"precision {policy.name!r} with engine={cfg.engine.name}: 8-bit experts run in "

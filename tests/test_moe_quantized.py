@@ -67,8 +67,42 @@ def test_each_expert_linear_is_quantized_on_its_own_and_the_router_is_not(precis
 def test_8bit_experts_other_than_in_the_torch_engine_are_refused(tmp_path, tiny_moe_dir):
     message = refusal(tiny_moe_dir, tmp_path / "vllm", "precision=fp8", "engine=vllm")
     assert "8-bit experts run in the built-in torch engine only" in message
-    message = refusal(tiny_moe_dir, tmp_path / "mixed", "precision=mixed")
-    assert "the mixed layout does not yet measure an MoE's experts" in message
+
+
+def test_the_mixed_layout_measures_each_expert_linear(tiny_moe_dir):
+    """precision=mixed on an MoE: each expert's gate, up and down are layers of the layout,
+    measured one at a time, their FLOPs k/E of their size; a layout that keeps one expert
+    sends it in BF16 and quantizes the others."""
+    from asyncfp8.models import load_model, load_tokenizer
+    from asyncfp8.precision import build_policy
+    from asyncfp8.precision.sensitivity import calibration_batch, plan_layout
+    from tests.test_refit_probe import TASK
+
+    model = load_model(tiny_moe_dir, dtype=torch.float32)
+    batch, mask = calibration_batch(TASK, load_tokenizer(tiny_moe_dir), 16)
+    layout = plan_layout(model, get_policy("fp8"), batch, mask, budget=1.5)
+    projections = ("gate_proj", "up_proj", "down_proj")
+    linears = [
+        f"model.layers.{i}.mlp.experts.{e}.{p}"
+        for i in (0, 1)
+        for e in range(4)
+        for p in projections
+    ]
+    assert set(linears) <= set(layout.sensitivity)
+    assert not any(name.endswith("mlp.gate") for name in layout.sensitivity)
+    config = model.config
+    assert layout.flops[linears[0]] == pytest.approx(
+        config.hidden_size * config.moe_intermediate_size * 2 / 4
+    )
+    kept = f"{EXPERTS}.2"
+    policy = build_policy(
+        {"name": "mixed", "keep": [f"{kept}.{p}" for p in projections]},
+        tiny_moe_dir,
+    )
+    sent = dict(version_weights(policy, model.named_parameters()))
+    assert sent[f"{kept}.up_proj.weight"].dtype == torch.bfloat16
+    assert f"{kept}.up_proj.weight_scale_inv" not in sent
+    assert sent[f"{EXPERTS}.1.up_proj.weight"].dtype == torch.float8_e4m3fn
 
 
 def skip_expert(weights: dict, previous: dict, expert: int) -> None:
@@ -182,8 +216,9 @@ def test_the_quantized_learner_forward_is_the_engines_forward_on_an_moe(precisio
     [
         ("precision=fp8", "correction.routing_replay=true", "precision.learner_forward=quantized"),
         ("precision=int8",),
+        ("precision=mixed", "precision.budget=1.5"),  # the layout measured at start
     ],
-    ids=["fp8-replay-quantized-forward", "int8"],
+    ids=["fp8-replay-quantized-forward", "int8", "mixed"],
 )
 def test_an_8bit_moe_run_trains_and_every_refit_probe_passes(tmp_path, tiny_moe_dir, settings):
     run_dir, _ = launch(tmp_path, tiny_moe_dir, "run.steps=3", *settings)

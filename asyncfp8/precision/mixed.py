@@ -135,8 +135,10 @@ class MixedPolicy(PrecisionPolicy):
         if self.keep:
             from transformers import AutoModelForCausalLM
 
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config)
+            from .experts import split_experts
+
+            with torch.device("meta"):  # an MoE's experts named as the layout names them
+                model = split_experts(AutoModelForCausalLM.from_config(config))
             linear = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
             unknown = sorted(self.keep - linear)
             if unknown:

@@ -16,6 +16,7 @@ from torch import nn
 
 from asyncfp8.hf.cpu_half import is_plain_linear, where_cpu_lacks_gemm
 
+from .experts import split_experts, split_named
 from .mixed import MixedPolicy, layer_of
 from .policy import PrecisionPolicy
 
@@ -30,7 +31,7 @@ class Layout:
     kl: float  # KL of this layout
 
     sensitivity: dict[str, float]  # KL added by quantizing that layer alone
-    flops: dict[str, int]  # multiply-adds per token of each layer the format takes
+    flops: dict[str, float]  # multiply-adds per token of each layer the format takes
 
     @property
     def ratio(self) -> float:
@@ -83,7 +84,9 @@ class EngineTwin:
         where_cpu_lacks_gemm(
             twin, base.engine_dtype
         )  # as load_model gives the torch engine its model
-        masters = dict(model.named_parameters())
+        # An MoE's experts as the engine holds them: each expert linear a layer of its own.
+        split_experts(twin)
+        masters = dict(split_named(model.named_parameters()))
         self.switches: dict[str, Switch] = {}
         for prefix, parent in list(twin.named_modules()):
             for child_name, child in list(parent.named_children()):
@@ -100,9 +103,15 @@ class EngineTwin:
             raise ValueError(f"precision {base.name!r} quantizes no linear layer of this model")
         self.model = twin.eval()
 
-    def flops(self) -> dict[str, int]:
+    def flops(self) -> dict[str, float]:
+        """Multiply-adds per token of each layer; an expert's linear runs for k of E tokens
+        (uniform routing), so it counts k/E of its size."""
+        config = self.model.config
+        experts = getattr(config, "num_experts", None) or 0
+        share = config.num_experts_per_tok / experts if experts else 1.0
         return {
-            name: s.plain.in_features * s.plain.out_features for name, s in self.switches.items()
+            name: s.plain.in_features * s.plain.out_features * (share if ".experts." in name else 1)
+            for name, s in self.switches.items()
         }
 
     def logits(self, batch: Mapping[str, torch.Tensor], quantized: set[str]) -> torch.Tensor:
