@@ -211,7 +211,7 @@ def make_plan(cfg: Mapping[str, Any]) -> dict[str, Any]:
         # π_prox of each sample's own version: the copies the learner keeps in host memory
         "proximal_versions_bytes": proximal_versions_bytes(model, staleness),
         "sync": dict(cfg["sync"]),
-        "calibration": _calibration_summary(calibration, gpu),
+        "calibration": _calibration_summary(calibration, gpu, model),
         "batch_sizes": batch_sizes,
         "precisions": rows,
         "recommendation": recommend(rows, gpu),
@@ -302,7 +302,7 @@ def _learner_seconds(
     return learner_s, learner_source
 
 
-def _calibration_summary(calibration: Calibration, gpu: GPU) -> dict[str, Any]:
+def _calibration_summary(calibration: Calibration, gpu: GPU, model: ModelFacts) -> dict[str, Any]:
     summary = {
         "name": calibration.name,
         "description": calibration.description,
@@ -312,6 +312,15 @@ def _calibration_summary(calibration: Calibration, gpu: GPU) -> dict[str, Any]:
         "not_fitted": calibration.unfitted,
         "sources": calibration.sources,
     }
+    if model.is_moe:
+        fitted = ", ".join(calibration.fitted) if calibration.fitted else "none: all priors"
+        summary["moe_priors"] = (
+            "the routed experts are priced as dense linears over the experts a batch reaches "
+            "when each token picks k of E uniformly, E(1 - (1 - k/E)^B) per layer (a prior: "
+            "skewed routers reach fewer), with the factors fitted on dense decode steps "
+            f"({fitted}); no factor was fitted to an MoE step. Measured against a CPU MoE "
+            "rollout in docs/plan.md, 'An MoE on this CPU'"
+        )
     if calibration.device and calibration.device.name != gpu.name:
         summary["warning"] = (
             f"measured on {calibration.device.name}, applied to {gpu.name}: its factors "

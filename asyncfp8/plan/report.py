@@ -56,6 +56,7 @@ def table(plan: dict[str, Any]) -> str:
         f"{plan['proximal_versions_bytes'] / 2**30:.1f} GiB of learner host memory",
         f"calibration {calibration['name']}: {calibration['description']}"
         + (f" [{calibration['warning']}]" if calibration.get("warning") else ""),
+        *([f"MoE: {calibration['moe_priors']}"] if calibration.get("moe_priors") else []),
         "",
         "decode tokens/s per engine at the mean context, by running batch ('-': the KV cache "
         "cannot hold that batch)",
