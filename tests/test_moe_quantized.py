@@ -69,6 +69,7 @@ def test_8bit_experts_other_than_in_the_torch_engine_are_refused(tmp_path, tiny_
     assert "8-bit experts run in the built-in torch engine only" in message
 
 
+@pytest.mark.slow
 def test_the_mixed_layout_measures_each_expert_linear(tiny_moe_dir):
     """precision=mixed on an MoE: each expert's gate, up and down are layers of the layout,
     measured one at a time, their FLOPs k/E of their size; a layout that keeps one expert
@@ -118,6 +119,7 @@ def skip_expert(weights: dict, previous: dict, expert: int) -> None:
             weights[name] = previous[name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp8", "int8", "fp8+fp8_kv"])
 def test_the_engine_runs_8bit_experts_as_the_probe_reference_computes_them(precision, tiny_moe_dir):
     """Two versions through the torch engine: each passes the refit probe's tight tolerance
@@ -215,10 +217,9 @@ def test_the_quantized_learner_forward_is_the_engines_forward_on_an_moe(precisio
     "settings",
     [
         ("precision=fp8", "correction.routing_replay=true", "precision.learner_forward=quantized"),
-        ("precision=int8",),
         ("precision=mixed", "precision.budget=1.5"),  # the layout measured at start
     ],
-    ids=["fp8-replay-quantized-forward", "int8", "mixed"],
+    ids=["fp8-replay-quantized-forward", "mixed"],
 )
 def test_an_8bit_moe_run_trains_and_every_refit_probe_passes(tmp_path, tiny_moe_dir, settings):
     run_dir, _ = launch(tmp_path, tiny_moe_dir, "run.steps=3", *settings)

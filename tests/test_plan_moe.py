@@ -8,7 +8,10 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow  # the stated error refits the dense calibration once per cell
 def test_an_moe_table_is_priced_beside_the_stated_error(tmp_path, monkeypatch, capsys):
     from bench import plan_moe
 
