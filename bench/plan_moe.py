@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -72,7 +73,7 @@ def main() -> int:
         args.out,
         {
             "calibration": args.calibration,
-            "table": str(args.table),
+            "table": os.path.relpath(args.table, RESULTS.parent.parent),
             "cells": cells,
             "median_abs_error": float(median),
             "stated_median_abs_error_held_out": float(stated),

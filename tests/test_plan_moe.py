@@ -50,3 +50,33 @@ def test_the_moe_gpu_estimate_names_its_priors():
     assert "none: all priors" in text  # no GPU has measured a vLLM engine
     cfg.model.path = "qwen3-8b"
     assert "MoE:" not in table(make_plan(OmegaConf.to_container(cfg, resolve=True)))
+
+
+def test_an_engine_that_loops_over_the_experts_pays_each_experts_kernels():
+    """With `expert_loop_kernels` the experts' GEMM launches are the reached experts times
+    the loop's kernels, not two grouped kernels a layer: the step costs exactly the extra
+    launches more, and a dense model is priced as before."""
+    from dataclasses import replace
+
+    from asyncfp8.plan.costs import decode_ops, distinct_experts
+    from asyncfp8.plan.gpus import GPUS
+    from asyncfp8.plan.model import load_model_facts
+    from asyncfp8.plan.precisions import get_precision
+    from asyncfp8.plan.step import Efficiency, price_ops
+
+    gpu, fp8 = GPUS["h100"], get_precision("fp8")
+    grouped = Efficiency()
+    looped = replace(grouped, expert_loop_kernels={"bf16": 2.0, "fp8": 3.0, "int8": 3.0})
+    for batch in (1, 64):
+        moe = load_model_facts("small_moe")
+        ops = decode_ops(moe, fp8, batch, batch * 40.0)
+        extra = price_ops(ops, moe, fp8, gpu, looped, batch).seconds
+        extra -= price_ops(ops, moe, fp8, gpu, grouped, batch).seconds
+        reached = moe.moe_layers * distinct_experts(moe, batch)
+        expected = (3 * reached - 2 * moe.moe_layers) * grouped.gemm_launch_s["fp8"]
+        assert abs(extra - expected) < 1e-12
+        dense = load_model_facts("small")
+        ops = decode_ops(dense, fp8, batch, batch * 40.0)
+        assert price_ops(ops, dense, fp8, gpu, looped, batch).seconds == pytest.approx(
+            price_ops(ops, dense, fp8, gpu, grouped, batch).seconds
+        )

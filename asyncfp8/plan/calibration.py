@@ -22,6 +22,9 @@ from .step import Efficiency
 
 CALIBRATIONS = Path(__file__).parent / "data" / "calibration"
 PRIORS = "gpu-priors"
+#: GEMM kernels per reached expert in the torch engine's loop over the experts (a CPU): the
+#: fused gate/up and down in 16 bits; gate, up and down, each quantizing its input, in 8.
+TORCH_CPU_EXPERT_KERNELS = {"bf16": 2.0, "fp8": 3.0, "int8": 3.0}
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,8 @@ def derive(
         else _cpu_device(machine, statistics.median(copies), statistics.median(links))
     )
     fit_names, start = _fit_start({p["precision"] for p in points}, gpu, sync)
+    if engine == "torch" and not gpu:  # no Triton on a CPU: the engine loops over experts
+        start["expert_loop_kernels"] = dict(TORCH_CPU_EXPERT_KERNELS)
     return {
         "name": name,
         "description": f"{engine} engine on {device['name']}: {len(points)} decode rates "

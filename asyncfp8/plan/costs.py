@@ -27,6 +27,7 @@ class Op:
     io_bytes: float  # everything else read or written: activations, KV cache, logits
     dtype: str  # what the math runs in: bf16, fp8, int8 (GEMMs) or the KV type (attention)
     launches: float = 0  # GEMM kernels this op stands for in one step (a share: mixed)
+    experts_reached: float = 0  # routed experts: those a step reaches, summed over layers
 
 
 def kv_bytes_per_token(model: ModelFacts, precision: Precision) -> int:
@@ -103,6 +104,7 @@ def _scaled(op: Op, share: float) -> Op:
         op.io_bytes * share,
         op.dtype,
         op.launches * share,
+        op.experts_reached * share,
     )
 
 
@@ -177,6 +179,7 @@ def _expert_ops(model: ModelFacts, precision: Precision, b: int, layers: int, tp
             io_bytes=layers * b * k * (2 * h + 3 * i / tp) * ACTIVATION_BYTES,
             dtype=weights,
             launches=2 * layers,  # grouped gate/up, then grouped down
+            experts_reached=layers * touched,
         )
     )
     return ops

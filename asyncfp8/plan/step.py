@@ -33,6 +33,9 @@ class Efficiency:
     gemm_launch_s: dict[str, float] = field(
         default_factory=lambda: {"bf16": 2.5e-6, "fp8": 5e-6, "int8": 5e-6}
     )  # fixed cost per GEMM kernel, by input type
+    expert_loop_kernels: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(DTYPES, 0.0)
+    )  # GEMM kernels per reached expert where the engine loops over them (0: grouped)
     kv_quantize_overhead_s: float = 0.0
     step_overhead_s: float = 1e-3
     allreduce_latency_s: float = 10e-6
@@ -64,7 +67,9 @@ def price_ops(
             seconds = max(compute, memory)
             # No tensor cores for the type: weight-only (W8A16), no activation quantization.
             kernel = op.dtype if gpu.has_tensor_cores_for(op.dtype) else "bf16"
-            launches += op.launches * eff.gemm_launch_s[kernel]
+            per_expert = eff.expert_loop_kernels.get(kernel, 0.0) if op.experts_reached else 0
+            count = op.experts_reached * per_expert if per_expert else op.launches
+            launches += count * eff.gemm_launch_s[kernel]
         elif op.kind == "attention":
             compute = op.flops / (gpu.peak_flops("bf16") * eff.attention_compute)
             seconds = max(compute, op.io_bytes / (bandwidth * eff.attention_memory[op.dtype]))

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from .experts import ExpertLinears, fused_experts
-from .fp8 import FP8BlockLinear
-from .fp8.fused import fused_fp8_takes
+from .fp8 import FP8BlockLinear, fused_fp8_takes
 from .kernel_support import (
     DeviceFacts,
     ceil_div,

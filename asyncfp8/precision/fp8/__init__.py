@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ..policy import PrecisionPolicy, dtype_name
 from ..registry import register_policy
 from ..storage import ScaleLayout, Storage
+from .fused import fused_fp8_takes
 from .linear import FP8BlockLinear
 from .quant import (
     BLOCK,
@@ -34,6 +35,7 @@ __all__ = [
     "FP8Policy",
     "dequantize_blockwise",
     "fake_quantize_activations_fp8",
+    "fused_fp8_takes",
     "quantize_activations_fp8",
     "quantize_blockwise",
     "quantize_blockwise_reference",
