@@ -96,7 +96,7 @@ def test_replaying_the_learners_own_routes_changes_nothing_and_others_are_used(t
     from asyncfp8.hf.loading import load_model
 
     model = load_model(tiny_moe_dir, dtype=torch.float32)
-    ids = torch.randint(0, 256, (2, 6))
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
     tap = RouterTap(model)
     with tap.reading() as plain:
         reference = model(input_ids=ids).logits
@@ -113,7 +113,12 @@ def test_replaying_the_learners_own_routes_changes_nothing_and_others_are_used(t
         replayed = model(input_ids=ids).logits
         replayed.pow(2).mean().backward()
     chosen = torch.stack(routes.chosen, 1).reshape(2, 6, 2, 2)
-    assert (chosen[0] == forced[0].long()).all() and torch.equal(chosen[1, 5], own[1, 5].long())
+    assert (chosen[0] == forced[0].long()).all()
+    # The token without a route takes its own router's picks in this forward (in layer 1
+    # they may differ from the plain forward's: the tokens it attends to were rerouted).
+    for layer, logits in enumerate(routes.logits):
+        own_pick = logits[11].detach().topk(2).indices.sort().values
+        assert torch.equal(chosen[1, 5, layer].sort().values, own_pick), layer
     assert not torch.allclose(replayed, reference)
     assert tap.take_counts()[0] == 22  # 11 tokens with routes × 2 layers
     # Compared without replay: the mismatch is against the learner's own forward.
