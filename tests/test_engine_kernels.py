@@ -69,9 +69,9 @@ def fp8_operands(m, n, k, block, seed=0):
 # --- the Triton kernels, under the interpreter ----------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("check", ["quant", "fused", "fp8_gemm", "int8_gemm", "attention"])
-def test_triton_kernels_match_the_torch_references_under_the_interpreter(check):
+def under_the_interpreter(script: str, *args: str) -> subprocess.CompletedProcess:
+    """tests/`script` run with TRITON_INTERPRET=1 (read when triton is imported: hence a
+    process of its own), from the checkout under test."""
     pytest.importorskip("triton")
     env = {
         **os.environ,
@@ -80,13 +80,19 @@ def test_triton_kernels_match_the_torch_references_under_the_interpreter(check):
         # The checkout under test, before any installed copy of asyncfp8.
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "engine_kernel_check.py"), check],
+    return subprocess.run(
+        [sys.executable, str(REPO / "tests" / script), *args],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", ["quant", "fused", "fp8_gemm", "int8_gemm", "attention"])
+def test_triton_kernels_match_the_torch_references_under_the_interpreter(check):
+    result = under_the_interpreter("engine_kernel_check.py", check)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert " 0 mismatches" in result.stdout
     checked = int(result.stdout.strip().splitlines()[-1].split()[0])

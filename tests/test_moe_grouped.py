@@ -5,15 +5,13 @@ triton is imported)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from asyncfp8.precision.grouped_experts import align_routes
+from tests.test_engine_kernels import under_the_interpreter
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,20 +49,7 @@ def test_the_routes_are_sorted_into_whole_blocks_of_one_expert(tokens, experts, 
 
 @pytest.mark.slow
 def test_the_grouped_kernel_matches_the_expert_loops_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "ASYNCFP8_TRITON": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "moe_kernel_check.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = under_the_interpreter("moe_kernel_check.py")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     summary = result.stdout.strip().splitlines()[-1]
     assert " 0 mismatches" in summary and int(summary.split()[0]) >= 17, summary
