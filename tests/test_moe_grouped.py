@@ -5,15 +5,11 @@ triton is imported)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from asyncfp8.precision.grouped_experts import align_routes
 from tests.test_engine_kernels import under_the_interpreter
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
