@@ -46,6 +46,12 @@ all_settings=(
   "vllm_int8 engine=vllm precision=int8 correction=token_tis run.placement=separate run.workers=1"
   "vllm_int8_noguard engine=vllm precision=int8 correction=token_tis run.placement=separate run.workers=1 guard.enabled=false"
   "separate_bf16_noguard precision=bf16 correction=token_tis run.placement=separate run.workers=1 guard.enabled=false"
+  # issue 66: the engine computing in FP32 around its 8-bit GEMMs (no BF16 rounding for the
+  # activation quantizer to amplify), with and without training through the quantization
+  "fp8_matched precision=fp8 precision.engine_dtype=float32 precision.learner_forward=quantized correction=token_tis"
+  "fp8_fp32engine precision=fp8 precision.engine_dtype=float32 correction=token_tis"
+  "fp8kv_matched precision=fp8+fp8_kv precision.engine_dtype=float32 precision.learner_forward=quantized correction=token_tis"
+  "int8_matched precision=int8 precision.engine_dtype=float32 precision.learner_forward=quantized correction=token_tis"
 )
 # shellcheck source=scripts/run_settings.sh
 source scripts/run_settings.sh

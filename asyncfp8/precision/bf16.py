@@ -32,7 +32,7 @@ class BF16Policy(PrecisionPolicy):
     def engine_config(self) -> dict:
         return {
             "dtype": dtype_name(self.engine_dtype),
-            "lm_head_dtype": "float32" if self.lm_head_fp32 else "bfloat16",
+            "lm_head_dtype": "float32" if self.lm_head_fp32 else dtype_name(self.engine_dtype),
         }
 
     def passthrough(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .policy import PrecisionPolicy
+from .policy import PrecisionPolicy, dtype_name
 from .registry import register_policy
 from .storage import Storage
 
@@ -45,6 +45,13 @@ class FP16Policy(PrecisionPolicy):
 
     name = "fp16"
     engine_dtype = torch.float16
+
+    def set_engine_dtype(self, dtype: torch.dtype) -> None:
+        if dtype != torch.float16:
+            raise ValueError(
+                f"precision=fp16 computes in float16; precision.engine_dtype={dtype_name(dtype)} "
+                "would make it another precision (use precision=bf16 with that engine_dtype)"
+            )
 
     def passthrough(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if not tensor.is_floating_point():

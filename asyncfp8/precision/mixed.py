@@ -111,6 +111,10 @@ class MixedPolicy(PrecisionPolicy):
     def engine_config(self) -> dict[str, Any]:
         return self.base.engine_config()
 
+    def set_engine_dtype(self, dtype):
+        self.base.set_engine_dtype(dtype)
+        self.engine_dtype = dtype
+
     def linear_module(self, name, tensors, bias, real=True):
         return self.base.linear_module(name, tensors, bias, real)
 

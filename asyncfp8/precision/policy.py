@@ -198,6 +198,13 @@ class PrecisionPolicy:
 
     # -- the model ---------------------------------------------------------------------------
 
+    def set_engine_dtype(self, dtype: torch.dtype) -> None:
+        """`precision.engine_dtype`: what the engine computes in around the quantized GEMMs
+        and keeps the unquantized tensors in. FP32 with `learner_forward=quantized` leaves
+        no rounding on either side for the activation quantizer to amplify (docs/precision.md,
+        "The engine's compute dtype")."""
+        self.engine_dtype = dtype
+
     def bind_model(self, config: Any) -> PrecisionPolicy:
         """Gives the policy the facts of the model it runs on (an HF config: layers,
         sizes); called by `build_policy`, the engines and checkpoint export."""
@@ -246,6 +253,13 @@ class ComposedPolicy(PrecisionPolicy):
 
     def engine_config(self) -> dict[str, Any]:
         return dict(self._engine_config)
+
+    def set_engine_dtype(self, dtype):
+        for part in self.parts:
+            part.set_engine_dtype(dtype)
+        self.engine_dtype = dtype
+        if "dtype" in self._engine_config:
+            self._engine_config["dtype"] = dtype_name(dtype)
 
     def quantizes(self, name, tensor):
         return self._weights.quantizes(name, tensor)

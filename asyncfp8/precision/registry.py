@@ -16,6 +16,7 @@ from .schema import check_params, parameters
 
 LEARNER_FORWARDS = ("master", "quantized")
 QUANTIZE_FROMS = ("master", "compute")
+ENGINE_DTYPES = ("bfloat16", "float16", "float32")
 
 _POLICIES: dict[str, Callable[..., PrecisionPolicy]] = {}
 
@@ -157,8 +158,8 @@ def check_engine_dtype(policy: PrecisionPolicy) -> None:
 def build_policy(cfg: Mapping[str, Any], model_dir: Any = None) -> PrecisionPolicy:
     """A policy from its `precision=` config entry: `name` (registered, or composed with
     '+') or `_target_` (a PrecisionPolicy subclass of your own, imported here), plus
-    parameters, `learner_forward`, `quantize_from`, and bound to the model in `model_dir`
-    when given. With `_target_`, `name` is not used (the class says its own)."""
+    parameters, `learner_forward`, `quantize_from`, `engine_dtype`, and bound to the model
+    in `model_dir` when given. With `_target_`, `name` is not used (the class says its own)."""
     from omegaconf import DictConfig, OmegaConf
 
     if isinstance(cfg, DictConfig):
@@ -174,6 +175,12 @@ def build_policy(cfg: Mapping[str, Any], model_dir: Any = None) -> PrecisionPoli
             f"got {learner_forward!r}"
         )
     quantize_from = params.pop("quantize_from", "master")
+    engine_dtype = params.pop("engine_dtype", None)
+    if engine_dtype not in (None, *ENGINE_DTYPES):
+        raise ValueError(
+            f"precision.engine_dtype must be one of {', '.join(ENGINE_DTYPES)} or null, "
+            f"got {engine_dtype!r}"
+        )
     if quantize_from not in QUANTIZE_FROMS:
         raise ValueError(
             f"precision.quantize_from must be one of {', '.join(QUANTIZE_FROMS)}, "
@@ -189,6 +196,8 @@ def build_policy(cfg: Mapping[str, Any], model_dir: Any = None) -> PrecisionPoli
         )
     policy.learner_forward = learner_forward
     policy.quantize_from = quantize_from
+    if engine_dtype is not None:
+        policy.set_engine_dtype(getattr(torch, engine_dtype))
     if model_dir is not None:
         from transformers import AutoConfig
 

@@ -1,5 +1,5 @@
 """The `precision=` config as a schema: the keys every policy entry has (`name`, `_target_`,
-`learner_forward`, `quantize_from`) are typed in Hydra's ConfigStore; a policy's own
+`learner_forward`, `quantize_from`, `engine_dtype`) are typed in Hydra's ConfigStore; a policy's own
 parameters are checked against its constructor (names and annotated types), so a typo or a
 wrong type fails at start. The node stays open: a user's class brings parameters of its own."""
 
@@ -25,6 +25,12 @@ class QuantizeFrom(enum.StrEnum):
     compute = "compute"  # the masters rounded to run.compute_dtype, what the learner's forward uses
 
 
+class EngineDtype(enum.StrEnum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
 @dataclasses.dataclass
 class PrecisionConfig:
     """Keys every `precision=` entry has (`precision=<name>` picks the policy; its own
@@ -48,6 +54,14 @@ class PrecisionConfig:
         metadata={
             "help": "master: quantize the FP32 masters; compute: the masters rounded to "
             "run.compute_dtype, what the learner's forward uses"
+        },
+    )
+    engine_dtype: EngineDtype | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "what the engine computes in around its quantized GEMMs (null: the "
+            "policy's own, bfloat16 but for fp16); float32 with learner_forward=quantized "
+            "makes the learner's forward the engine's (torch engine)"
         },
     )
 
