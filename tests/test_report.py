@@ -251,6 +251,15 @@ def parity_runs(tmp_path):
             greedy=(0.1, 0.4),
         )
     )
+    runs.append(
+        fake_run(
+            tmp_path / "fp8_fp32_engine_s0",
+            "precision=fp8",
+            "precision.engine_dtype=float32",
+            "correction=token_tis",
+            greedy=(0.1, 0.42),
+        )
+    )
     return runs
 
 
@@ -265,6 +274,7 @@ def test_runs_are_grouped_by_setting_and_seeds_give_the_confidence_interval(tmp_
         "fp8 · none · async",
         "fp8 (quantized forward) · token_tis · async",
         "fp8 (quantized from compute weights, learner in bfloat16) · token_tis · async",
+        "fp8 (engine in float32) · token_tis · async",
     ]
     bf16 = groups["bf16 · token_tis · async"]
     assert (bf16["precision"], bf16["correction"], bf16["learner_forward"], bf16["mode"]) == (
@@ -302,6 +312,9 @@ def test_runs_are_grouped_by_setting_and_seeds_give_the_confidence_interval(tmp_
     ]
     assert (rounded["quantize_from"], rounded["compute_dtype"]) == ("compute", "bfloat16")
     assert rounded["final_greedy_mean"] == 0.4
+    fp32_engine = groups["fp8 (engine in float32) · token_tis · async"]
+    assert (fp32_engine["engine_dtype"], fp32_engine["final_greedy_mean"]) == ("float32", 0.42)
+    assert bf16["engine_dtype"] == "policy"
 
     # the printed table says the same
     assert "bf16 · token_tis · async: 5 runs, seeds 0 1 2 3 4" in printed
@@ -340,6 +353,7 @@ def test_a_plugin_precision_is_its_class_and_labels_still_group_runs(tmp_path, c
         "learner_forward": "master",
         "quantize_from": "master",
         "compute_dtype": "auto",
+        "engine_dtype": "policy",
         "mode": "async",
         "proximal": "auto",
         "guard": "on",

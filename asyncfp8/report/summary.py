@@ -186,9 +186,9 @@ def label(run_dir: str | Path) -> str:
 def setting(cfg: DictConfig) -> dict[str, str]:
     """What a comparison is about: the rollout precision (a user plugin by its class), the
     correction, the learner's forward (master weights or quantized like the rollouts), the
-    weights the rollouts are quantized from, the learner's compute dtype, the mode, which
-    weights π_prox is (correction.proximal) and whether the guard was on (a run from
-    before the guard: off). Runs that differ only in run.seed are seeds of one setting."""
+    weights the rollouts are quantized from, the learner's and the engine's compute dtypes,
+    the mode, which weights π_prox is (correction.proximal) and whether the guard was on (a
+    run from before the guard: off). Runs that differ only in run.seed are seeds of one setting."""
     precision = OmegaConf.select(cfg, "precision._target_") or cfg.precision.name
     return {
         "precision": str(precision),
@@ -196,6 +196,8 @@ def setting(cfg: DictConfig) -> dict[str, str]:
         "learner_forward": str(OmegaConf.select(cfg, "precision.learner_forward") or "master"),
         "quantize_from": str(OmegaConf.select(cfg, "precision.quantize_from") or "master"),
         "compute_dtype": str(OmegaConf.select(cfg, "run.compute_dtype") or "auto"),
+        # null: the policy's own (an older run has no such key)
+        "engine_dtype": str(OmegaConf.select(cfg, "precision.engine_dtype") or "policy"),
         "mode": str(cfg.run.mode),
         # a run from before correction.proximal had π_prox of the current weights
         "proximal": str(OmegaConf.select(cfg, "correction.proximal") or "current"),
@@ -214,6 +216,8 @@ def setting_label(setting: dict[str, str]) -> str:
         notes.append(f"quantized from {setting['quantize_from']} weights")
     if setting.get("compute_dtype", "auto") != "auto":
         notes.append(f"learner in {setting['compute_dtype']}")
+    if setting.get("engine_dtype", "policy") != "policy":
+        notes.append(f"engine in {setting['engine_dtype']}")
     if notes:
         precision += f" ({', '.join(notes)})"
     label = f"{precision} · {setting['correction']} · {setting['mode']}"
