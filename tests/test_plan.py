@@ -148,6 +148,28 @@ def test_weight_and_kv_bytes_equal_the_model_and_what_the_precision_policies_exp
     assert kv_bytes_per_token(facts, get_precision("fp8+fp8_kv")) * 2 == cached / 12
 
 
+def test_an_engine_computing_in_fp32_is_priced_from_what_its_versions_hold():
+    """`fp8@float32` (precision.engine_dtype=float32): the unquantized tensors and a
+    16-bit KV cache take FP32's four bytes, the quantized weights and an FP8 cache stay."""
+    from asyncfp8.precision import get_policy
+
+    model = qwen2(SMALL, dtype=torch.float32)
+    facts = load_model_facts("small")
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    for name in ("bf16", "fp8", "int8"):
+        policy = get_policy(name)
+        policy.set_engine_dtype(torch.float32)
+        exported = sum(t.nbytes for _, t in policy.quantize_weights(named))
+        assert weight_bytes(facts, get_precision(f"{name}@float32")) == exported, name
+    fp8, fp8_fp32 = get_precision("fp8"), get_precision("fp8@float32")
+    assert kv_bytes_per_token(facts, fp8_fp32) == 2 * kv_bytes_per_token(facts, fp8)
+    assert (fp8.activation_bytes, fp8_fp32.activation_bytes) == (2, 4)
+    fp8_kv = get_precision("fp8+fp8_kv@float32")
+    assert kv_bytes_per_token(facts, fp8_kv) == kv_bytes_per_token(facts, get_precision("fp8_kv"))
+    with pytest.raises(PlanInputError, match="precision=fp16 computes in float16"):
+        get_precision("fp16@float32")
+
+
 def test_bundled_small_and_tiny_configs_match_the_model_factory():
     from asyncfp8.models.tiny import SIZES
 

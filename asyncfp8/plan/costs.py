@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from .model import ModelFacts
 from .precisions import Precision
 
-ACTIVATION_BYTES = 2  # activations, logits inputs and unquantized weights are BF16
+ACTIVATION_BYTES = 2  # activations, logits inputs and unquantized weights: BF16 by default
 LOGIT_BYTES = 4  # logits are materialized in fp32 for sampling and logprobs
 LOGIT_PASSES = 3  # written once, read by the softmax (logprobs), read by the sampler
 
@@ -54,13 +54,13 @@ def _layer_linear_bytes(model: ModelFacts, precision: Precision, moe: bool) -> t
 
 def weight_bytes(model: ModelFacts, precision: Precision) -> float:
     """Bytes of the whole model as the engine holds it: quantized linears with their
-    scales, BF16 embeddings, LM head, norms, biases and routers."""
-    total = model.embedding_params() * ACTIVATION_BYTES
+    scales, embeddings, LM head, norms, biases and routers in the engine's dtype."""
+    total = model.embedding_params() * precision.activation_bytes
     for moe, layers in ((False, model.dense_layers), (True, model.moe_layers)):
         if layers:
             attention, mlp = _layer_linear_bytes(model, precision, moe)
             experts = model.num_experts if moe else 1
-            unquantized = model.unquantized_layer_params(moe) * ACTIVATION_BYTES
+            unquantized = model.unquantized_layer_params(moe) * precision.activation_bytes
             total += layers * (attention + experts * mlp + unquantized)
     return total
 
@@ -112,7 +112,7 @@ def _decode_ops(
     model: ModelFacts, precision: Precision, batch: int, context_tokens: float, tp: int = 1
 ) -> list[Op]:
     b, h = batch, model.hidden_size
-    weights = precision.weights
+    weights, act = precision.weights, precision.activation_bytes
     ops: list[Op] = []
 
     def gemm(name: str, layers: int, out_features: int, in_features: int, wbytes: float):
@@ -122,7 +122,7 @@ def _decode_ops(
                 "gemm",
                 flops=layers * 2.0 * b * out_features * in_features / tp,
                 weight_bytes=layers * wbytes / tp,
-                io_bytes=layers * b * (in_features + out_features / tp) * ACTIVATION_BYTES,
+                io_bytes=layers * b * (in_features + out_features / tp) * act,
                 dtype=weights,
                 launches=layers,
             )
@@ -153,7 +153,7 @@ def _decode_ops(
 
 def _expert_ops(model: ModelFacts, precision: Precision, b: int, layers: int, tp: int) -> list[Op]:
     """A decode step's router and routed-expert GEMMs over `layers` MoE layers."""
-    h = model.hidden_size
+    h, act = model.hidden_size, precision.activation_bytes
     weights = precision.weights
     ops: list[Op] = []
     ops.append(
@@ -161,8 +161,8 @@ def _expert_ops(model: ModelFacts, precision: Precision, b: int, layers: int, tp
             "router",
             "gemm",
             flops=layers * 2.0 * b * model.num_experts * h,
-            weight_bytes=layers * model.num_experts * h * ACTIVATION_BYTES,
-            io_bytes=layers * b * (h + model.num_experts) * ACTIVATION_BYTES,
+            weight_bytes=layers * model.num_experts * h * act,
+            io_bytes=layers * b * (h + model.num_experts) * act,
             dtype="bf16",
             launches=layers,
         )
@@ -176,7 +176,7 @@ def _expert_ops(model: ModelFacts, precision: Precision, b: int, layers: int, tp
             "gemm",
             flops=layers * 2.0 * b * k * 3 * i * h / tp,
             weight_bytes=layers * touched * expert_bytes / tp,
-            io_bytes=layers * b * k * (2 * h + 3 * i / tp) * ACTIVATION_BYTES,
+            io_bytes=layers * b * k * (2 * h + 3 * i / tp) * act,
             dtype=weights,
             launches=2 * layers,  # grouped gate/up, then grouped down
             experts_reached=layers * touched,
@@ -189,7 +189,7 @@ def _per_token_ops(
     model: ModelFacts, precision: Precision, b: int, context_tokens: float, tp: int
 ) -> list[Op]:
     """A decode step's attention, elementwise work, LM head and logits."""
-    h = model.hidden_size
+    h, act = model.hidden_size, precision.activation_bytes
     ops: list[Op] = []
     kv_heads_per_gpu = -(-model.num_kv_heads // tp)
     layers = model.num_layers
@@ -218,14 +218,15 @@ def _per_token_ops(
     # Per token and layer: two RMSNorms and two residual adds over the hidden state (read
     # twice, written once each), rotary on q and k, SiLU-and-multiply over the MLP width.
     elementwise = 12 * h + (4 * (model.q_size + model.kv_size) + 6 * mlp_width) / tp
-    ops.append(Op("elementwise", "memory", 0.0, 0.0, layers * b * elementwise, "bf16"))
+    scaled = elementwise * act / ACTIVATION_BYTES  # counted in BF16 bytes
+    ops.append(Op("elementwise", "memory", 0.0, 0.0, layers * b * scaled, "bf16"))
     ops.append(
         Op(
             "lm_head",
             "gemm",
             flops=2.0 * b * model.vocab_size * h / tp,
-            weight_bytes=model.vocab_size * h * ACTIVATION_BYTES / tp,
-            io_bytes=b * (h + model.vocab_size / tp) * ACTIVATION_BYTES,
+            weight_bytes=model.vocab_size * h * act / tp,
+            io_bytes=b * (h + model.vocab_size / tp) * act,
             dtype="bf16",
             launches=1,
         )

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
+
 from asyncfp8.precision import get_policy
 from asyncfp8.precision.storage import Storage
 
@@ -17,6 +19,9 @@ from .errors import PlanInputError
 #: `mixed_int8@0.67`: precision=mixed over INT8 with 67% of the linear FLOPs quantized
 #: (the share a measured layout reports: RUN_DIR/precision_layout.json, docs/precision.md)
 MIXED = re.compile(r"mixed_(\w+)@([0-9.]+)")
+#: `fp8@float32`: the engine computing in that dtype around the format's GEMMs
+#: (`precision.engine_dtype`; docs/precision.md, "The engine's compute dtype")
+ENGINE_DTYPE = re.compile(r"(.+)@(bfloat16|float16|float32)")
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,11 @@ class Precision:
     def kv_bytes_per_element(self) -> int:
         return self.storage.kv_dtype.itemsize
 
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of an activation, and of an unquantized weight (embeddings, LM head)."""
+        return self.storage.activation_dtype.itemsize
+
     def scale_bytes(self, out_features: int, in_features: int) -> int:
         """Bytes of the scales stored beside one quantized weight [out, in]."""
         return self.storage.scale_bytes(out_features, in_features)
@@ -51,18 +61,30 @@ class Precision:
         quantized = self.storage.linear_bytes(out_features, in_features)
         if self.quantized_share == 1:
             return quantized
-        bf16 = out_features * in_features * 2
+        bf16 = out_features * in_features * self.activation_bytes
         return self.quantized_share * quantized + (1 - self.quantized_share) * bf16
 
     def unquantized(self) -> Precision:
-        """The same precision with every linear layer in BF16 (the KV cache kept)."""
-        return Precision(f"{self.name} (bf16 part)", Storage(kv_dtype=self.storage.kv_dtype))
+        """The same precision with every linear layer unquantized, in the engine's dtype (the
+        KV cache kept)."""
+        dtype = self.storage.activation_dtype
+        kept = Storage(weight_dtype=dtype, kv_dtype=self.storage.kv_dtype, activation_dtype=dtype)
+        return Precision(f"{self.name} (bf16 part)", kept)
 
 
 def get_precision(name: str) -> Precision:
     """The precision of policy `name` (registered, or composed with '+'), with its
     default parameters; `mixed_<base>@<share>` is `base` on that share of the linear
-    layers and BF16 on the rest."""
+    layers and BF16 on the rest; `<name>@<dtype>` the engine computing in that dtype."""
+    computing = ENGINE_DTYPE.fullmatch(name)
+    if computing:
+        dtype = getattr(torch, computing.group(2))
+        try:
+            get_policy(computing.group(1)).set_engine_dtype(dtype)  # refuses what it must
+        except (KeyError, ValueError) as err:
+            raise PlanInputError(f"precision {name!r}: {err}") from None
+        base = get_precision(computing.group(1))
+        return Precision(name, base.storage.computing_in(dtype), base.quantized_share)
     mixed = MIXED.fullmatch(name)
     if mixed:
         base, share = get_precision(mixed.group(1)), float(mixed.group(2))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .costs import ACTIVATION_BYTES, Op, decode_ops, kv_bytes_per_token, prefill_flops, weight_bytes
+from .costs import Op, decode_ops, kv_bytes_per_token, prefill_flops, weight_bytes
 from .gpus import GPU
 from .model import ModelFacts
 from .precisions import Precision
@@ -82,7 +82,7 @@ def price_ops(
         parts["kv_quantize_overhead"] = model.num_layers * eff.kv_quantize_overhead_s
     parts["step_overhead"] = eff.step_overhead_s
     if tp > 1:
-        message = batch * model.hidden_size * ACTIVATION_BYTES
+        message = batch * model.hidden_size * precision.activation_bytes
         per_allreduce = eff.allreduce_latency_s + 2 * (tp - 1) / tp * message / (
             gpu.link_gb_s * 1e9 * eff.link
         )

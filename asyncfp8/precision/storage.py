@@ -43,6 +43,9 @@ class Storage:
     kv_dtype: torch.dtype = torch.bfloat16
     #: the tensor-core type the linear layers' GEMMs run in (one of COMPUTE_TYPES)
     compute: str = "bf16"
+    #: what the engine computes in around the GEMMs and keeps unquantized tensors in
+    #: (embeddings, norms, LM head): `precision.engine_dtype`
+    activation_dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self):
         if self.compute not in COMPUTE_TYPES:
@@ -71,3 +74,10 @@ class Storage:
     def with_kv(self, other: Storage) -> Storage:
         """This storage's weights with `other`'s KV cache (a composition's parts)."""
         return replace(self, kv_dtype=other.kv_dtype)
+
+    def computing_in(self, dtype: torch.dtype) -> Storage:
+        """This storage with activations, unquantized weights and a 16-bit KV cache in
+        `dtype` (an engine computing in it); a one-byte KV cache and weights stay."""
+        kv = self.kv_dtype if self.kv_dtype.itemsize == 1 else dtype
+        weights = self.weight_dtype if self.scales is not None else dtype
+        return replace(self, weight_dtype=weights, kv_dtype=kv, activation_dtype=dtype)
