@@ -108,3 +108,21 @@ def test_an_fp32_engine_samples_what_the_quantized_learner_computes(name, tiny_m
     bf16 = rollout_k3(tiny_model_dir, name, torch.bfloat16)
     print(f"{name}: k3 against the quantized learner, FP32 engine {fp32:.2e}, BF16 {bf16:.2e}")
     assert fp32 < 1e-7 and bf16 > 100 * max(fp32, 1e-12)
+
+
+@pytest.mark.parametrize("engine_dtype, warned", [("bfloat16", True), ("float32", False)])
+def test_a_quantized_learner_forward_that_cannot_match_the_engine_is_said_at_start(
+    make_learner, caplog, engine_dtype, warned
+):
+    """The learner computes in FP32 on a CPU: a BF16 engine's rounding, multiplied by the
+    quantizers, keeps the two forwards apart, which the start log says."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="asyncfp8.learner"):
+        make_learner(
+            "precision=fp8",
+            "precision.learner_forward=quantized",
+            f"precision.engine_dtype={engine_dtype}",
+        )
+    said = "the learner computing in float32 and the engine in bfloat16" in caplog.text
+    assert said == warned

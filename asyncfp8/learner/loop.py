@@ -434,3 +434,19 @@ class Learner:
             if self.colocated_placement
             else f"listening on {endpoints(cfg.sync, 'bind').trajectories}",
         )
+        policy = self.policy
+        quantizes = policy.quantizes_weights or policy.needs_calibration
+        if (
+            quantizes
+            and policy.learner_forward == "quantized"
+            and self.dtype != policy.engine_dtype
+        ):
+            log.warning(
+                "precision.learner_forward=quantized with the learner computing in %s and "
+                "the engine in %s: the 8-bit quantizers turn that rounding difference into "
+                "whole quantization steps, so the two forwards will not match (docs/"
+                'precision.md, "The engine\'s compute dtype"); set precision.engine_dtype '
+                "and run.compute_dtype alike",
+                str(self.dtype).removeprefix("torch."),
+                str(policy.engine_dtype).removeprefix("torch."),
+            )
