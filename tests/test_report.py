@@ -414,3 +414,31 @@ def test_a_directory_that_is_not_a_run_is_named(tmp_path, capsys):
     (tmp_path / "runs" / "a" / "metrics.jsonl").write_text("")
     assert "no metrics" in refused(capsys, run)
     assert "given more than once" in refused(capsys, run, run)
+
+
+def test_paired_with_a_baseline_gives_each_group_its_per_seed_difference(tmp_path, capsys):
+    runs = parity_runs(tmp_path)
+    table = tmp_path / "compare.json"
+    baseline = "bf16 · token_tis · async"
+    main([*runs, "--out", str(tmp_path / "c.png"), "--json", str(table), "--paired-with", baseline])
+    groups = {g["label"]: g for g in json.loads(table.read_text())["groups"]}
+    assert "paired_with" not in groups[baseline]
+    fp8 = groups["fp8 · none · async"]  # seeds 0, 1: 0.2 - 0.1 and 0.4 - 0.2
+    assert (fp8["paired_with"], fp8["paired_seeds"]) == (baseline, [0, 1])
+    assert fp8["paired_greedy_diff_mean"] == pytest.approx(0.15)
+    assert fp8["paired_greedy_diff_ci95"] == pytest.approx(12.706205 * 0.05, rel=1e-6)
+    single = groups["fp8 (quantized forward) · token_tis · async"]
+    assert single["paired_greedy_diff_mean"] == pytest.approx(0.26)
+    assert single["paired_greedy_diff_ci95"] is None
+    printed = capsys.readouterr().out
+    assert f"  against {baseline}: greedy +0.150 ± 0.635, paired over 2 seeds (0 1)" in printed
+    assert "greedy +0.260 (one seed, no CI), paired over 1 seed (0)" in printed
+
+
+def test_paired_with_a_label_that_is_no_group_is_refused_naming_the_groups(tmp_path, capsys):
+    runs = parity_runs(tmp_path)
+    with pytest.raises(SystemExit) as ended:
+        main([*runs, "--out", str(tmp_path / "c.png"), "--paired-with", "bf16"])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert "--paired-with 'bf16' is not a group here" in err and "'bf16 · token_tis · async'" in err

@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from asyncfp8 import __version__
+from asyncfp8.report.paired import add_paired_differences, paired_line
 from asyncfp8.report.plots import plot_heldout, plot_runs
 from asyncfp8.report.stats import binomial_se, mean_ci, wilson_interval
 from asyncfp8.report.summary import MIN_FRESH_STEPS, evaluations, setting, setting_label, summarize
@@ -328,6 +329,8 @@ def format_groups(entries: list[dict[str, Any]]) -> str:
             f"  mismatch KL k3 (a run's mean over steps): "
             f"{_pm(g['kl_k3_mean'], g['kl_k3_ci95'], '.2e')}; precision-only: {fresh}"
         )
+        if paired := paired_line(g):
+            lines.append(paired)
         lines.extend(f"  warning: {w}" for w in g["warnings"])
     return "\n".join(lines)
 
@@ -369,6 +372,12 @@ def _parser() -> argparse.ArgumentParser:
         nargs="*",
         help="one label per run; runs sharing one form a group "
         "(default: grouped by setting, from config.yaml)",
+    )
+    parser.add_argument(
+        "--paired-with",
+        metavar="LABEL",
+        help="a group's label (as printed, e.g. 'bf16 · token_tis · async'): every other "
+        "group's final greedy held-out against it, seed by seed, mean ± 95%% CI",
     )
     parser.add_argument(
         "--json", help='also write {"runs": [per-run summaries], "groups": [per-group rows]} here'
@@ -437,6 +446,11 @@ def main(argv: list[str] | None = None) -> None:
     _print_runs(args.runs, configs, summaries)
     groups = group_runs(configs, args.labels)
     entries = [group_summary(name, runs, configs, summaries) for name, runs in groups.items()]
+    if args.paired_with is not None:
+        try:
+            add_paired_differences(entries, summaries, args.paired_with)
+        except ValueError as error:
+            parser.exit(2, f"asyncfp8.report: {error}\n")
     print()
     print(format_groups(entries))
     print()
