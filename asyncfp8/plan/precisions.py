@@ -57,12 +57,12 @@ class Precision:
 
     def linear_bytes(self, out_features: int, in_features: int) -> float:
         """Bytes of one linear weight as the engine holds it (scales included); of a mixed
-        layout, its quantized share at the format's size and the rest in BF16."""
+        layout, its quantized share at the format's size and the rest unquantized."""
         quantized = self.storage.linear_bytes(out_features, in_features)
         if self.quantized_share == 1:
             return quantized
-        bf16 = out_features * in_features * self.activation_bytes
-        return self.quantized_share * quantized + (1 - self.quantized_share) * bf16
+        plain = out_features * in_features * self.activation_bytes
+        return self.quantized_share * quantized + (1 - self.quantized_share) * plain
 
     def unquantized(self) -> Precision:
         """The same precision with every linear layer unquantized, in the engine's dtype (the
