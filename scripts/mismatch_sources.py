@@ -1,5 +1,5 @@
-"""Where a run's precision mismatch comes from (issue 66, docs/results.md "Where FP8's k3
-comes from"). One model, the default task's prompts, rollouts sampled by the torch engine
+"""Where a run's precision mismatch comes from (docs/results.md, "Where 8-bit rollouts'
+mismatch comes from"). One model, the default task's prompts, rollouts sampled by the torch engine
 in each precision; then the k3 of those rollout log-probs against several recomputes:
 
   learner master     the learner's forward as a run computes it (FP32 on a CPU): the
@@ -55,7 +55,7 @@ def engine_for(model_dir: Path, precision: str, fp32: bool, learner, calibration
     def policy():
         made = get_policy(precision)
         if fp32:
-            made.engine_dtype = torch.float32
+            made.set_engine_dtype(torch.float32)
         return made
 
     engine = TorchEngine(str(model_dir), policy(), dtype=policy().engine_dtype, cuda_graph=False)
@@ -142,7 +142,7 @@ def main() -> None:
     cpu = re.findall(r"model name\s*: (.*)", Path("/proc/cpuinfo").read_text())
     result = {
         "machine": f"{len(cpu)} x {cpu[0] if cpu else platform.machine()}",
-        "model_dir": str(model_dir),
+        "model_dir": model_dir.name,
         "seconds": time.perf_counter() - started,
         "rows": rows,
     }

@@ -9,20 +9,23 @@ from asyncfp8.engines import supports
 from asyncfp8.precision import build_policy, get_policy, version_tensors
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp8", "int8", "fp8+fp8_kv", "fp8_kv"])
+@pytest.mark.parametrize("name", ["bf16", "fp8", "int8", "fp8+fp8_kv", "fp8_kv", "bf16+fp8_kv"])
 def test_the_engine_dtype_is_what_every_part_computes_in(name):
     policy = build_policy({"name": name, "engine_dtype": "float32"})
     assert policy.engine_dtype == torch.float32
-    assert policy.engine_config()["dtype"] == "float32"
+    config = policy.engine_config()
+    assert config["dtype"] == "float32" and config.get("lm_head_dtype", "float32") == "float32"
     for part in getattr(policy, "parts", []):
         assert part.engine_dtype == torch.float32
     assert build_policy({"name": name}).engine_dtype == torch.bfloat16  # the default kept
 
 
-def test_a_mixed_layout_computes_in_its_engine_dtype():
-    policy = build_policy({"name": "mixed", "base": "fp8", "keep": [], "engine_dtype": "float32"})
-    assert policy.engine_dtype == policy.base.engine_dtype == torch.float32
-    assert policy.engine_config()["dtype"] == "float32"
+def test_a_mixed_layout_refuses_another_engine_dtype():
+    """Its layout is measured against a BF16 engine (asyncfp8/precision/sensitivity.py)."""
+    with pytest.raises(ValueError, match="precision=mixed measures its layout against"):
+        build_policy({"name": "mixed", "base": "fp8", "keep": [], "engine_dtype": "float32"})
+    kept = build_policy({"name": "mixed", "base": "fp8", "keep": [], "engine_dtype": "bfloat16"})
+    assert kept.engine_dtype == torch.bfloat16
 
 
 def test_an_fp32_bf16_rollout_has_its_lm_head_in_fp32_too():
@@ -45,9 +48,10 @@ def test_an_engine_dtype_out_of_range_is_refused_naming_the_key(cfg, words):
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_checkpoint_engines_refuse_8_bit_weights_around_fp32(engine):
-    reason = supports(engine, build_policy({"name": "fp8", "engine_dtype": "float32"}))
-    assert reason is not None and "engine=torch" in reason
+@pytest.mark.parametrize("name", ["fp8", "fp8_kv", "bf16+fp8_kv"])
+def test_checkpoint_engines_refuse_8_bit_weights_or_caches_around_fp32(engine, name):
+    reason = supports(engine, build_policy({"name": name, "engine_dtype": "float32"}))
+    assert reason is not None and "FP32 activations" in reason
 
 
 def test_the_config_types_the_key():

@@ -168,6 +168,12 @@ def test_an_engine_computing_in_fp32_is_priced_from_what_its_versions_hold():
     assert kv_bytes_per_token(facts, fp8_kv) == kv_bytes_per_token(facts, get_precision("fp8_kv"))
     with pytest.raises(PlanInputError, match="precision=fp16 computes in float16"):
         get_precision("fp16@float32")
+    with pytest.raises(PlanInputError, match="precision=mixed measures its layout against a BF16"):
+        get_precision("mixed_int8@0.67@float32")
+    assert (
+        get_precision("mixed_int8@0.67@bfloat16").storage
+        == get_precision("mixed_int8@0.67").storage
+    )
 
 
 def test_bundled_small_and_tiny_configs_match_the_model_factory():

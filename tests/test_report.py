@@ -442,3 +442,16 @@ def test_paired_with_a_label_that_is_no_group_is_refused_naming_the_groups(tmp_p
     assert ended.value.code == 2
     err = capsys.readouterr().err
     assert "--paired-with 'bf16' is not a group here" in err and "'bf16 · token_tis · async'" in err
+
+
+def test_an_engine_dtype_that_is_the_policys_own_groups_with_the_default():
+    assert setting(compose("precision=fp8"))["engine_dtype"] == "policy"
+    assert setting(compose("precision=fp8", "precision.engine_dtype=bfloat16"))["engine_dtype"] == (
+        "policy"
+    )
+    assert setting(compose("precision=fp16", "precision.engine_dtype=float16"))["engine_dtype"] == (
+        "policy"
+    )
+    assert setting(compose("precision=fp8", "precision.engine_dtype=float32"))["engine_dtype"] == (
+        "float32"
+    )

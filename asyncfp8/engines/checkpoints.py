@@ -37,19 +37,22 @@ def refuse_unsupported(
 def checkpoint_refusal(policy: PrecisionPolicy, formats: tuple[str, ...]) -> str | None:
     """Why an engine started from a checkpoint (vLLM, SGLang) cannot run `policy`, or None:
     a weight format (`engine_config()["quantization"]`) not among the `formats` the adapter
-    starts and refits, an FP32 LM head (neither has the option), 8-bit weights around FP32
-    activations, and for blockwise FP8
+    starts and refits, an FP32 LM head (neither has the option), 8-bit weights or an FP8
+    KV cache around FP32 activations, and for blockwise FP8
     blocks other than 128x128 or a model whose fused projections are not whole blocks."""
     config = policy.engine_config()
     quantization = config.get("quantization")
-    lm_head = config.get("lm_head_dtype", config.get("dtype"))
-    if lm_head != config.get("dtype"):
+    engine_dtype = config.get("dtype", "bfloat16")  # what vLLM and SGLang start with
+    lm_head = config.get("lm_head_dtype", engine_dtype)
+    if lm_head != engine_dtype:
         shown = "FP32" if lm_head == "float32" else lm_head
         return f"it has no option to run the LM head in {shown} (engine=torch does)"
-    if quantization is not None and config.get("dtype") == "float32":
+    eight_bit = quantization is not None or config.get("kv_cache_dtype", "auto") != "auto"
+    if eight_bit and engine_dtype == "float32":
         return (
-            "its 8-bit GEMMs are not wired or tested with FP32 activations here "
-            "(precision.engine_dtype=float32 with 8-bit weights: engine=torch)"
+            "its 8-bit GEMMs and caches are not wired or tested with FP32 activations here "
+            "(precision.engine_dtype=float32 with 8-bit weights or an FP8 KV cache: "
+            "engine=torch)"
         )
     if quantization is not None and quantization not in formats:
         return (

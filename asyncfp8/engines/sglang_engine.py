@@ -66,7 +66,7 @@ class SGLangEngine:
         self.expected = version_specs(self.model_dir, self.policy)
         self.engine = sglang.Engine(
             model_path=str(self.model_dir),
-            dtype=config.get("dtype", "bfloat16"),  # the policy's: bfloat16, float16
+            dtype=config.get("dtype", "bfloat16"),  # the policy's (precision.engine_dtype)
             quantization=config.get("quantization"),
             kv_cache_dtype=KV_CACHE_DTYPES[config.get("kv_cache_dtype", "auto")],
             random_seed=seed,

@@ -238,7 +238,7 @@ class VLLMEngine:
         self.expected = version_specs(self.model_dir, self.policy)
         self.llm = LLM(
             model=str(self.model_dir),
-            dtype=config.get("dtype", "bfloat16"),  # the policy's: bfloat16, float16
+            dtype=config.get("dtype", "bfloat16"),  # the policy's (precision.engine_dtype)
             quantization=config.get("quantization"),
             kv_cache_dtype=config.get("kv_cache_dtype", "auto"),
             logprobs_mode="processed_logprobs",

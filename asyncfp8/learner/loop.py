@@ -411,13 +411,14 @@ class Learner:
         cfg, run = self.cfg, self.cfg.run
         self.hub.say(
             "model %s (%.2fM parameters), precision %s (learner forward: %s, quantized from: "
-            "%s), correction %s (%s), %s mode, max staleness %d, %d rank(s) on %s computing "
-            "in %s, %s",
+            "%s, engine computing in %s), correction %s (%s), %s mode, max staleness %d, %d "
+            "rank(s) on %s computing in %s, %s",
             self.model_dir,
             sum(p.numel() for p in self.model.parameters()) / 1e6,
             self.policy.spec,
             self.policy.learner_forward,
             self.policy.quantize_from,
+            str(self.policy.engine_dtype).removeprefix("torch."),
             self.correction.name,
             cfg.correction.mode,
             run.mode,
@@ -437,7 +438,8 @@ class Learner:
         policy = self.policy
         quantizes = policy.quantizes_weights or policy.needs_calibration
         if (
-            quantizes
+            self.ranks.main
+            and quantizes
             and policy.learner_forward == "quantized"
             and self.dtype != policy.engine_dtype
         ):

@@ -29,7 +29,7 @@ class Precision:
     name: str
     storage: Storage
     #: the share of the linear layers (FLOPs and weights alike) in the quantized format;
-    #: the rest run in BF16 (a mixed layout priced as its two parts)
+    #: the rest run unquantized (a mixed layout priced as its two parts)
     quantized_share: float = 1.0
 
     @property
@@ -69,21 +69,29 @@ class Precision:
         KV cache kept)."""
         dtype = self.storage.activation_dtype
         kept = Storage(weight_dtype=dtype, kv_dtype=self.storage.kv_dtype, activation_dtype=dtype)
-        return Precision(f"{self.name} (bf16 part)", kept)
+        return Precision(f"{self.name} (unquantized part)", kept)
 
 
 def get_precision(name: str) -> Precision:
     """The precision of policy `name` (registered, or composed with '+'), with its
     default parameters; `mixed_<base>@<share>` is `base` on that share of the linear
-    layers and BF16 on the rest; `<name>@<dtype>` the engine computing in that dtype."""
+    layers and BF16 on the rest; `<name>@<dtype>` the engine computing in that dtype
+    (refused for a mixed layout, as `precision=mixed` refuses it)."""
     computing = ENGINE_DTYPE.fullmatch(name)
     if computing:
         dtype = getattr(torch, computing.group(2))
-        try:
-            get_policy(computing.group(1)).set_engine_dtype(dtype)  # refuses what it must
+        if MIXED.fullmatch(computing.group(1)):
+            if dtype != torch.bfloat16:
+                raise PlanInputError(
+                    f"precision {name!r}: precision=mixed measures its layout against a BF16 "
+                    "engine and runs with one only (precision.engine_dtype)"
+                )
+            return get_precision(computing.group(1))
+        base = get_precision(computing.group(1))
+        try:  # refuses what the policy refuses (fp16 in another dtype)
+            get_policy(computing.group(1)).set_engine_dtype(dtype)
         except (KeyError, ValueError) as err:
             raise PlanInputError(f"precision {name!r}: {err}") from None
-        base = get_precision(computing.group(1))
         return Precision(name, base.storage.computing_in(dtype), base.quantized_share)
     mixed = MIXED.fullmatch(name)
     if mixed:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .policy import PrecisionPolicy
+from .policy import PrecisionPolicy, dtype_name
 from .registry import get_policy, register_policy
 
 MIXED_BASES = ("fp8", "int8")
@@ -112,8 +112,12 @@ class MixedPolicy(PrecisionPolicy):
         return self.base.engine_config()
 
     def set_engine_dtype(self, dtype):
-        self.base.set_engine_dtype(dtype)
-        self.engine_dtype = dtype
+        if dtype != self.base.engine_dtype:
+            raise ValueError(
+                f"precision=mixed measures its layout against a {self.base.engine_dtype} "
+                f"engine; precision.engine_dtype={dtype_name(dtype)} is not supported with "
+                "it (use precision=fp8 or int8 with that engine_dtype, or leave it null)"
+            )
 
     def linear_module(self, name, tensors, bias, real=True):
         return self.base.linear_module(name, tensors, bias, real)

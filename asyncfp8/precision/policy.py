@@ -236,20 +236,25 @@ class ComposedPolicy(PrecisionPolicy):
                 f"precision {'+'.join(names)!r} makes no sense: {' and '.join(weight_parts)} both "
                 "quantize the weights; compose one weight format with KV-cache policies"
             )
-        config: dict[str, Any] = {}
-        for part in parts:
-            for key, value in part.engine_config().items():
-                if key in config and config[key] != value:
-                    raise ValueError(
-                        f"precision {'+'.join(names)!r}: {key!r} is {config[key]!r} in one part "
-                        f"and {value!r} in another"
-                    )
-                config[key] = value
-        self.parts, self.name, self._engine_config = parts, "+".join(names), config
+        self.parts, self.name = parts, "+".join(names)
+        self._engine_config = self._merged_config()
         self._weights = next((p for p in parts if p.quantizes_weights), parts[0])
         self.quantizes_weights = self._weights.quantizes_weights
         self.needs_calibration = any(p.needs_calibration for p in parts)
         self.engine_dtype = self._weights.engine_dtype
+
+    def _merged_config(self) -> dict[str, Any]:
+        """The parts' engine configs as one; a key two parts set differently is refused."""
+        config: dict[str, Any] = {}
+        for part in self.parts:
+            for key, value in part.engine_config().items():
+                if key in config and config[key] != value:
+                    raise ValueError(
+                        f"precision {self.name!r}: {key!r} is {config[key]!r} in one part "
+                        f"and {value!r} in another"
+                    )
+                config[key] = value
+        return config
 
     def engine_config(self) -> dict[str, Any]:
         return dict(self._engine_config)
@@ -258,8 +263,7 @@ class ComposedPolicy(PrecisionPolicy):
         for part in self.parts:
             part.set_engine_dtype(dtype)
         self.engine_dtype = dtype
-        if "dtype" in self._engine_config:
-            self._engine_config["dtype"] = dtype_name(dtype)
+        self._engine_config = self._merged_config()
 
     def quantizes(self, name, tensor):
         return self._weights.quantizes(name, tensor)

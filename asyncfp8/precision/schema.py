@@ -61,7 +61,7 @@ class PrecisionConfig:
         metadata={
             "help": "what the engine computes in around its quantized GEMMs (null: the "
             "policy's own, bfloat16 but for fp16); float32 with learner_forward=quantized "
-            "makes the learner's forward the engine's (torch engine)"
+            "and an FP32 learner (run.compute_dtype) makes the two forwards one (torch engine)"
         },
     )
 

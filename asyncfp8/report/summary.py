@@ -196,13 +196,22 @@ def setting(cfg: DictConfig) -> dict[str, str]:
         "learner_forward": str(OmegaConf.select(cfg, "precision.learner_forward") or "master"),
         "quantize_from": str(OmegaConf.select(cfg, "precision.quantize_from") or "master"),
         "compute_dtype": str(OmegaConf.select(cfg, "run.compute_dtype") or "auto"),
-        # null: the policy's own (an older run has no such key)
-        "engine_dtype": str(OmegaConf.select(cfg, "precision.engine_dtype") or "policy"),
+        "engine_dtype": _engine_dtype(cfg, str(precision)),
         "mode": str(cfg.run.mode),
         # a run from before correction.proximal had π_prox of the current weights
         "proximal": str(OmegaConf.select(cfg, "correction.proximal") or "current"),
         "guard": "on" if OmegaConf.select(cfg, "guard.enabled") is True else "off",
     }
+
+
+def _engine_dtype(cfg: DictConfig, precision: str) -> str:
+    """precision.engine_dtype, "policy" where it is the policy's own (null, a run from
+    before the key, or the policy's dtype named), so that such runs group together."""
+    asked = OmegaConf.select(cfg, "precision.engine_dtype")
+    if asked is None:
+        return "policy"
+    own = "float16" if precision.split("+")[0] == "fp16" else "bfloat16"
+    return "policy" if str(asked) == own else str(asked)
 
 
 PROXIMAL_NOTES = {"current": "of the current weights", "version": "of the sample's version"}
