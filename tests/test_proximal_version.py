@@ -67,6 +67,24 @@ def test_the_store_keeps_the_newest_versions_and_a_swap_puts_the_weights_back():
     assert (model.weight == 9.0).all() and store.live is None
 
 
+def test_a_swap_scores_with_the_versions_own_kv_scales_and_puts_the_latest_back():
+    """An FP8 KV cache's scales change with every version; a stale token was cached with
+    its own version's, so the quantized learner must read those while scoring it."""
+    from asyncfp8.precision import get_policy
+
+    policy = get_policy("fp8+fp8_kv")
+    kv_part = policy.parts[1]
+    model = torch.nn.Linear(3, 2)
+    store = VersionWeights(model, keep=2, policy=policy)
+    for version in range(3):
+        kv_part.latest_scales = {0: (torch.tensor(float(version)), torch.tensor(1.0))}
+        store.record(version)
+    assert sorted(store.states) == [1, 2]  # the evicted version's state goes with it
+    with store.swapped_in(1):
+        assert kv_part.latest_scales[0][0].item() == 1.0
+    assert kv_part.latest_scales[0][0].item() == 2.0
+
+
 @pytest.mark.slow
 def test_stale_tokens_are_scored_under_their_own_versions_weights(tiny_model_dir, tmp_path):
     from asyncfp8.learner import Learner

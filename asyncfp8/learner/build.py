@@ -74,7 +74,7 @@ def optimizer_and_schedule(
 
 
 def proximal_weights(
-    cfg: DictConfig, model: torch.nn.Module, max_staleness: int
+    cfg: DictConfig, model: torch.nn.Module, max_staleness: int, policy: PrecisionPolicy
 ) -> tuple[str, VersionWeights | None]:
     """Which π_prox the run takes (`correction.proximal`; auto chooses) and, for each
     sample's own version, the copies of the versions stale samples can have."""
@@ -88,7 +88,7 @@ def proximal_weights(
         available_memory(),
     )
     log.info("π_prox: %s (%s)", proximal, why)
-    return proximal, VersionWeights(model, keep) if proximal == "version" else None
+    return proximal, VersionWeights(model, keep, policy) if proximal == "version" else None
 
 
 def proximal_thread(

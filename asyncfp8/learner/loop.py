@@ -61,7 +61,7 @@ class Learner:
             self.model, cfg.optim, run.steps
         )
         self.proximal, self.version_weights = build.proximal_weights(
-            cfg, self.model, max_staleness_of(run)
+            cfg, self.model, max_staleness_of(run), self.policy
         )
         self.proximal_thread = build.proximal_thread(
             cfg,

@@ -198,6 +198,15 @@ class PrecisionPolicy:
 
     # -- the model ---------------------------------------------------------------------------
 
+    def learner_state(self) -> dict[str, Any]:
+        """What the learner's quantized forward reads besides the weights that a version
+        fixes (an FP8 KV cache's scales), kept with each version's weights so that a stale
+        token is scored as the engine computed it (train/versions.py); {} for most."""
+        return {}
+
+    def load_learner_state(self, state: Mapping[str, Any]) -> None:
+        """Puts back a `learner_state()`."""
+
     def set_engine_dtype(self, dtype: torch.dtype) -> None:
         """`precision.engine_dtype`: what the engine computes in around the quantized GEMMs
         and keeps the unquantized tensors in. FP32 with `learner_forward=quantized` leaves
@@ -258,6 +267,13 @@ class ComposedPolicy(PrecisionPolicy):
 
     def engine_config(self) -> dict[str, Any]:
         return dict(self._engine_config)
+
+    def learner_state(self):
+        return {part.name: part.learner_state() for part in self.parts}
+
+    def load_learner_state(self, state):
+        for part in self.parts:
+            part.load_learner_state(state.get(part.name, {}))
 
     def set_engine_dtype(self, dtype):
         for part in self.parts:

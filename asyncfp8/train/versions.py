@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
+from asyncfp8.precision import PrecisionPolicy
 from asyncfp8.run.distributed import local_shard, resharded
 
 # auto keeps versions only where their copies take at most this share of the host memory
@@ -64,9 +65,11 @@ class VersionWeights:
     """The learner's weights of recent versions, on the CPU; `live` is the version the
     model's own weights are (None once a step has changed them since)."""
 
-    def __init__(self, model: torch.nn.Module, keep: int):
-        self.model, self.keep = model, keep
+    def __init__(self, model: torch.nn.Module, keep: int, policy: PrecisionPolicy | None = None):
+        self.model, self.keep, self.policy = model, keep, policy
         self.weights: OrderedDict[int, list[torch.Tensor]] = OrderedDict()
+        #: each kept version's `policy.learner_state()` (its FP8 KV scales)
+        self.states: dict[int, dict] = {}
         self.live: int | None = None
         self._scratch: list[torch.Tensor] = []
         #: held while a version's copies are written or read (the proximal thread reads them)
@@ -88,6 +91,9 @@ class VersionWeights:
             for copy, p in zip(copies, params, strict=True):
                 copy.copy_(local_shard(p.detach()))
             self.weights[version] = copies
+            if self.policy is not None:
+                self.states = {v: s for v, s in self.states.items() if v in self.weights}
+                self.states[version] = self.policy.learner_state()
         self.live = version
 
     def changed(self) -> None:
@@ -103,7 +109,7 @@ class VersionWeights:
         swaps write FSDP2's sharded parameters, resharded first: a no-grad forward leaves
         the root unit (embeddings, final norm, LM head) unsharded and the next forward uses
         that copy, so a swap of the shards alone leaves the root on the other version, and
-        a swap of the copy alone is lost at the next reshard."""
+        a swap of the copy alone is lost at the next reshard. (The policy's KV scales too.)"""
         params = self._params()
         if not self._scratch:
             self._scratch = [torch.empty_like(local_shard(p), device="cpu") for p in params]
@@ -111,12 +117,17 @@ class VersionWeights:
             for scratch, p, saved in zip(self._scratch, params, self.weights[version], strict=True):
                 scratch.copy_(local_shard(p.detach()))
                 local_shard(p.data).copy_(saved)
+        own_state = self.policy.learner_state() if self.policy is not None else None
+        if own_state is not None and version in self.states:
+            self.policy.load_learner_state(self.states[version])
         try:
             yield
         finally:
             with torch.no_grad():
                 for scratch, p in zip(self._scratch, self._params(), strict=True):
                     local_shard(p.data).copy_(scratch)
+            if own_state is not None:
+                self.policy.load_learner_state(own_state)
 
     def _params(self) -> list[torch.Tensor]:
         return list(resharded(self.model).parameters())

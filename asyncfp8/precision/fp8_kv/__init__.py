@@ -147,9 +147,16 @@ class FP8KVPolicy(PrecisionPolicy):
             self.latest_scales[layer] = (extra[names["k"]], extra[names["v"]])
         return extra
 
+    def learner_state(self) -> dict:
+        return {"kv_scales": dict(self.latest_scales)}
+
+    def load_learner_state(self, state) -> None:
+        self.latest_scales = dict(state.get("kv_scales", {}))
+
     def prepare_learner(self, model: torch.nn.Module) -> torch.nn.Module:
         """With `learner_forward="quantized"`, attention reads k and v rounded to e4m3
-        with the latest calibrated scales, as the engine's FP8 cache stores them
+        with the latest calibrated scales (a stale version's own while its tokens are
+        scored, `learner_state`), as the engine's FP8 cache stores them
         (straight-through gradients)."""
         if self.learner_forward != "quantized":
             return model
