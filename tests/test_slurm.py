@@ -146,3 +146,27 @@ def test_srun_of_the_launcher_runs_a_two_rank_learner_and_two_workers(tmp_path, 
     assert "2 rank(s)" in (run_dir / "learner.log").read_text()
     result = audit(run_dir, group_size=4, max_staleness=1)
     assert result.steps == 4 and result.lost == 0
+
+
+def test_a_worker_task_that_exits_after_the_run_ended_is_not_restarted(tmp_path, capsys):
+    """Under load a worker task may start after the learner finished; it then waits for a
+    learner that is gone and exits 3, which once the run's summary is written is its end."""
+    import time
+    from types import SimpleNamespace
+
+    from asyncfp8.launch.local import run_ended, wait_for
+
+    restarted = []
+    process = SimpleNamespace(
+        name="worker-1",
+        restarts=0,
+        popen=SimpleNamespace(wait=lambda: 3),
+        restart=lambda code: restarted.append(code),
+    )
+    since = time.time() - 1
+    assert not run_ended(tmp_path, since)
+    assert wait_for(process, restarts=0) == (process, 3)  # the run goes on: a failure
+    (tmp_path / "summary.json").write_text("{}")
+    assert run_ended(tmp_path, since) and not run_ended(tmp_path, time.time() + 60)
+    assert wait_for(process, restarts=3, ended=lambda: run_ended(tmp_path, since)) is None
+    assert restarted == [] and "exited with 3 after the run ended" in capsys.readouterr().out

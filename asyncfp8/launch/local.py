@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -234,7 +235,7 @@ def launch_under_slurm(
         f"learner is on {role.learner_host}; {policy.spec}); log {process.log_path}",
         flush=True,
     )
-    started = time.perf_counter()
+    started, wall_started = time.perf_counter(), time.time()
     process.start()
     main_task = role.kind == "learner" and role.index == 0
     try:
@@ -245,7 +246,8 @@ def launch_under_slurm(
             progress.update()
             progress.close()
         else:
-            failed = wait_for(process, run.worker_restarts if role.kind == "worker" else 0)
+            restarts = run.worker_restarts if role.kind == "worker" else 0
+            failed = wait_for(process, restarts, ended=lambda: run_ended(run_dir, wall_started))
     except KeyboardInterrupt:
         stop_all(process, [])
         print(resume_hint(run_dir))
@@ -261,12 +263,24 @@ def launch_under_slurm(
     return report_end(run_dir, started) if main_task else 0
 
 
-def wait_for(process: Process, restarts: int) -> tuple[Process, int] | None:
+def run_ended(run_dir: Path, since: float) -> bool:
+    """Task 0 wrote the run's summary since `since` (time.time()): the learner finished."""
+    summary = run_dir / "summary.json"
+    return summary.is_file() and summary.stat().st_mtime >= since
+
+
+def wait_for(
+    process: Process, restarts: int, ended: Callable[[], bool] = lambda: False
+) -> tuple[Process, int] | None:
     """Waits for one process (a worker restarted up to `restarts` times): None when it
-    finished, else the process and its exit code."""
+    finished, or exited after the run `ended` (a worker that started late under load
+    waits for a learner that is gone), else the process and its exit code."""
     while True:
         code = process.popen.wait()
         if code == 0:
+            return None
+        if code != CONFIG_ERROR and ended():
+            print(f"[launch] {process.name} exited with {code} after the run ended: done")
             return None
         if code == CONFIG_ERROR or process.restarts >= restarts:
             return process, code
