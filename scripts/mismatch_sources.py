@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from asyncfp8.correction.metrics import mismatch_metrics
+from asyncfp8.correction.registry import make_batch
 from asyncfp8.engines.base import SamplingParams
 from asyncfp8.engines.torch_engine import TorchEngine
 from asyncfp8.models import load_model, load_tokenizer
@@ -35,9 +37,11 @@ PRECISIONS = ("bf16", "fp8", "int8")
 
 
 def k3(learner: torch.Tensor, rollout: torch.Tensor) -> float:
-    """Mean over tokens of e^δ − δ − 1, δ = log π_learner − log π_rollout (FP64)."""
-    delta = (learner.double() - rollout.double()).clamp(-20, 20)
-    return (delta.exp() - delta - 1).mean().item()
+    """Mean over tokens of e^δ − δ − 1, δ = log π_learner − log π_rollout: the run's own
+    `mismatch/kl_k3` (asyncfp8/correction/metrics.py)."""
+    mask = torch.ones(1, learner.numel(), dtype=torch.bool)
+    batch = make_batch(learner[None].float(), rollout[None].float(), mask)
+    return mismatch_metrics(batch)["mismatch/kl_k3"]
 
 
 def sequence_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
