@@ -286,15 +286,21 @@ def test_a_learner_that_fails_at_start_is_reported_within_seconds(tmp_path, tiny
             run_dir,
             "run.placement=separate",
             f"sync.version_port={taken.getsockname()[1]}",
+            "sync.connect_timeout=120",
         )
         finished = time.time()
     finally:
         taken.close()
     assert code != 0 and "learner exited with" in out and "cannot listen" in out, out[-2000:]
     # From the learner's last log line to the launcher's exit: the report is immediate,
-    # not a wait on every worker.
-    assert finished - (run_dir / "learner.log").stat().st_mtime < 10
+    # not a wait for the worker to give up on the learner (120 s). Under CI's load the
+    # learner's, the worker's and the launcher's own exits took 11 s; alone, 3 s.
+    assert finished - (run_dir / "learner.log").stat().st_mtime < 40
     assert "did not exit" not in out and "continue with" not in out
+    worker_log = (run_dir / "worker-0.log").read_text()
+    if "waiting up to" in worker_log:  # stopped while waiting: a stop, not "learner gone"
+        assert "stopping on signal" in worker_log, worker_log[-2000:]
+        assert "no version from a learner" not in worker_log, worker_log[-2000:]
 
 
 # --- the docs' reward example (your-model-and-data.md), as written -----------------------------

@@ -123,6 +123,12 @@ class Worker:
         sync = self.cfg.sync
         self.log.info("waiting up to %d s for the learner's first version", sync.connect_timeout)
         if not self._apply_newest(timeout=sync.connect_timeout):
+            if self.stop:  # stopped while waiting (the launcher, after the learner failed)
+                self.log.info(
+                    "stopping on signal %s before the learner's first version", self.stop.signal
+                )
+                self.close()
+                return 0
             failed = self.watch.failures
             raise LearnerGone(
                 f"no version from a learner at {endpoints(sync, 'connect').versions} within "
