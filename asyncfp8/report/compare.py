@@ -16,9 +16,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from asyncfp8 import __version__
+from asyncfp8.report.group_stats import group_numbers
 from asyncfp8.report.paired import add_paired_differences, paired_line
 from asyncfp8.report.plots import plot_heldout, plot_runs
-from asyncfp8.report.stats import binomial_se, mean_ci, wilson_interval
+from asyncfp8.report.pooled import pool_tables
 from asyncfp8.report.summary import MIN_FRESH_STEPS, evaluations, setting, setting_label, summarize
 from asyncfp8.run.records import METRICS_FILE
 from asyncfp8.run.resume import CONFIG_FILE, RESUME_KEYS, SAFE_ON_RESUME
@@ -130,15 +131,6 @@ def group_runs(
     return groups
 
 
-def _values(summaries: list[dict], key: str) -> list[float]:
-    return [s[key] for s in summaries if s.get(key) is not None and not math.isnan(s[key])]
-
-
-def _stat(name: str, values: list[float]) -> dict[str, float | None]:
-    mean, half = mean_ci(values) if values else (None, None)
-    return {f"{name}_mean": mean, f"{name}_ci95": half}
-
-
 def group_summary(
     name: str, runs: list[str], configs: dict[str, DictConfig], summaries: dict[str, dict]
 ) -> dict[str, Any]:
@@ -149,54 +141,10 @@ def group_summary(
         for key in settings[0]
     }
     seeds = [configs[run].run.seed for run in runs]
-    rows = [summaries[run] for run in runs]
-    finals = _values(rows, "eval_pass1_greedy_end")
-    prompts = [s["eval_prompts"] for s in rows]
-    fresh = _values(rows, "fresh_kl_k3_mean")
-    entry: dict[str, Any] = {
-        "label": name,
-        **shared,
-        "n": len(runs),
-        "seeds": seeds,
-        "runs": runs,
-        "final_eval_steps": [s["eval_steps"][-1] if s["eval_steps"] else None for s in rows],
-        "eval_prompts": prompts,
-        **_stat("final_greedy", finals),
-        **_stat("final_sampled", _values(rows, "eval_pass1_sampled_end")),
-        "final_greedy_binomial_se": None,
-        **_stat("start_greedy", _values(rows, "eval_pass1_greedy_start")),
-        **_stat("start_sampled", _values(rows, "eval_pass1_sampled_start")),
-        **_stat("kl_k3", _values(rows, "kl_k3_mean")),
-        **_stat("fresh_kl_k3", fresh),
-        "fresh_kl_runs": len(fresh),
-        **_collapses(rows, seeds),
-        "warnings": [],
-    }
-    known_prompts = [p for p in prompts if p]
-    if finals and known_prompts:
-        # one run's evaluation noise at the group's accuracy; with unequal evaluation sizes
-        # the smallest (the noisiest) is the honest one
-        entry["final_greedy_binomial_se"] = binomial_se(
-            entry["final_greedy_mean"], min(known_prompts)
-        )
-    warnings = entry["warnings"]
+    entry = {"label": name, **shared, **group_numbers(runs, seeds, summaries)}
     if mixed := [key for key, value in shared.items() if isinstance(value, list)]:
-        warnings.append(f"the label groups runs of different settings ({', '.join(mixed)})")
-    if len(finals) < len(runs):
-        warnings.append(
-            f"{len(runs) - len(finals)} of {len(runs)} runs have no held-out evaluation "
-            "(eval.every=0?): the held-out numbers rest on the others"
-        )
-    if len({step for step in entry["final_eval_steps"] if step is not None}) > 1:
-        warnings.append(
-            "the runs' last evaluations are at different steps "
-            f"({', '.join(str(s) for s in entry['final_eval_steps'])}): a run stopped early?"
-        )
-    repeated = sorted({seed for seed in seeds if seeds.count(seed) > 1})
-    if repeated:
-        warnings.append(
-            f"seed {', '.join(map(str, repeated))} appears more than once: a repeat of a seed "
-            "is not an independent sample (a deterministic run gives the same numbers)"
+        entry["warnings"].append(
+            f"the label groups runs of different settings ({', '.join(mixed)})"
         )
     differences = _differences(
         {
@@ -205,49 +153,10 @@ def group_summary(
         }
     )
     if differences and not mixed:
-        warnings.append("its runs differ in more than the seed: " + " | ".join(differences))
+        entry["warnings"].append(
+            "its runs differ in more than the seed: " + " | ".join(differences)
+        )
     return entry
-
-
-def _collapses(rows: list[dict], seeds: list[int]) -> dict[str, Any]:
-    """How many of a group's runs collapsed, the Wilson interval of the rate, and which."""
-    collapsed = [(seed, s) for seed, s in zip(seeds, rows, strict=True) if s["collapsed"]]
-    return {
-        "collapses": len(collapsed),
-        "collapse_rate_ci95": list(wilson_interval(len(collapsed), len(rows))),
-        "collapsed_runs": [
-            {"seed": seed, "step": s["collapse_step"], "signal": s["collapse_signal"]}
-            for seed, s in collapsed
-        ],
-        "fell_and_recovered": sum(bool(s["fell_and_recovered"]) for s in rows),
-        # late slides (summaries written before the rule have no such key: not counted)
-        **_slides(rows, seeds),
-        # runs the held-out guard put back at least once (guard.heldout_below; older
-        # summaries have no such key)
-        "heldout_recovered": sum(bool(s.get("guard_heldout_rollbacks")) for s in rows),
-        # runs the guard stopped (its rollbacks in a row exhausted): they did not finish,
-        # collapsed or not
-        "guard_stops": sum(bool(s["guard_stopped"]) for s in rows),
-        "guard_stopped_runs": [
-            {
-                "seed": seed,
-                "step": s["guard_stopped"]["step"],
-                "signal": s["guard_stopped"]["signal"],
-            }
-            for seed, s in zip(seeds, rows, strict=True)
-            if s["guard_stopped"]
-        ],
-    }
-
-
-def _slides(rows: list[dict], seeds: list[int]) -> dict[str, Any]:
-    """How many of a group's runs slid late, the Wilson interval of the rate, and which."""
-    slid = [(seed, s) for seed, s in zip(seeds, rows, strict=True) if s.get("late_slide")]
-    return {
-        "late_slides": len(slid),
-        "late_slide_rate_ci95": list(wilson_interval(len(slid), len(rows))),
-        "late_slide_runs": [{"seed": seed, "drop": s["late_slide_drop"]} for seed, s in slid],
-    }
 
 
 def _collapse_line(g: dict[str, Any]) -> str:
@@ -355,7 +264,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"asyncfp8 {__version__}")
     parser.add_argument(
-        "runs", nargs="+", help="run directories (each with config.yaml, metrics.jsonl)"
+        "runs", nargs="*", help="run directories (each with config.yaml, metrics.jsonl)"
+    )
+    parser.add_argument(
+        "--tables",
+        nargs="+",
+        metavar="JSON",
+        help="instead of run directories: tables earlier reports wrote (--json), pooled by "
+        "group label (a study run in parts; no plots, the tables hold no curves)",
     )
     parser.add_argument(
         "--out",
@@ -408,9 +324,9 @@ def _read_runs(runs: list[str]) -> tuple[dict[str, DictConfig], dict[str, dict],
     return configs, summaries, problems
 
 
-def _print_runs(runs: list[str], configs: dict[str, DictConfig], summaries: dict[str, dict]):
+def _print_runs(runs: list[str], seeds: dict[str, int], summaries: dict[str, dict]):
     """The per-run table, each run's warnings under its row."""
-    names = {run: f"{summaries[run]['label']} s{configs[run].run.seed}" for run in runs}
+    names = {run: f"{summaries[run]['label']} s{seeds[run]}" for run in runs}
     width = max(40, *map(len, names.values()))
     print(
         f"{'run':<{width}} {'steps':>5} {'reward start':>12} {'reward end':>10} {'KL k3':>9} "
@@ -439,13 +355,27 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{len(args.labels)} labels for {len(args.runs)} runs")
     if repeated := sorted({run for run in args.runs if args.runs.count(run) > 1}):
         parser.error(f"{', '.join(repeated)} given more than once")
-    configs, summaries, problems = _read_runs(args.runs)
-    if problems:
-        parser.exit(2, "asyncfp8.report: " + "\n".join(problems) + "\n")
-
-    _print_runs(args.runs, configs, summaries)
-    groups = group_runs(configs, args.labels)
-    entries = [group_summary(name, runs, configs, summaries) for name, runs in groups.items()]
+    if bool(args.runs) == bool(args.tables):
+        parser.error("give run directories or --tables, one of the two")
+    if args.tables:
+        try:
+            entries, summaries = pool_tables(args.tables)
+        except ValueError as error:
+            parser.exit(2, f"asyncfp8.report: {error}\n")
+        if args.labels:
+            parser.error("--labels groups run directories; tables keep their groups")
+        runs, groups = list(summaries), None
+        seeds = {
+            run: seed for g in entries for run, seed in zip(g["runs"], g["seeds"], strict=True)
+        }
+    else:
+        configs, summaries, problems = _read_runs(args.runs)
+        if problems:
+            parser.exit(2, "asyncfp8.report: " + "\n".join(problems) + "\n")
+        runs, groups = args.runs, group_runs(configs, args.labels)
+        entries = [group_summary(name, rs, configs, summaries) for name, rs in groups.items()]
+        seeds = {run: configs[run].run.seed for run in runs}
+    _print_runs(runs, seeds, summaries)
     if args.paired_with is not None:
         try:
             add_paired_differences(entries, summaries, args.paired_with)
@@ -454,6 +384,14 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(format_groups(entries))
     print()
+    if groups is not None:
+        _plot(args, groups)
+    if args.json:
+        table = {"runs": [summaries[run] for run in runs], "groups": entries}
+        Path(args.json).write_text(json.dumps(_json_safe(table), indent=2))
+
+
+def _plot(args: argparse.Namespace, groups: dict[str, list[str]]) -> None:
     print(f"plot: {plot_runs(args.runs, args.out, args.labels)}")
     out = Path(args.out)
     curves_out = args.curves or out.with_name(f"{out.stem}_heldout{out.suffix or '.png'}")
@@ -461,6 +399,3 @@ def main(argv: list[str] | None = None) -> None:
         {name: [evaluations(run) for run in runs] for name, runs in groups.items()}, curves_out
     )
     print(f"held-out curves: {curves}" if curves else "held-out curves: none (no run evaluated)")
-    if args.json:
-        table = {"runs": [summaries[run] for run in args.runs], "groups": entries}
-        Path(args.json).write_text(json.dumps(_json_safe(table), indent=2))
