@@ -130,3 +130,87 @@ def test_a_quantized_learner_forward_that_cannot_match_the_engine_is_said_at_sta
         )
     said = "the learner computing in float32 and the engine in bfloat16" in caplog.text
     assert said == warned
+
+
+# --- auto: the forwards made one where the study measured it (precision/matching.py) ---------
+
+
+@pytest.mark.parametrize(
+    "overrides, dtype, forward",
+    [
+        # 8-bit weights on the torch engine on the CPU: the FP32 engine and the quantized learner
+        (["precision=fp8"], "float32", "quantized"),
+        (["precision=int8"], "float32", "quantized"),
+        (["precision=fp8+fp8_kv"], "float32", "quantized"),
+        # no 8-bit weights, another engine, or a user's class: the policy's own, master
+        (["precision=bf16"], None, "master"),
+        (["precision=fp8_kv"], None, "master"),
+        (["precision=fp16"], None, "master"),
+        (["precision=mixed", "precision.base=fp8"], None, "master"),
+        (["precision=fp8", "engine=vllm"], None, "master"),
+        (["precision=fp8", "engine=torch", "engine.device=cuda"], None, "master"),
+        # an explicit value is kept and the auto beside it follows it
+        (["precision=fp8", "precision.learner_forward=master"], None, "master"),
+        (["precision=fp8", "precision.engine_dtype=bfloat16"], "bfloat16", "master"),
+        (
+            ["precision=fp8", "precision.engine_dtype=float32", "engine=vllm"],
+            "float32",
+            "quantized",
+        ),
+        (["precision=fp8", "precision.learner_forward=quantized"], "float32", "quantized"),
+    ],
+)
+def test_auto_resolves_to_the_matched_forwards_only_for_8bit_weights_on_the_cpu_torch_engine(
+    overrides, dtype, forward, monkeypatch
+):
+    from asyncfp8.precision.matching import resolve_auto
+    from tests.config import compose
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # engine.device=auto: the CPU
+    cfg = compose(*overrides)
+    for key in ("engine_dtype", "learner_forward"):
+        if not any(f"precision.{key}=" in o for o in overrides):
+            cfg.precision[key] = "auto"
+    resolved = resolve_auto(cfg.precision, cfg.engine)
+    merged = {"engine_dtype": cfg.precision.engine_dtype, **resolved}
+    merged.setdefault("learner_forward", cfg.precision.learner_forward)
+    assert (merged["engine_dtype"], str(merged["learner_forward"])) == (dtype, forward)
+
+
+def test_auto_on_a_gpu_is_the_policys_own_dtype(monkeypatch):
+    from asyncfp8.precision.matching import resolve_auto
+    from tests.config import compose
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = compose("precision=fp8", "precision.engine_dtype=auto", "precision.learner_forward=auto")
+    assert resolve_auto(cfg.precision, cfg.engine) == {
+        "engine_dtype": None,
+        "learner_forward": "master",
+    }
+
+
+def test_a_policy_built_outside_a_run_takes_auto_as_its_own():
+    policy = build_policy({"name": "fp8", "engine_dtype": "auto", "learner_forward": "auto"})
+    assert (policy.engine_dtype, policy.learner_forward) == (torch.bfloat16, "master")
+
+
+def test_the_run_checks_set_what_auto_resolved_to_so_the_run_saves_it(tiny_model_dir, monkeypatch):
+    from asyncfp8.checks import check_config
+    from tests.config import compose
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = compose(
+        f"model.path={tiny_model_dir}",
+        "precision=fp8",
+        "precision.engine_dtype=auto",
+        "precision.learner_forward=auto",
+    )
+    checked = check_config(cfg, tiny_model_dir, "worker")
+    assert (cfg.precision.engine_dtype, str(cfg.precision.learner_forward)) == (
+        "float32",
+        "quantized",
+    )
+    assert (checked.policy.engine_dtype, checked.policy.learner_forward) == (
+        torch.float32,
+        "quantized",
+    )
