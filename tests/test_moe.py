@@ -157,11 +157,14 @@ def test_moe_settings_the_library_cannot_honour_are_refused_at_start(
     # Replay needs an engine that returns the routes it ran.
     for setting, why in (
         ("engine=vllm", "engine vllm returns no routes here"),
-        ("engine.compile=true", "records routes in its plain eager step only"),
+        (
+            "engine.speculative.mode=fixed engine.slots=8",
+            "no routes for the tokens a speculative step keeps",
+        ),
         ("correction.proximal_thread=true", "scores π_prox without the engine's routes"),
     ):
         message = refusal(
-            tiny_moe_dir, tmp_path / "replay", "correction.routing_replay=true", setting
+            tiny_moe_dir, tmp_path / "replay", "correction.routing_replay=true", *setting.split()
         )
         assert f"correction.routing_replay=true with model {tiny_moe_dir}" in message, message
         assert why in message, message

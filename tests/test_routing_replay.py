@@ -17,7 +17,7 @@ def own_routes(model, ids: list[int]) -> torch.Tensor:
     """[tokens, layers, top_k]: the experts `model`'s routers pick for `ids` in one forward."""
     tap = RouterTap(model)
     with torch.no_grad(), tap.reading() as routes:
-        model(input_ids=torch.tensor([ids]))
+        model(input_ids=torch.tensor([ids], device=model.get_input_embeddings().weight.device))
     return torch.stack(routes.chosen, 1)
 
 
@@ -25,15 +25,14 @@ def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.long().sort(-1).values == b.long().sort(-1).values).all(-1)
 
 
-def test_the_torch_engine_records_the_routes_each_token_ran(tiny_moe_dir):
+def assert_routes_recorded(engine) -> None:
     """Prompt tokens from the fill, completion tokens from the step that fed them, the
     last (never fed) without: they agree with a whole-sequence forward of the engine's own
     model (FP32: the fill and the steps sum in another order, so a near-tie may flip; an
-    off-by-one column would agree on about 1 pair in 6)."""
+    off-by-one column would agree on about 1 pair in 6). A second call of the same shapes
+    compiles nothing more and records the same routes."""
     from asyncfp8.engines.base import SamplingParams
-    from asyncfp8.engines.torch_engine import TorchEngine
 
-    engine = TorchEngine(str(tiny_moe_dir), "bf16", dtype=torch.float32, slots=3)
     layout = moe_layout(engine.model.config)
     prompts = ["1+2=", "12+345=", "7*8="]  # uneven lengths: left padding in the fill
     sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=0)
@@ -45,9 +44,37 @@ def test_the_torch_engine_records_the_routes_each_token_ran(tiny_moe_dir):
         assert (routes[-1] == NO_ROUTE).all()  # the last token was never fed
         assert (routes[:-1] != NO_ROUTE).all()
         full = own_routes(engine.model, ids)
-        agree += int(same_sets(routes[:-1], full[:-1]).sum())
+        agree += int(same_sets(routes[:-1].cpu(), full[:-1].cpu()).sum())
         total += (len(ids) - 1) * len(layout.layers)
     assert agree / total >= 0.97, (agree, total)
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    again = engine.generate(prompts, sampling)
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames
+    assert [s.routes for s in again] == [s.routes for s in samples]
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_the_torch_engine_records_the_routes_each_token_ran(tiny_moe_dir, compiled):
+    """Eager, or compiled: the compiled step writes them from inside its graph, as a
+    captured CUDA graph does (no Python hook runs there)."""
+    from asyncfp8.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(str(tiny_moe_dir), "bf16", dtype=torch.float32, slots=3, compile=compiled)
+    assert_routes_recorded(engine)
+    assert engine._slot_decoder.compiled == compiled  # a failed compile would run eager
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_a_captured_compiled_step_records_the_routes_each_token_ran(tiny_moe_dir):
+    from asyncfp8.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(
+        str(tiny_moe_dir), "bf16", dtype=torch.float32, slots=3, device="cuda", compile=True
+    )
+    assert_routes_recorded(engine)
+    decoder = engine._slot_decoder
+    assert decoder.use_graph and decoder.compiled and decoder._graph is not None
 
 
 def test_routes_travel_with_a_trajectory_and_a_wrong_length_is_refused():

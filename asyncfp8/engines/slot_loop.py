@@ -302,7 +302,7 @@ class SlotLoop:
 
     def plain_step(self, current: int) -> None:
         if self.routes is not None:
-            self.routes.before_forward()
+            self.routes.before_step()
         logits = self.decoder.step(self.fed())
         if self.routes is not None:  # the fed token is each live row's newest, not counted
             self.routes.stepped((self.counters - 1).clamp_min(0), self.live)

@@ -1,8 +1,8 @@
 """The routes an MoE model's forwards ran in the slot loop, per slot: its prompt's from the
 fill, and each completion token's from the plain step that fed it (a token never fed, the
 last, and any a speculative step kept, have none: NO_ROUTE). Read from the engine's own
-routers (`asyncfp8.moe.routes.RouteRecorder`) in eager steps only: a compiled or captured
-step runs no Python hook."""
+routers (`asyncfp8.moe.routes.RouteRecorder`): the fill's as the hooks saw them, a step's
+from the buffer the hooks copy into, eager, compiled or replayed as a CUDA graph alike."""
 
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ class SlotRoutes:
         """Drops what forwards since the last one recorded (a probe between steps)."""
         self.recorder.picks = []
 
+    def before_step(self) -> None:
+        """The next forward is a decode step: its picks go to the step buffer."""
+        self.recorder.picks = []
+        self.recorder.stepping = True
+
     def filled(
         self, slots: Sequence[int], prompts: Sequence[Sequence[int]], rows: list[int], width: int
     ) -> None:
@@ -44,7 +49,8 @@ class SlotRoutes:
     def stepped(self, columns: torch.Tensor, fed: torch.Tensor) -> None:
         """After a plain step: each row `fed` a real token has its routes at its
         completion column (`columns`, [slots])."""
-        picks = self.recorder.take()
+        self.recorder.stepping = False
+        picks = self.recorder.take_step()
         here = self.out[self.rows, columns]
         self.out[self.rows, columns] = torch.where(fed[:, None, None], picks, here)
 

@@ -110,6 +110,7 @@ class TorchEngine:
         self.compile = resolve_compile(compile, self.device)
         self.slots = slots
         self._slot_decoder: SlotDecoder | None = None
+        self._routes: RouteRecorder | None = None  # the decoder's, for an MoE
         self._generating = False  # a generation is running (updates land mid-way)
         #: called between two decode steps of a slot generation (a worker applies the
         #: newest version there); None: nothing runs between steps
@@ -324,6 +325,7 @@ class TorchEngine:
             # No reference to the old decoder may outlive this line: its KV cache (GBs on
             # a GPU) and graph are freed before the new ones are allocated.
             self._slot_decoder = current = None
+            self._set_route_recorder(slots)
             current = self._slot_decoder = SlotDecoder(
                 self.model,
                 slots,
@@ -341,6 +343,7 @@ class TorchEngine:
         which changes none of its tokens. The bytes of the cache freed (the graph's pool
         is not counted)."""
         decoder, self._slot_decoder = self._slot_decoder, None
+        self._set_route_recorder(None)
         if decoder is None:
             return 0
         cache = decoder.cache
@@ -425,12 +428,19 @@ class TorchEngine:
             for (prompt_index, prompt_ids), g in zip(jobs, generated, strict=True)
         ]
 
+    def _set_route_recorder(self, slots: int | None) -> None:
+        """An MoE's route recorder for a decoder of `slots` rows (None: none), its hooks on
+        before the decoder's first step is compiled or captured, the old one's removed."""
+        if self._routes is not None:
+            self._routes.detach()
+            self._routes = None
+        if slots is not None and moe_layout(self.model.config) is not None:
+            self._routes = RouteRecorder(self.model, step_rows=slots)
+            self._routes.attach()
+
     def _route_recorder(self, decoder) -> RouteRecorder | None:
-        """An MoE's routes are recorded in eager steps (no hook runs in a compiled or
-        captured step: those samples carry none)."""
-        if moe_layout(self.model.config) is None or decoder.use_graph or decoder.compiled:
-            return None
-        return RouteRecorder(self.model)
+        """The current decoder's (an MoE's: every step's routes, eager, compiled or captured)."""
+        return self._routes
 
     def _train_drafter(self, started: float) -> None:
         """Online: the drafter learns from the rollouts just made, between generations, for
@@ -460,4 +470,5 @@ class TorchEngine:
 
     def close(self) -> None:
         self._slot_decoder = None
+        self._set_route_recorder(None)
         self.model = None

@@ -7,6 +7,7 @@ the model; `batch_routes` lays a batch's out as the learner's forward reads them
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -28,9 +29,12 @@ def routers_of(model: nn.Module) -> list[nn.Module]:
 
 class RouteRecorder:
     """The experts each forward of `model` picked, per layer, while `recording()`: what an
-    engine ran. `take()` returns the last forward's [rows, layers, top_k] (uint8)."""
+    engine ran; `take()` gives the last forward's [rows, layers, top_k] uint8. A decode step
+    of `step_rows` rows run while `stepping` is copied into a static buffer (`take_step()`),
+    in place: torch.compile traces it, a CUDA graph replays it. Hooks stay on from
+    `attach()` to `detach()`, so a compiled step is traced with them."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, step_rows: int | None = None):
         self.layout = moe_layout(model.config)
         if self.layout is None:
             raise ValueError(f"{type(model).__name__} has no routed experts to record")
@@ -40,21 +44,49 @@ class RouteRecorder:
             )
         self.model = model
         self.picks: list[torch.Tensor] = []
+        self.active = self.stepping = False
+        self.step_picks = None
+        if step_rows is not None:
+            device = model.get_input_embeddings().weight.device
+            shape = (len(self.layout.layers), step_rows, self.layout.top_k)
+            self.step_picks = torch.full(shape, NO_ROUTE, dtype=torch.uint8, device=device)
+        self.handles: list = []
+
+    def attach(self) -> None:
+        """Hooks on the routers until `detach()` (they record only while `recording()`)."""
+        if not self.handles:
+            self.handles = [
+                router.register_forward_hook(functools.partial(self._record, layer))
+                for layer, router in enumerate(routers_of(self.model))
+            ]
+
+    def detach(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[RouteRecorder]:
-        """Hooks on the routers for the duration (none left behind: a compiled or
-        graph-captured step outside never sees them)."""
-        handles = [r.register_forward_hook(self._record) for r in routers_of(self.model)]
+        """Records for the duration; hooks attached here are removed after it (none left
+        behind for a compiled or captured step outside to trip on)."""
+        temporary = not self.handles
+        self.attach()
+        self.active = True
         try:
             yield self
         finally:
-            for handle in handles:
-                handle.remove()
+            self.active = self.stepping = False
             self.picks = []
+            if temporary:
+                self.detach()
 
-    def _record(self, module: nn.Module, args, output) -> None:
-        self.picks.append(output[2].detach())
+    def _record(self, layer: int, module: nn.Module, args, output) -> None:
+        if not self.active:
+            return
+        if self.stepping:
+            self.step_picks[layer].copy_(output[2])
+        else:
+            self.picks.append(output[2].detach())
 
     def take(self) -> torch.Tensor:
         """The experts of the forward since the last take: [rows, layers, top_k] uint8."""
@@ -63,6 +95,10 @@ class RouteRecorder:
         if len(picks) != layers:
             raise RuntimeError(f"recorded {len(picks)} router outputs in a forward of {layers}")
         return torch.stack(picks, 1).to(torch.uint8)
+
+    def take_step(self) -> torch.Tensor:
+        """The last decode step's experts: [step_rows, layers, top_k] uint8."""
+        return self.step_picks.transpose(0, 1).clone()
 
 
 def pack_routes(routes: torch.Tensor) -> bytes:

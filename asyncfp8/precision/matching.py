@@ -1,9 +1,8 @@
-"""`precision.engine_dtype=auto` and `precision.learner_forward=auto`, resolved per run. An
-8-bit weight policy (fp8, int8, either with fp8_kv) on the torch engine on the CPU computes
-in FP32 around its GEMMs and the learner trains through the quantization: the engine's and
-the learner's forwards are one (docs/precision.md, "The engine's compute dtype"). Anywhere
-else auto is the policy's own dtype and the master forward (vLLM and SGLang compute in
-BF16 around 8-bit GEMMs; on a GPU, FP32 costs bandwidth no study here has priced)."""
+"""`precision.engine_dtype=auto` and `learner_forward=auto`, resolved per run: 8-bit weights
+(fp8, int8, either with fp8_kv) on the torch engine on the CPU compute in FP32 around their
+GEMMs and the learner trains through the quantization, so the two forwards are one
+(docs/precision.md, "The engine's compute dtype"). Elsewhere: the policy's own dtype and the
+master forward (vLLM/SGLang compute in BF16; on a GPU, FP32's cost is unmeasured)."""
 
 from __future__ import annotations
 
