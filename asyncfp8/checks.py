@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from asyncfp8.correction import Correction, build_correction
@@ -28,6 +29,7 @@ from asyncfp8.tasks import Task, build_task
 from asyncfp8.train.batches import check_split
 from asyncfp8.train.guard import GuardSettings
 from asyncfp8.train.loss_scale import LossScaleSettings
+from asyncfp8.train.phases import PhaseClock
 
 COLOCATED_ENGINES = ("torch", "vllm")  # the engines that run in the learner's process
 TENSORBOARD_INSTALL = 'pip install -c constraints.txt -e ".[tensorboard]"'
@@ -353,6 +355,7 @@ def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
             "(or run.tensorboard=auto: use it when it is there)"
         )
     loggers_of(run)  # run.loggers: a tracker that is not installed, named at start
+    PhaseClock(run.phase_times, torch.device("cpu"))  # run.phase_times in range
     check_inflight_updates(cfg)
     check_speculative(cfg, model_dir)
     addresses = endpoints(cfg.sync, "bind" if role == "learner" else "connect")

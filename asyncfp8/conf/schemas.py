@@ -206,6 +206,11 @@ class RunConfig:
     tensorboard: Any = setting(
         "auto", "auto adds TensorBoard when installed, true requires it, false turns it off"
     )
+    phase_times: Any = setting(
+        "auto",
+        "seconds per phase of the learner's step in its metrics (time/phase/*): auto on a "
+        "CPU only, true also on a GPU (waits for the device at each phase), false off",
+    )
     wandb: WandbConfig = setting(WandbConfig, "Weights & Biases settings")
 
 

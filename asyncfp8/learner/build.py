@@ -26,6 +26,7 @@ from asyncfp8.run import distributed, failpoints
 from asyncfp8.train.guard import GuardSettings
 from asyncfp8.train.logprobs import install_logprob_head
 from asyncfp8.train.loss_scale import LossScaler, LossScaleSettings
+from asyncfp8.train.phases import PhaseClock
 from asyncfp8.train.proximal_thread import ProximalThread
 from asyncfp8.train.rollback import HeldOutGuard, StepGuard
 from asyncfp8.train.step import TrainStep, lr_lambda
@@ -171,6 +172,7 @@ def train_step(
         starved=str(cfg.correction.starved),
         proximal_thread=scored_ahead,
         routing_replay=bool(cfg.correction.get("routing_replay", False)),
+        clock=PhaseClock(cfg.run.phase_times, ranks.device),
     )
 
 

@@ -200,18 +200,21 @@ class Learner:
                 # a rollback's weights go out at once: workers stop sampling the broken ones
                 due = self.step % self.cfg.sync.every == 0 or self.step == run.steps
                 due = due or self.rolled_back
-                published = self._publish() if due else {}
+                with self.train_step.clock("publish"):
+                    published = self._publish() if due else {}
                 if warning := self._drift_warning(published):
                     hub.say("warning: %s", warning)
-                evaluated = self._evaluation()
+                with self.train_step.clock("eval"):
+                    evaluated = self._evaluation()
                 if self.heldout_rolled_back and self.step < run.steps:
                     published |= self._publish()  # the restored weights out at once
                 metrics |= published | evaluated
                 hub.record(self.step, metrics, len(groups or ()), published, self._times(waited))
                 if self.rolled_back and self.train_step.guard.exhausted:
                     return self._stop_by_guard()
-                if self._checkpoint_due():
-                    self.checkpoint()
+                if self._checkpoint_due():  # timed in the next step's record
+                    with self.train_step.clock("checkpoint"):
+                        self.checkpoint()
                 export_every = run.export_every
                 if export_every and self.step % export_every == 0 and self.step < run.steps:
                     self.export()
@@ -264,6 +267,7 @@ class Learner:
             "time/wait_s": waited,
             "time/step_total_s": now - self.last_step,
             "time/elapsed_s": self.elapsed_before + now - self.started,
+            **self.train_step.clock.take(),
         }
         self.last_step = now
         if self.resumed_from is not None:  # the first step after a resume says so

@@ -13,7 +13,7 @@ import torch
 
 from asyncfp8.run.distributed import local_shard
 from asyncfp8.sync import Trajectory
-from asyncfp8.train.batches import Group, batch_tensors
+from asyncfp8.train.batches import Group, TrainBatch, batch_tensors
 from asyncfp8.train.logprobs import completion_logprobs
 from asyncfp8.train.versions import VersionWeights
 
@@ -108,3 +108,17 @@ class ProximalThread:
             self.scored_tokens += int(where.sum())
         for row, trajectory in enumerate(trajectories):
             trajectory.proximal_logprobs = values[row, : len(trajectory.token_ids)].tolist()
+
+
+def ahead_scored(batch: TrainBatch, where: torch.Tensor) -> bool:
+    """Every token at `where` has its π_prox scored ahead (by the thread above)."""
+    scored = batch.proximal_logp
+    return scored is not None and bool(scored.to(where.device)[where].isfinite().all())
+
+
+def merged(
+    previous: tuple[torch.Tensor, torch.Tensor] | None, logp: torch.Tensor, where: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(π_prox values, where known) of a micro-batch with `logp` taken at `where`."""
+    values, known = previous or (torch.zeros_like(logp), torch.zeros_like(where))
+    return torch.where(where, logp, values), known | where

@@ -38,7 +38,8 @@ from asyncfp8.train.losses import (
     policy_loss_terms,
 )
 from asyncfp8.train.moe_routing import MoERouting
-from asyncfp8.train.proximal_thread import ProximalThread
+from asyncfp8.train.phases import PhaseClock
+from asyncfp8.train.proximal_thread import ProximalThread, ahead_scored, merged
 from asyncfp8.train.rollback import StepGuard
 from asyncfp8.train.sums import StepSums, StepTotals, UpdateSums
 from asyncfp8.train.versions import VersionWeights
@@ -136,6 +137,7 @@ class TrainStep:
         starved: str = Starved.scale,
         proximal_thread: ProximalThread | None = None,
         routing_replay: bool = False,
+        clock: PhaseClock | None = None,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.correction, self.optim = correction, optim
@@ -151,13 +153,15 @@ class TrainStep:
         self.starved_updates = 0  # since the learner started
         # An MoE: its routers read in every forward (balance loss, replay, moe/* metrics)
         self.routing = MoERouting.of(model, optim.router_aux_coef, routing_replay)
+        self.clock = clock or PhaseClock("false", device)  # run.phase_times (train/phases.py)
 
     def __call__(self, share: Share, step: int, version: int) -> StepSums:
         started = time.perf_counter()
         totals = StepTotals()
         if self.routing is not None:
             self.routing.start_step()
-        prepared = self._prepare(share, totals)
+        with self.clock("prepare"):
+            prepared = self._prepare(share, totals)
         rejection = {}
         if self.calibration is not None and not self.calibration.done:
             rejection = self._calibrate(prepared.batches, version)
@@ -175,11 +179,14 @@ class TrainStep:
                 rows = [t for mini in share.mini_batches for micro in mini for _, t, _ in micro]
                 oldest = add_reward_evidence(rows, self.guard.ignored_versions, sums.evidence)
             sums = sums.over_ranks()
-            if judged and self._guard_fails(sums, oldest, step, version):
+            with self.clock("guard"):
+                failed = judged and self._guard_fails(sums, oldest, step, version)
+            if failed:
                 self.optimizer.zero_grad(set_to_none=True)
                 rolled_back = True
                 break
-            self._apply(sums, factor, step, totals)
+            with self.clock("optimizer"):
+                self._apply(sums, factor, step, totals)
         self.scheduler.step()  # a skipped step too: the schedule follows the step count
         failpoint("learner.mid_step")  # weights changed; nothing recorded or published yet
         return StepSums(
@@ -204,9 +211,13 @@ class TrainStep:
         batches = [[self._tensors(rows) for rows in mini] for mini in share.mini_batches]
         proximal = None
         if self.loss.mode == "decoupled" and optim.mini_batches * optim.ppo_epochs > 1:
-            with torch.no_grad(), distributed.memory_advice("the recompute", self.memory()):
+            advice = distributed.memory_advice("the recompute", self.memory())
+            with torch.no_grad(), advice, self.clock("proximal"):
                 proximal = [[self.logprobs(self.model, b)[0] for b in mini] for mini in batches]
-        stale = self._stale_proximal(batches, totals) if self.versions is not None else None
+        stale = None
+        if self.versions is not None:
+            with self.clock("proximal"):
+                stale = self._stale_proximal(batches, totals)
         return Prepared(batches, proximal, stale)
 
     def _accumulate(
@@ -365,33 +376,34 @@ class TrainStep:
         backward runs on the numerator times `factor` (`_gradient_factor`). Returns the
         log-probs the correction saw."""
         optim = self.optim
-        with self.routing.reading() if self.routing else contextlib.nullcontext() as routes:
-            logp, entropy = self.logprobs(self.model, micro)
-        if judged:
-            bound = self.guard.settings.log_ratio_bound
-            ignored = self.guard.ignored_versions
-            add_token_evidence(logp, micro, bound, ignored, sums.evidence, own_version=stale)
-        if proximal is None:
-            proximal = logp.detach()
-        if stale is not None:
-            proximal = torch.where(stale[1], stale[0], proximal)
-        terms = policy_loss_terms(self.loss, self.correction, logp, micro, proximal, version)
-        kept = terms.mask.to(logp.dtype)
-        per_token = terms.per_token - optim.entropy_coef * entropy
-        if self.reference is not None:
-            with torch.no_grad():
-                reference_logp, _ = self.logprobs(self.reference, micro)
-            kl = kl_penalty(logp, reference_logp, optim.kl_estimator)
-            per_token = per_token + optim.kl_coef * kl
-            sums.kl += (kl.detach() * kept).sum().item()
-        numerator, denominator = aggregate_parts(per_token, terms.mask, self.loss.aggregation)
-        if routes is not None:
-            numerator = numerator + self.routing.term(
-                routes, micro.attention_mask, denominator, sums
-            )
+        with self.clock("forward"):
+            with self.routing.reading() if self.routing else contextlib.nullcontext() as routes:
+                logp, entropy = self.logprobs(self.model, micro)
+            if judged:
+                bound = self.guard.settings.log_ratio_bound
+                ignored = self.guard.ignored_versions
+                add_token_evidence(logp, micro, bound, ignored, sums.evidence, own_version=stale)
+            if proximal is None:
+                proximal = logp.detach()
+            if stale is not None:
+                proximal = torch.where(stale[1], stale[0], proximal)
+            terms = policy_loss_terms(self.loss, self.correction, logp, micro, proximal, version)
+            kept = terms.mask.to(logp.dtype)
+            per_token = terms.per_token - optim.entropy_coef * entropy
+            if self.reference is not None:
+                with torch.no_grad():
+                    reference_logp, _ = self.logprobs(self.reference, micro)
+                kl = kl_penalty(logp, reference_logp, optim.kl_estimator)
+                per_token = per_token + optim.kl_coef * kl
+                sums.kl += (kl.detach() * kept).sum().item()
+            numerator, denominator = aggregate_parts(per_token, terms.mask, self.loss.aggregation)
+            if routes is not None:
+                numerator = numerator + self.routing.term(
+                    routes, micro.attention_mask, denominator, sums
+                )
         # FP16 gradients: the loss scaled up, so that small gradients do not flush to
         # zero; routed as the forward was, for an activation-checkpointed recompute
-        with self._routed(self.model, micro):
+        with self._routed(self.model, micro), self.clock("backward"):
             (numerator * factor if factor != 1.0 else numerator).backward()
         sums.total += numerator.item()
         policy = aggregate_parts(terms.per_token.detach(), terms.mask, self.loss.aggregation)[0]
@@ -472,20 +484,6 @@ class TrainStep:
             "optim.logprob_chunk_tokens": optim.logprob_chunk_tokens,
             "ranks": self.world,
         }
-
-
-def ahead_scored(batch: TrainBatch, where: torch.Tensor) -> bool:
-    """Every token at `where` has its π_prox scored ahead (train/proximal_thread.py)."""
-    scored = batch.proximal_logp
-    return scored is not None and bool(scored.to(where.device)[where].isfinite().all())
-
-
-def merged(
-    previous: tuple[torch.Tensor, torch.Tensor] | None, logp: torch.Tensor, where: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(π_prox values, where known) of a micro-batch with `logp` taken at `where`."""
-    values, known = previous or (torch.zeros_like(logp), torch.zeros_like(where))
-    return torch.where(where, logp, values), known | where
 
 
 def all_rewards_equal(group: Group) -> bool:
