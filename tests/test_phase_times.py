@@ -54,3 +54,19 @@ def test_every_step_of_a_run_says_where_its_training_went(separate_turns):
         inside = sum(phases.get(f"time/phase/{name}_s", 0.0) for name in STEP_PHASES)
         assert inside <= record["time/train_s"] + 1e-3, (inside, record["time/train_s"])
         assert phases["time/phase/publish_s"] <= record["time/step_total_s"]
+
+
+def test_the_bench_table_accounts_for_the_whole_step():
+    """bench/learner_phases.py: the rows (π_prox counted once, inside prepare) add up to
+    the step's wall time, the untimed rest included."""
+    from bench.learner_phases import rows_of
+
+    means = dict(prepare=0.1, proximal=0.05, forward=0.2, backward=0.3, guard=0.01)
+    means |= dict(optimizer=0.05, publish=0.02, eval=0.1, checkpoint=0.0)
+    means |= {"time/wait_s": 0.04, "time/train_s": 0.7, "time/step_total_s": 1.0}
+    rows = {row["phase"]: row for row in rows_of(means)}
+    assert rows["train step, untimed"]["seconds"] == pytest.approx(0.04)
+    assert rows["loop, untimed"]["seconds"] == pytest.approx(0.14)
+    counted = sum(r["seconds"] for name, r in rows.items() if name != "proximal")
+    assert counted == pytest.approx(1.0)
+    assert rows["backward"]["share_of_step"] == pytest.approx(0.3)
