@@ -207,7 +207,8 @@ class TrainStep:
         optim = self.optim
         if self.proximal_thread is not None:  # π_prox scored ahead lands on the trajectories
             rows = [t for mini in share.mini_batches for micro in mini for _, t, _ in micro]
-            self.proximal_thread.wait(rows)
+            with self.clock("proximal"):
+                self.proximal_thread.wait(rows)
         batches = [[self._tensors(rows) for rows in mini] for mini in share.mini_batches]
         proximal = None
         if self.loss.mode == "decoupled" and optim.mini_batches * optim.ppo_epochs > 1:
