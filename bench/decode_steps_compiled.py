@@ -7,8 +7,9 @@ step an H100 would take by the count (the same per-kernel cost and floors).
 
 How it counts. Inside the step: the launches in the `call` of the code inductor generates
 for it (`run_and_get_code`): its fused kernels, and the extern ones (GEMMs, attention).
-Outside it (sampling, the slot loop's bookkeeping; eager): the aten ops that launch a
-kernel (decode_steps.KernelCount), counted with the step itself paused. Inductor here emits
+Outside it: the compiled sampler's launches (its generated code too), and the slot
+loop's bookkeeping, eager: the aten ops that launch a kernel (decode_steps.KernelCount),
+counted with the step and the sampler paused. Inductor here emits
 C++ kernels; on CUDA it emits Triton ones from the same graph, and the 8-bit linears there
 are asyncfp8's fused Triton kernels (one launch each, counted as one here whatever the CPU
 reference's GEMMs are; its quantizer, fused into a C++ kernel of its own here, is inside
@@ -33,7 +34,8 @@ from common import Table
 from decode_steps import PROMPT, SHAPE, KernelCount, h100_rows
 from rollout import gpu_engine
 
-from asyncfp8.engines import SamplingParams
+from asyncfp8.engines import SamplingParams, slot_loop
+from asyncfp8.engines.request_sampling import SAMPLE, CompiledSampler, stream_keys
 from asyncfp8.precision.fp8 import FP8BlockLinear
 from asyncfp8.precision.int8 import Int8Linear
 
@@ -56,28 +58,49 @@ def step_code_launches(code: str) -> Counter:
     return launches
 
 
+class Paused:
+    """`run` called with `counter` paused: its kernels are counted elsewhere."""
+
+    def __init__(self, run, counter: KernelCount):
+        self.run, self.counter = run, counter
+
+    def __call__(self, *args):
+        with self.counter.pause():
+            return self.run(*args)
+
+
 def outside_step(engine, batch: int, tokens: int) -> float:
-    """Eager kernels per decode step outside the step itself (sampling, bookkeeping)."""
+    """Eager kernels per decode step outside the step and its sampler (bookkeeping)."""
     prompts = [list(range(3, 3 + PROMPT))] * batch
     counts = []
+    sampler = slot_loop.step_sampler
     for new in (tokens, 1):
         sampling = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=0)
         engine.generate_requests(prompts, [new] * batch, sampling)  # builds its decoder
-        decoder = engine._slot_decoder
-        counter, step = KernelCount(), decoder._run_step
-
-        def paused(*args, step=step, counter=counter):
-            with counter.pause():
-                return step(*args)
-
-        decoder._run_step = paused
+        decoder, counter = engine._slot_decoder, KernelCount()
+        decoder._run_step = Paused(decoder._run_step, counter)
+        slot_loop.step_sampler = lambda compiled, counter=counter: Paused(
+            sampler(compiled), counter
+        )
         try:
             with counter:
                 engine.generate_requests(prompts, [new] * batch, sampling)
         finally:
             del decoder._run_step
+            slot_loop.step_sampler = sampler
         counts.append(sum(counter.ops.values()))
     return (counts[0] - counts[1]) / (tokens - 1)
+
+
+def sampler_launches(batch: int, vocab: int) -> Counter:
+    """The compiled sampler's launches for one step of `batch` rows (temperature 1)."""
+    logits = torch.randn(batch, vocab)
+    keys = stream_keys(torch.arange(batch), SAMPLE)
+    sampling = SamplingParams(temperature=1.0)
+    _, codes = run_and_get_code(
+        lambda: CompiledSampler()(logits, sampling, keys, torch.zeros(batch, dtype=torch.long))
+    )
+    return step_code_launches(codes[0])
 
 
 def compiled_step(precision: str, batch: int, shape: dict) -> tuple[Counter, float, int]:
@@ -89,8 +112,10 @@ def compiled_step(precision: str, batch: int, shape: dict) -> tuple[Counter, flo
     started = time.perf_counter()
     _, codes = run_and_get_code(lambda: engine.generate_requests(prompts, [2] * batch, sampling))
     seconds = time.perf_counter() - started
-    if not engine._slot_decoder.compiled or len(codes) != 1:
+    # the step's graph and the compiled sampler's (much the smaller)
+    if not engine._slot_decoder.compiled or len(codes) != 2:
         raise RuntimeError(f"{precision} batch {batch}: the step did not compile to one graph")
+    codes = sorted(codes, key=len)[1:]
     linears = sum(isinstance(m, FP8BlockLinear | Int8Linear) for m in engine.model.modules())
     engine.close()
     return step_code_launches(codes[0]), seconds, linears
@@ -124,7 +149,8 @@ def main() -> int:
             # on CUDA one fused Triton launch per 8-bit linear, whatever the CPU's GEMMs
             inside = sum(launches.values()) - gemms_8bit + linears
             engine = gpu_engine(precision, torch.device("cpu"), shape, eager=True)
-            outside = outside_step(engine, batch, args.tokens)
+            sampler = sampler_launches(batch, engine.model.config.vocab_size)
+            outside = outside_step(engine, batch, args.tokens) + sum(sampler.values())
             engine.close()
             row = {
                 "precision": precision,
@@ -133,6 +159,7 @@ def main() -> int:
                 "kernels_in_step": inside,
                 "kernels_outside_step": outside,
                 "launches_by_kind": dict(launches),
+                "sampler_launches": dict(sampler),
                 "eight_bit_gemms_cpu": gemms_8bit,
                 "eight_bit_linears": linears,
                 "compile_and_first_run_s": round(seconds, 1),

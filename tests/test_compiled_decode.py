@@ -106,3 +106,35 @@ def test_gpu_the_compiled_step_inside_the_graph_gives_the_eager_graphs_tokens(ti
     assert_same(eager.generate(PROMPTS, SAMPLING), compiled.generate(PROMPTS, SAMPLING))
     decoder = compiled._slot_decoder
     assert decoder.use_graph and decoder.compiled and decoder._graph is not None
+
+
+@pytest.mark.slow
+def test_the_compiled_sampler_draws_the_eager_samplers_tokens_and_log_probs():
+    """The same tokens (the hash is integer arithmetic; a uniform would have to fall on a
+    rounding of the CDF to differ) and log-probs to 1e-6 (they came out bit-identical on
+    this CPU; vector widths may round the last bit otherwise)."""
+    from asyncfp8.engines.base import SamplingParams
+    from asyncfp8.engines.request_sampling import (
+        SAMPLE,
+        CompiledSampler,
+        sample_per_request,
+        stream_keys,
+    )
+
+    compiled = CompiledSampler()
+    generator = torch.Generator().manual_seed(0)
+    for sampling in (
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=20),
+        SamplingParams(temperature=0.0),
+    ):
+        for _ in range(3):
+            logits = torch.randn(16, 512, generator=generator) * 3
+            keys = stream_keys(torch.randint(0, 2**62, (16,), generator=generator), SAMPLE)
+            counters = torch.randint(0, 100, (16,), generator=generator)
+            tokens, logp = sample_per_request(logits, sampling, keys, counters)
+            again, again_logp = compiled(logits, sampling, keys, counters)
+            assert torch.equal(tokens, again), sampling
+            torch.testing.assert_close(logp, again_logp, atol=1e-6, rtol=0)
+    assert not compiled.failed

@@ -6,6 +6,8 @@ or a shared one (docs/engines.md, "Slots")."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .base import SamplingParams
@@ -96,3 +98,40 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # predecessor's).
     target = torch.minimum(u.double()[..., None] * total, total.nextafter(cdf.new_zeros(())))
     return torch.searchsorted(cdf, target, right=True)[..., 0]
+
+
+class CompiledSampler:
+    """`sample_per_request` through torch.compile, for the compiled decode step: the
+    ~120 eager launches it costs a step (mostly the hash) become a few fused kernels,
+    with the same tokens and log-probs. One per process; a compile that fails leaves the
+    eager sampler, said once."""
+
+    def __init__(self):
+        self.compiled = torch.compile(sample_per_request, fullgraph=True, dynamic=False)
+        self.failed = False
+
+    def __call__(self, logits, sampling, keys, counters):
+        if not self.failed:
+            try:
+                return self.compiled(logits, sampling, keys, counters)
+            except Exception as err:  # dynamo, inductor or a compiler: every kind may raise
+                self.failed = True
+                logging.getLogger(__name__).warning(
+                    "the compiled sampler failed to compile (%s: %s); the eager one runs",
+                    type(err).__name__,
+                    str(err).strip().splitlines()[0][:300] if str(err).strip() else "",
+                )
+        return sample_per_request(logits, sampling, keys, counters)
+
+
+_COMPILED: CompiledSampler | None = None
+
+
+def step_sampler(compiled: bool):
+    """The sampler of a decode step: compiled with a compiled step, else eager."""
+    global _COMPILED
+    if not compiled:
+        return sample_per_request
+    if _COMPILED is None:
+        _COMPILED = CompiledSampler()
+    return _COMPILED

@@ -16,7 +16,15 @@ import torch
 from asyncfp8.moe.routes import RouteRecorder
 
 from .base import SamplingParams
-from .request_sampling import FINAL, SAMPLE, draw, request_seed, sample_per_request, stream_keys
+from .request_sampling import (
+    FINAL,
+    SAMPLE,
+    draw,
+    request_seed,
+    sample_per_request,
+    step_sampler,
+    stream_keys,
+)
 from .slot_routes import SlotRoutes
 from .slots import SlotDecoder
 from .stepping import Kept, RecordingDecoder, SlotSteps, StepStrategy
@@ -306,9 +314,8 @@ class SlotLoop:
         logits = self.decoder.step(self.fed())
         if self.routes is not None:  # the fed token is each live row's newest, not counted
             self.routes.stepped((self.counters - 1).clamp_min(0), self.live)
-        chosen, chosen_logp = sample_per_request(
-            logits, self.sampling, self.keys[:, SAMPLE], self.counters
-        )
+        sample = step_sampler(getattr(self.decoder, "compiled", False))  # compiled with the step
+        chosen, chosen_logp = sample(logits, self.sampling, self.keys[:, SAMPLE], self.counters)
         # A finished row's column is past its count: what lands there is never read.
         self._record(self.counters[:, None], chosen[:, None], chosen_logp[:, None], current)
         self.forwards.add_(self.live.sum())
