@@ -5,6 +5,7 @@ the run's max_new_tokens), with the FP32 forward of those weights.
 
     python scripts/heldout_of_export.py runs/parity/harsh_qfwd_seed* [--prompts 256]
     python scripts/heldout_of_export.py runs/stability/fp8_seed4 --step 280 --quantized
+        [--json scores.json]
 
 It matters where the learner evaluated something else: with
 `precision.learner_forward=quantized` the learner's held-out pass@1 is that of its
@@ -20,6 +21,7 @@ not, the two part; where the weights themselves broke, both fall.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -77,7 +79,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--step", type=int, default=None, help="a checkpoint's step")
     parser.add_argument("--quantized", action="store_true", help="also through the run's precision")
+    parser.add_argument("--json", type=Path, help="also write {run: {forward: pass@1}} here")
     args = parser.parse_args()
+    scores: dict[str, dict[str, float]] = {}
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
         for run_dir in args.runs:
@@ -86,11 +90,14 @@ def main() -> int:
             for quantized in forwards:
                 score = greedy_pass1(run_dir, model_dir, args.prompts, quantized)
                 forward = "quantized forward" if quantized else "FP32 forward"
+                scores.setdefault(str(run_dir), {})[forward] = score
                 print(
                     f"{run_dir}: {what}'s held-out greedy pass@1 {score:.3f} ({forward}; "
                     f"± {binomial_se(score, args.prompts):.3f} SE, {args.prompts} prompts)",
                     flush=True,
                 )
+    if args.json:
+        args.json.write_text(json.dumps({"prompts": args.prompts, "runs": scores}, indent=2))
     return 0
 
 
