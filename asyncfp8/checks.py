@@ -20,7 +20,6 @@ from asyncfp8.engines.base import check_slots
 from asyncfp8.engines.speculative.settings import SpeculativeSettings, check_drafter_checkpoint
 from asyncfp8.moe.architectures import check_architecture, is_moe
 from asyncfp8.precision import PrecisionPolicy, build_policy
-from asyncfp8.precision.matching import resolve_auto
 from asyncfp8.report.metrics import loggers_of
 from asyncfp8.run.process import check_counts
 from asyncfp8.sync.endpoints import curve, endpoints
@@ -316,11 +315,8 @@ def check_routing_replay(cfg: DictConfig, model_dir: str | Path) -> None:
 
 def check_config(cfg: DictConfig, model_dir: str | Path, role: str) -> Checked:
     """ValueError naming the setting (and what to do) for the first problem found;
-    `role` is "launcher", "learner" or "worker". Sets the precision keys left at auto to
-    what they resolve to here (precision/matching.py), so the run saves what ran."""
+    `role` is "launcher", "learner" or "worker"."""
     run = cfg.run
-    for key, value in resolve_auto(cfg.precision, cfg.engine).items():
-        cfg.precision[key] = value
     check_counts(cfg)
     max_staleness_of(run)
     if run.group_size < 2:

@@ -36,7 +36,7 @@ def test_auto_times_the_cpu_only_and_false_nothing(setting, device, on):
 
 
 def test_a_setting_out_of_range_is_refused_naming_the_key():
-    with pytest.raises(ValueError, match="run.phase_times must be auto, true or false"):
+    with pytest.raises(ValueError, match=r"run\.phase_times must be auto, true or false"):
         PhaseClock("sometimes", torch.device("cpu"))
 
 

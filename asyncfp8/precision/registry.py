@@ -14,11 +14,9 @@ import torch
 from .policy import ComposedPolicy, PrecisionPolicy
 from .schema import check_params, parameters
 
-LEARNER_FORWARDS = ("master", "quantized", "auto")
+LEARNER_FORWARDS = ("master", "quantized")
 QUANTIZE_FROMS = ("master", "compute")
 ENGINE_DTYPES = ("bfloat16", "float16", "float32")
-# auto: resolved per run (precision/matching.py, by check_config); built outside a run (the
-# planner, an export, a script) it is the policy's own dtype and the master forward.
 
 _POLICIES: dict[str, Callable[..., PrecisionPolicy]] = {}
 
@@ -178,9 +176,9 @@ def build_policy(cfg: Mapping[str, Any], model_dir: Any = None) -> PrecisionPoli
         )
     quantize_from = params.pop("quantize_from", "master")
     engine_dtype = params.pop("engine_dtype", None)
-    if engine_dtype not in (None, "auto", *ENGINE_DTYPES):
+    if engine_dtype not in (None, *ENGINE_DTYPES):
         raise ValueError(
-            f"precision.engine_dtype must be one of {', '.join(ENGINE_DTYPES)}, auto or null, "
+            f"precision.engine_dtype must be one of {', '.join(ENGINE_DTYPES)} or null, "
             f"got {engine_dtype!r}"
         )
     if quantize_from not in QUANTIZE_FROMS:
@@ -196,9 +194,9 @@ def build_policy(cfg: Mapping[str, Any], model_dir: Any = None) -> PrecisionPoli
         raise ValueError(
             f"precision config needs a 'name' or a '_target_'; got keys {sorted(params)}"
         )
-    policy.learner_forward = "master" if learner_forward == "auto" else learner_forward
+    policy.learner_forward = learner_forward
     policy.quantize_from = quantize_from
-    if engine_dtype not in (None, "auto"):
+    if engine_dtype is not None:
         policy.set_engine_dtype(getattr(torch, engine_dtype))
     if model_dir is not None:
         from transformers import AutoConfig

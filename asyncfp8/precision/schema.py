@@ -18,7 +18,6 @@ class LearnerForward(enum.StrEnum):
     quantized = (
         "quantized"  # the engine's quantized forward, fake-quant with straight-through gradients
     )
-    auto = "auto"  # quantized where engine_dtype resolves to float32 with 8-bit weights
 
 
 class QuantizeFrom(enum.StrEnum):
@@ -30,7 +29,6 @@ class EngineDtype(enum.StrEnum):
     bfloat16 = "bfloat16"
     float16 = "float16"
     float32 = "float32"
-    auto = "auto"  # float32 for 8-bit weights on the torch engine on the CPU (matching.py)
 
 
 @dataclasses.dataclass
@@ -48,8 +46,7 @@ class PrecisionConfig:
         default=LearnerForward.master,
         metadata={
             "help": "master: the learner's FP32 forward; quantized: the engine's quantized "
-            "forward, fake-quant with straight-through gradients; auto: quantized where "
-            "engine_dtype is float32 with 8-bit weights, else master"
+            "forward, fake-quant with straight-through gradients"
         },
     )
     quantize_from: QuantizeFrom = dataclasses.field(
@@ -64,8 +61,7 @@ class PrecisionConfig:
         metadata={
             "help": "what the engine computes in around its quantized GEMMs (null: the "
             "policy's own, bfloat16 but for fp16); float32 with learner_forward=quantized "
-            "and an FP32 learner (run.compute_dtype) makes the two forwards one (torch engine); "
-            "auto: float32 for 8-bit weights on the torch engine on the CPU, else null"
+            "and an FP32 learner (run.compute_dtype) makes the two forwards one (torch engine)"
         },
     )
 
