@@ -131,9 +131,12 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
     parser.add_argument("--tokens", type=int, default=5, help="tokens decoded per outside count")
     args = parser.parse_args()
+    if args.tokens < 2:
+        parser.error("--tokens must be at least 2 (the step is the difference to one token)")
     shape = SHAPE | {"num_hidden_layers": args.layers}
-    eager = {(r["precision"], r["batch"]): r for r in json.loads(EAGER_TABLE.read_text())["rows"]}
-    per_kernel = json.loads(EAGER_TABLE.read_text())["h100_seconds_per_kernel"]
+    eager_table = json.loads(EAGER_TABLE.read_text())
+    eager = {(r["precision"], r["batch"]): r for r in eager_table["rows"]}
+    per_kernel = eager_table["h100_seconds_per_kernel"]
     measured = h100_rows()
     table = Table(
         args.out,

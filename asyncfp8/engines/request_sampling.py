@@ -116,10 +116,11 @@ class CompiledSampler:
                 return self.compiled(logits, sampling, keys, counters)
             except Exception as err:  # dynamo, inductor or a compiler: every kind may raise
                 self.failed = True
+                cause = str(err).strip().splitlines()
                 logging.getLogger(__name__).warning(
                     "the compiled sampler failed to compile (%s: %s); the eager one runs",
                     type(err).__name__,
-                    str(err).strip().splitlines()[0][:300] if str(err).strip() else "",
+                    cause[0][:300] if cause else "",
                 )
         return sample_per_request(logits, sampling, keys, counters)
 
